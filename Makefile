@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine: `make run` and `make test` (see README).
+# Set-up is idempotent: the venv is rebuilt only when pyproject.toml changes.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.foretell-installed
+DEMO   := build/demo-fixture.gguf
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the local CPU wheel, so no dependency can pull a CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+# Until the desktop app and the embedded model land, `make run` inspects a tiny fixture model.
+run: setup
+	mkdir -p build
+	test -f $(DEMO) || $(PY) -m tests.fixtures $(DEMO)
+	$(VENV)/bin/foretell-cli inspect $(DEMO)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/quant.py
+	$(PY) bench/tokenizer.py
+
+clean:
+	rm -rf $(VENV) build

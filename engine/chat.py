@@ -1,0 +1,127 @@
+"""Chat template (jinja2, from the GGUF's `tokenizer.chat_template`) → prompt text → token ids.
+
+Security: a user who types "<|im_end|>" must not be able to close their own turn. Before rendering,
+every special-token text inside a message's content is swapped for a nonce placeholder made of
+private-use characters; after rendering, the template's own text is tokenized with special tokens
+recognised, and each placeholder is tokenized as plain text. Template string operations (strip,
+split on "</think>") still see ordinary content, so real templates keep working.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.errors import ChatTemplateError
+
+# Used when a file carries no template: plain ChatML, what Qwen models are trained on.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+def _raise(msg: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the conversation: {msg}")
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ChatFormat:
+    """Renders conversations with a model's template and turns them into ids safely."""
+
+    def __init__(self, template: str | None, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.source = template if template else CHATML_TEMPLATE
+        self.is_fallback = not template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"the model's chat template has a syntax error (line {e.lineno}): {e.message}") from None
+        specials = [tokenizer.token_text(i) for i in range(tokenizer.n_vocab) if tokenizer.is_control(i)]
+        # Longest first, so "<|im_start|>" is not matched as a prefix of a longer marker.
+        self._special_re = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))) if specials else None
+
+    def render(self, messages: Sequence[Message | Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None) -> str:
+        """The prompt text exactly as the template produces it (special markers as text)."""
+        return self._render(_as_dicts(messages), add_generation_prompt, enable_thinking)
+
+    def encode(self, messages: Sequence[Message | Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None) -> list[int]:
+        """Token ids for the conversation; message contents can never produce control tokens."""
+        msgs = _as_dicts(messages)
+        nonce = secrets.token_hex(4)
+        protected: list[str] = []
+
+        def protect(m: re.Match[str]) -> str:
+            protected.append(m.group(0))
+            return f"\ue000{nonce}:{len(protected) - 1}\ue001"
+
+        if self._special_re is not None:
+            msgs = [{**m, "content": self._special_re.sub(protect, m["content"])} for m in msgs]
+        text = self._render(msgs, add_generation_prompt, enable_thinking)
+        ids: list[int] = []
+        if self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
+            ids.append(self.tokenizer.bos_id)
+        pos = 0
+        for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", text):
+            ids += self.tokenizer.encode(text[pos:m.start()], special=True, add_bos=False)
+            ids += self.tokenizer.encode(protected[int(m.group(1))], special=False, add_bos=False)
+            pos = m.end()
+        ids += self.tokenizer.encode(text[pos:], special=True, add_bos=False)
+        return ids
+
+    def _render(self, msgs: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool | None) -> str:
+        tok = self.tokenizer
+        ctx: dict[str, Any] = {
+            "messages": msgs,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        }
+        if enable_thinking is not None:
+            ctx["enable_thinking"] = enable_thinking
+        try:
+            return self._template.render(**ctx)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"the chat template tried a forbidden operation: {e}") from None
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template failed to render: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
+
+
+def _as_dicts(messages: Sequence[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.content} if isinstance(m, Message) else dict(m)
+        if d.get("role") not in ROLES:
+            raise ChatTemplateError(f"message {i} has role {d.get('role')!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(d.get("content"), str):
+            raise ChatTemplateError(f"message {i} content must be text")
+        out.append(d)
+    return out

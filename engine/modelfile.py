@@ -1,0 +1,468 @@
+"""GGUF → ModelFile: metadata parsed into HParams, tensor views (mmap, zero-copy), validation.
+
+Everything a malformed file can do wrong surfaces here as a typed error naming the key or tensor,
+before a single weight is touched. Shapes below are in torch order (reversed ggml `ne`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
+
+from engine.errors import ModelFormatError, UnsupportedModelError
+
+SUPPORTED_ARCHS = ("qwen35moe", "qwen35")
+# 1-D parameters (norms, gates, biases) are read as floats; llama.cpp writes them F32.
+_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+@dataclass(frozen=True)
+class HParams:
+    """Hyperparameters of a qwen35 / qwen35moe GGUF, with the derived values the graph needs."""
+
+    arch: str
+    n_block: int  # block_count as stored: trunk layers + MTP layers
+    n_mtp: int  # nextn_predict_layers (0 when the file has no MTP block)
+    n_ctx_train: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    rms_eps: float
+    n_rot: int
+    rope_base: float
+    rope_sections: tuple[int, ...]
+    ssm_conv_kernel: int
+    ssm_d_state: int  # d_k = d_v of the GDN heads
+    ssm_n_group: int  # H_k
+    ssm_dt_rank: int  # H_v
+    ssm_d_inner: int  # H_v * d_v
+    full_attention_interval: int
+    recurrent: tuple[bool, ...]  # per trunk layer: True = Gated DeltaNet, False = gated attention
+    n_ff: int = 0  # dense FFN width (qwen35)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+
+    @property
+    def n_layer(self) -> int:
+        """Trunk layers (llama.cpp's n_layer()): the MTP block is not run by the trunk."""
+        return self.n_block - self.n_mtp
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch == "qwen35moe"
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.n_mtp > 0
+
+    @property
+    def mtp_layer(self) -> int | None:
+        return self.n_layer if self.n_mtp else None
+
+    @property
+    def ssm_head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_dt_rank
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of the GDN conv: [q (H_k·d_k) ; k (H_k·d_k) ; v (H_v·d_v)]."""
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if not r)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if r)
+
+    def conv_state_floats(self) -> int:
+        """llama.cpp's n_embd_r: the last K-1 pre-conv vectors per GDN layer."""
+        return (self.ssm_conv_kernel - 1) * self.ssm_conv_dim
+
+    def ssm_state_floats(self) -> int:
+        """llama.cpp's n_embd_s: one d_k × d_v matrix per value head."""
+        return self.ssm_d_state * self.ssm_d_inner
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order
+    n_elements: int
+    n_bytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every tensor in the file
+    trunk: int  # without the MTP block
+    active: int  # trunk parameters touched per token (k of E routed experts)
+    mtp: int
+
+
+def expected_tensors(hp: HParams, fused_gate_up: bool = False) -> Iterator[tuple[str, tuple[int, ...] | tuple[tuple[int, ...], ...], bool]]:
+    """(name, allowed torch shape(s), required) for every tensor the architecture reads."""
+    d, V = hp.n_embd, hp.n_vocab
+    yield "token_embd.weight", (V, d), True
+    yield "output_norm.weight", (d,), True
+    yield "output.weight", (V, d), False  # absent → tied to token_embd
+    for i in range(hp.n_block):
+        p = f"blk.{i}."
+        yield p + "attn_norm.weight", (d,), True
+        yield p + "post_attention_norm.weight", (d,), True
+        if i < hp.n_layer and hp.recurrent[i]:
+            C, Hv, dv = hp.ssm_conv_dim, hp.ssm_dt_rank, hp.ssm_head_v_dim
+            yield p + "attn_qkv.weight", (C, d), True
+            yield p + "attn_gate.weight", (hp.ssm_d_inner, d), True
+            yield p + "ssm_beta.weight", (Hv, d), True
+            yield p + "ssm_alpha.weight", (Hv, d), True
+            yield p + "ssm_a", (Hv,), True
+            yield p + "ssm_dt.bias", (Hv,), True
+            yield p + "ssm_conv1d.weight", (C, hp.ssm_conv_kernel), True
+            yield p + "ssm_norm.weight", (dv,), True
+            yield p + "ssm_out.weight", (d, hp.ssm_d_inner), True
+        else:
+            Dk, Dv = hp.head_dim_k, hp.head_dim_v
+            yield p + "attn_q.weight", (2 * hp.n_head * Dk, d), True
+            yield p + "attn_k.weight", (hp.n_head_kv * Dk, d), True
+            yield p + "attn_v.weight", (hp.n_head_kv * Dv, d), True
+            yield p + "attn_output.weight", (d, hp.n_head * Dv), True
+            yield p + "attn_q_norm.weight", (Dk,), True
+            yield p + "attn_k_norm.weight", (Dk,), True
+        if hp.is_moe:
+            E, F, Fs = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
+            yield p + "ffn_gate_inp.weight", (E, d), True
+            fused = fused_gate_up
+            yield p + "ffn_gate_up_exps.weight", (E, 2 * F, d), fused
+            yield p + "ffn_gate_exps.weight", (E, F, d), not fused
+            yield p + "ffn_up_exps.weight", (E, F, d), not fused
+            yield p + "ffn_down_exps.weight", (E, d, F), True
+            if Fs:
+                yield p + "ffn_gate_inp_shexp.weight", ((d,), (1, d)), True
+                yield p + "ffn_gate_shexp.weight", (Fs, d), True
+                yield p + "ffn_up_shexp.weight", (Fs, d), True
+                yield p + "ffn_down_shexp.weight", (d, Fs), True
+        else:
+            yield p + "ffn_gate.weight", (hp.n_ff, d), True
+            yield p + "ffn_up.weight", (hp.n_ff, d), True
+            yield p + "ffn_down.weight", (d, hp.n_ff), True
+        if i >= hp.n_layer:  # the MTP ("nextn") block
+            yield p + "nextn.eh_proj.weight", (d, 2 * d), True
+            yield p + "nextn.enorm.weight", (d,), True
+            yield p + "nextn.hnorm.weight", (d,), True
+            yield p + "nextn.shared_head_norm.weight", (d,), False
+            yield p + "nextn.embed_tokens.weight", (V, d), False
+            yield p + "nextn.shared_head_head.weight", (V, d), False
+
+
+def open_model(path: str | os.PathLike[str]) -> "ModelFile":
+    """Open and validate a GGUF. Raises ModelFormatError / UnsupportedModelError, nothing else."""
+    return ModelFile(path)
+
+
+class ModelFile:
+    """A validated, memory-mapped GGUF. Tensor bytes are never copied here."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        try:
+            self.file_size = self.path.stat().st_size
+        except OSError as e:
+            raise ModelFormatError(f"cannot open model file {self.path}: {e.strerror or e}") from None
+        if self.path.is_dir():
+            raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
+        self._check_header()
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
+            raise ModelFormatError(f"{self.path.name}: damaged or truncated GGUF ({_why(e)})") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in self.reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > self.file_size:
+                raise ModelFormatError(
+                    f"{self.path.name}: tensor '{t.name}' ends at byte {end} but the file has "
+                    f"{self.file_size} bytes (truncated download?)"
+                )
+            self.tensors[t.name] = TensorInfo(
+                t.name, GGMLQuantizationType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                int(t.n_elements), int(t.n_bytes), int(t.data_offset),
+            )
+        self._reader_tensors = {t.name: t for t in self.reader.tensors}
+        self.hparams = self._parse_hparams()
+        self._validate_tensors()
+
+    # -- metadata --------------------------------------------------------------------------------
+    def _check_header(self) -> None:
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{self.path.name}: file too short to be a GGUF ({len(head)} bytes)")
+        if head[:4] != b"GGUF":
+            raise ModelFormatError(f"{self.path.name}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+        version = int.from_bytes(head[4:8], "little")
+        if version not in (2, 3):
+            raise ModelFormatError(f"{self.path.name}: GGUF version {version} is not supported (expected 2 or 3)")
+
+    def keys(self) -> list[str]:
+        return [k for k in self.reader.fields if not k.startswith("GGUF.")]
+
+    def has_key(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Metadata value as a Python object (str, int, float, bool, or list); default if absent."""
+        if key not in self.reader.fields:
+            return default
+        return self._value(key)
+
+    def require(self, key: str, kind: type | tuple[type, ...] = (int, float, str, bool, list)) -> Any:
+        if key not in self.reader.fields:
+            raise ModelFormatError(f"{self.path.name}: required metadata key '{key}' is missing")
+        value = self._value(key)
+        if not isinstance(value, kind):
+            raise ModelFormatError(
+                f"{self.path.name}: metadata key '{key}' has type {type(value).__name__}, expected {_kind_name(kind)}"
+            )
+        return value
+
+    def _value(self, key: str) -> Any:
+        cache = self.__dict__.setdefault("_values", {})
+        if key not in cache:
+            f = self.reader.fields[key]
+            try:
+                v = f.contents()
+            except (UnicodeDecodeError, IndexError, ValueError) as e:
+                raise ModelFormatError(f"{self.path.name}: metadata key '{key}' cannot be decoded ({_why(e)})") from None
+            if f.types and f.types[0] == GGUFValueType.BOOL:
+                v = bool(v)
+            elif f.types and f.types[0] == GGUFValueType.ARRAY and f.types[-1] == GGUFValueType.BOOL:
+                v = [bool(x) for x in v]
+            cache[key] = v
+        return cache[key]
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every metadata key (the tokenizer arrays included) decoded once."""
+        return {k: self._value(k) for k in self.keys()}
+
+    @property
+    def arch(self) -> str:
+        return self.hparams.arch
+
+    def _parse_hparams(self) -> HParams:
+        arch = self.require("general.architecture", str)
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"{self.path.name}: architecture '{arch}' is not supported; Foretell runs {', '.join(SUPPORTED_ARCHS)}"
+            )
+
+        def num(key: str, default: Any = None, kind: type = int) -> Any:
+            full = f"{arch}.{key}"
+            if default is not None and full not in self.reader.fields:
+                return default
+            v = self.require(full, (int, float) if kind is float else int)
+            if kind is int and (isinstance(v, bool) or v < 0):
+                raise ModelFormatError(f"{self.path.name}: metadata key '{full}' = {v} must be a non-negative integer")
+            return kind(v)
+
+        n_block = num("block_count")
+        n_mtp = num("nextn_predict_layers", 0)
+        if n_mtp > 1:
+            raise UnsupportedModelError(f"{self.path.name}: {n_mtp} MTP blocks; only one (nextn_predict_layers=1) is supported")
+        n_layer = n_block - n_mtp
+        if n_layer < 1:
+            raise ModelFormatError(f"{self.path.name}: block_count {n_block} leaves no trunk layers after {n_mtp} MTP layers")
+        n_embd = num("embedding_length")
+        n_head = num("attention.head_count")
+        n_head_kv = num("attention.head_count_kv")
+        head_dim_k = num("attention.key_length", n_embd // max(n_head, 1))
+        head_dim_v = num("attention.value_length", head_dim_k)
+        interval = num("full_attention_interval", 4)
+        if interval < 1:
+            raise ModelFormatError(f"{self.path.name}: '{arch}.full_attention_interval' must be ≥ 1, got {interval}")
+        override = self.get(f"{arch}.attention.recurrent_layers")
+        if override is not None:
+            if not isinstance(override, list) or len(override) < n_layer:
+                raise ModelFormatError(
+                    f"{self.path.name}: '{arch}.attention.recurrent_layers' must list {n_layer} booleans"
+                )
+            recurrent = tuple(bool(x) for x in override[:n_layer])
+        else:
+            recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+        sections = self.get(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+        if not isinstance(sections, list) or not all(isinstance(s, int) for s in sections):
+            raise ModelFormatError(f"{self.path.name}: '{arch}.rope.dimension_sections' must be an integer array")
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelFormatError(f"{self.path.name}: required tensor 'token_embd.weight' is missing")
+        if len(embd.shape) != 2 or embd.shape[1] != n_embd:
+            raise ModelFormatError(
+                f"{self.path.name}: tensor 'token_embd.weight' has shape {embd.shape}, expected (n_vocab, {n_embd})"
+            )
+        n_vocab = embd.shape[0]
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens.data) != n_vocab:
+            raise ModelFormatError(
+                f"{self.path.name}: 'tokenizer.ggml.tokens' has {len(tokens.data)} entries but token_embd has {n_vocab} rows"
+            )
+        hp = HParams(
+            arch=arch, n_block=n_block, n_mtp=n_mtp,
+            n_ctx_train=num("context_length"), n_embd=n_embd, n_vocab=n_vocab,
+            n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
+            rms_eps=num("attention.layer_norm_rms_epsilon", kind=float),
+            n_rot=num("rope.dimension_count", head_dim_k), rope_base=num("rope.freq_base", 10000.0, float),
+            rope_sections=tuple(sections),
+            ssm_conv_kernel=num("ssm.conv_kernel"), ssm_d_state=num("ssm.state_size"),
+            ssm_n_group=num("ssm.group_count"), ssm_dt_rank=num("ssm.time_step_rank"),
+            ssm_d_inner=num("ssm.inner_size"), full_attention_interval=interval, recurrent=recurrent,
+            n_ff=num("feed_forward_length", 0),
+            n_expert=num("expert_count", 0) if arch == "qwen35moe" else 0,
+            n_expert_used=num("expert_used_count", 0) if arch == "qwen35moe" else 0,
+            n_ff_exp=num("expert_feed_forward_length", 0) if arch == "qwen35moe" else 0,
+            n_ff_shexp=num("expert_shared_feed_forward_length", 0) if arch == "qwen35moe" else 0,
+        )
+        self._check_hparams(hp)
+        return hp
+
+    def _check_hparams(self, hp: HParams) -> None:
+        name = self.path.name
+
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ModelFormatError(f"{name}: inconsistent hyperparameters: {what}")
+
+        need(hp.n_head > 0 and hp.n_head_kv > 0 and hp.n_head % hp.n_head_kv == 0,
+             f"attention.head_count {hp.n_head} must be a positive multiple of head_count_kv {hp.n_head_kv}")
+        need(hp.head_dim_k > 0 and 0 < hp.n_rot <= hp.head_dim_k and hp.n_rot % 2 == 0,
+             f"rope.dimension_count {hp.n_rot} must be even and ≤ key_length {hp.head_dim_k}")
+        need(hp.rms_eps > 0 and math.isfinite(hp.rms_eps), f"layer_norm_rms_epsilon {hp.rms_eps} must be > 0")
+        need(hp.ssm_n_group > 0 and hp.ssm_dt_rank > 0 and hp.ssm_dt_rank % hp.ssm_n_group == 0,
+             f"ssm.time_step_rank {hp.ssm_dt_rank} must be a positive multiple of ssm.group_count {hp.ssm_n_group}")
+        need(hp.ssm_d_inner % hp.ssm_dt_rank == 0, f"ssm.inner_size {hp.ssm_d_inner} not divisible by time_step_rank")
+        need(hp.ssm_conv_kernel >= 1, "ssm.conv_kernel must be ≥ 1")
+        if hp.is_moe:
+            need(hp.n_expert > 0 and 0 < hp.n_expert_used <= hp.n_expert,
+                 f"expert_used_count {hp.n_expert_used} must be in 1..expert_count {hp.n_expert}")
+            need(hp.n_ff_exp > 0, "expert_feed_forward_length must be > 0")
+        else:
+            need(hp.n_ff > 0, "feed_forward_length must be > 0 for a dense qwen35 model")
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def expected_tensors(self) -> Iterator[tuple[str, tuple[int, ...] | tuple[tuple[int, ...], ...], bool]]:
+        return expected_tensors(self.hparams, fused_gate_up=any(n.endswith("ffn_gate_up_exps.weight") for n in self.tensors))
+
+    def _validate_tensors(self) -> None:
+        from engine.quant import SUPPORTED_TYPES  # local: quant imports torch, keep `inspect` of headers light
+
+        name = self.path.name
+        for tname, shapes, required in self.expected_tensors():
+            info = self.tensors.get(tname)
+            if info is None:
+                if required:
+                    raise ModelFormatError(f"{name}: required tensor '{tname}' is missing")
+                continue
+            allowed = shapes if isinstance(shapes[0], tuple) else (shapes,)
+            if info.shape not in allowed:
+                want = " or ".join(str(s) for s in allowed)
+                raise ModelFormatError(f"{name}: tensor '{tname}' has shape {info.shape}, expected {want}")
+            if len(info.shape) == 1 or tname.endswith("ssm_conv1d.weight"):
+                if info.qtype not in _VECTOR_TYPES:
+                    raise UnsupportedModelError(
+                        f"{name}: tensor '{tname}' is stored as {info.qtype.name}; expected F32, F16 or BF16"
+                    )
+            elif info.qtype not in SUPPORTED_TYPES:
+                raise UnsupportedModelError(
+                    f"{name}: tensor '{tname}' uses quant type {info.qtype.name}, which Foretell cannot run yet"
+                )
+            block, _ = GGML_QUANT_SIZES[info.qtype]
+            if info.shape[-1] % block:
+                raise ModelFormatError(
+                    f"{name}: tensor '{tname}' row length {info.shape[-1]} is not a multiple of the "
+                    f"{info.qtype.name} block size {block}"
+                )
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored data as the reader maps it (a view of the mmap, no copy)."""
+        try:
+            return self._reader_tensors[name].data
+        except KeyError:
+            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file") from None
+
+    def tensor(self, name: str):
+        """The tensor as an engine.quant.QTensor (still in its stored block format)."""
+        from engine.quant import QTensor
+
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file")
+        return QTensor(self.raw(name), info.qtype, info.shape)
+
+    # -- summaries -------------------------------------------------------------------------------
+    @cached_property
+    def param_counts(self) -> ParamCounts:
+        hp = self.hparams
+        total = sum(t.n_elements for t in self.tensors.values())
+        mtp = sum(t.n_elements for n, t in self.tensors.items() if _layer_of(n) is not None and _layer_of(n) >= hp.n_layer)
+        trunk = total - mtp
+        routed = sum(
+            t.n_elements for n, t in self.tensors.items()
+            if "_exps." in n and (_layer_of(n) or 0) < hp.n_layer
+        )
+        active = trunk - routed + (routed * hp.n_expert_used // hp.n_expert if hp.n_expert else 0)
+        if "output.weight" in self.tensors:
+            active -= self.tensors["token_embd.weight"].n_elements  # an embedding lookup reads one row
+        return ParamCounts(total=total, trunk=trunk, active=active, mtp=mtp)
+
+    def type_histogram(self) -> dict[str, dict[str, int]]:
+        """Per quant type: tensor count, elements, bytes."""
+        out: dict[str, dict[str, int]] = {}
+        for t in self.tensors.values():
+            row = out.setdefault(t.qtype.name, {"tensors": 0, "elements": 0, "bytes": 0})
+            row["tensors"] += 1
+            row["elements"] += t.n_elements
+            row["bytes"] += t.n_bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+
+    def layer_pattern(self) -> str:
+        """One letter per trunk layer: R = Gated DeltaNet (recurrent), A = gated attention; M = MTP."""
+        hp = self.hparams
+        return "".join("R" if r else "A" for r in hp.recurrent) + "M" * hp.n_mtp
+
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("blk."):
+        return None
+    try:
+        return int(name.split(".", 2)[1])
+    except ValueError:
+        return None
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:200]

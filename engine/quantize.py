@@ -1,0 +1,108 @@
+"""Float → ggml block encoders, for our own GGUF writer (fixtures, benchmarks, the default model).
+
+`gguf.quants.quantize` covers F16/BF16/Q8_0/Q4_0…Q5_1 but not the K-quants, so Q4_K, Q5_K and Q6_K
+are encoded here: plain round-to-nearest with per-sub-block scales (no imatrix, no search). The
+blocks are valid ggml blocks; the decoder that defines their meaning is ggml's (gguf.quants.dequantize).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
+
+QK_K = 256
+
+
+def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
+    """Encode float weights (..., n) to raw ggml bytes (..., bytes_per_row), as GGUFWriter stores them."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == T.F32:
+        return x
+    if qtype in _K_ENCODERS:
+        if x.shape[-1] % QK_K:
+            raise ValueError(f"{qtype.name} needs rows that are a multiple of {QK_K}, got {x.shape[-1]}")
+        blocks = x.reshape(-1, QK_K)
+        raw = _K_ENCODERS[qtype](blocks)
+        return raw.reshape(*x.shape[:-1], -1)
+    return gq.quantize(x, qtype)
+
+
+def _f16(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16)
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sub = b.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)  # the min term is subtracted, so it is ≥ 0 as stored
+    hi = sub.max(axis=2)
+    scale = (hi - lo) / 15.0
+    mins = -lo
+    d = _f16(scale.max(axis=1) / 63.0)
+    dmin = _f16(mins.max(axis=1) / 63.0)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, df[:, None], out=np.zeros_like(scale), where=df[:, None] > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dminf[:, None], out=np.zeros_like(mins), where=dminf[:, None] > 0)), 0, 63).astype(np.uint8)
+    step = df[:, None] * sc
+    offset = dminf[:, None] * m
+    q = np.rint(np.divide(sub + offset[..., None], step[..., None], out=np.zeros_like(sub), where=step[..., None] > 0))
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    scales = np.zeros((n, 12), np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)  # sub-blocks 2c (low) / 2c+1 (high)
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
+
+
+def _q5_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sub = b.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    hi = sub.max(axis=2)
+    scale = (hi - lo) / 31.0
+    mins = -lo
+    d = _f16(scale.max(axis=1) / 63.0)
+    dmin = _f16(mins.max(axis=1) / 63.0)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, df[:, None], out=np.zeros_like(scale), where=df[:, None] > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dminf[:, None], out=np.zeros_like(mins), where=dminf[:, None] > 0)), 0, 63).astype(np.uint8)
+    step = df[:, None] * sc
+    q = np.rint(np.divide(sub + (dminf[:, None] * m)[..., None], step[..., None], out=np.zeros_like(sub), where=step[..., None] > 0))
+    q = np.clip(q, 0, 31).astype(np.uint8)
+    scales = np.zeros((n, 12), np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    low = q & 0xF
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(n, 128)
+    high = (q >> 4).astype(np.uint8)  # bit j of qh[l] is the 5th bit of sub-block j, element l
+    qh = np.zeros((n, 32), np.uint8)
+    for j in range(8):
+        qh |= high[:, j, :] << j
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qh, qs], axis=1)
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    grp = b.reshape(n, 16, 16)
+    amax_idx = np.abs(grp).argmax(axis=2)
+    vmax = np.take_along_axis(grp, amax_idx[..., None], axis=2)[..., 0]
+    scale = vmax / -32.0  # as ggml: the largest magnitude maps to -32
+    d = _f16(np.abs(scale).max(axis=1) / 127.0)
+    df = d.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, df[:, None], out=np.zeros_like(scale), where=df[:, None] > 0)), -128, 127).astype(np.int8)
+    step = df[:, None] * sc.astype(np.float32)
+    q = np.rint(np.divide(grp, step[..., None], out=np.zeros_like(grp), where=step[..., None] != 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, quarter, l]
+    ql = np.zeros((n, 2, 64), np.uint8)
+    qh = np.zeros((n, 2, 32), np.uint8)
+    ql[:, :, 0:32] = (q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4)
+    ql[:, :, 32:64] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)
+    qh[:] = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    return np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8).reshape(n, 16), d.view(np.uint8).reshape(n, 2)], axis=1
+    )
+
+
+_K_ENCODERS = {T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}

@@ -1,0 +1,153 @@
+"""Our own qwen35 / qwen35moe GGUF writer, in llama.cpp's conventions.
+
+Used by the test fixtures, the benchmarks' synthetic models and the default-model export. Tensors are
+given in GGUF naming and torch orientation, already in the file's conventions (norms stored as 1+w,
+`ssm_a` = −exp(A_log), tiled V-head order); this module decides storage types the way the converter
+does (F32 for every 1-D tensor, norms, routers, conv kernels) and writes the metadata keys of spec §1/§4.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+
+from engine.modelfile import HParams, expected_tensors
+from engine.quantize import quantize
+
+# Tensors the converter forces to F32 whatever the output type (base.py prepare_tensors).
+_F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+@dataclass
+class Vocab:
+    """Tokenizer metadata as stored in GGUF (`tokenizer.ggml.*`)."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    pad_id: int | None = None
+    pre: str = "qwen35"
+    add_bos: bool = False
+    chat_template: str | None = None
+
+
+def make_hparams(
+    arch: str = "qwen35moe", *, n_layer: int, n_embd: int, n_vocab: int, n_head: int, n_head_kv: int,
+    head_dim: int, n_rot: int | None = None, rope_base: float = 1e7, rms_eps: float = 1e-6,
+    n_ctx_train: int = 4096, ssm_conv_kernel: int = 4, ssm_d_state: int = 128, ssm_n_group: int = 16,
+    ssm_dt_rank: int = 32, full_attention_interval: int = 4, n_ff: int = 0, n_expert: int = 0,
+    n_expert_used: int = 0, n_ff_exp: int = 0, n_ff_shexp: int = 0, n_mtp: int = 0,
+) -> HParams:
+    """HParams for a model to be written; derived fields computed as the loader would."""
+    return HParams(
+        arch=arch, n_block=n_layer + n_mtp, n_mtp=n_mtp, n_ctx_train=n_ctx_train, n_embd=n_embd, n_vocab=n_vocab,
+        n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim, head_dim_v=head_dim, rms_eps=float(np.float32(rms_eps)),  # as stored (float32)
+       
+        n_rot=n_rot if n_rot is not None else head_dim // 4, rope_base=float(np.float32(rope_base)), rope_sections=(11, 11, 10, 0),
+        ssm_conv_kernel=ssm_conv_kernel, ssm_d_state=ssm_d_state, ssm_n_group=ssm_n_group, ssm_dt_rank=ssm_dt_rank,
+        ssm_d_inner=ssm_dt_rank * ssm_d_state, full_attention_interval=full_attention_interval,
+        recurrent=tuple((i + 1) % full_attention_interval != 0 for i in range(n_layer)),
+        n_ff=n_ff, n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
+    )
+
+
+def storage_type(name: str, shape: tuple[int, ...], qtype: T, overrides: Mapping[str, T] | None = None) -> T:
+    """The ggml type a tensor is stored in: F32 where the converter forces it, else `qtype`."""
+    if overrides:
+        for key, t in overrides.items():
+            if key in name:
+                qtype = t
+                break
+    if len(shape) == 1 or name.endswith(_F32_SUFFIXES) or not name.endswith(".weight"):
+        return T.F32
+    return qtype
+
+
+def write_gguf(
+    path: str | os.PathLike[str], hp: HParams, tensors: Mapping[str, np.ndarray], vocab: Vocab,
+    qtype: T = T.F32, type_overrides: Mapping[str, T] | None = None, name: str = "foretell-model",
+    extra_kv: Mapping[str, str | int | float] | None = None,
+) -> None:
+    """Write a GGUF with every tensor the architecture needs (checked against `expected_tensors`)."""
+    want = {n: (s, req) for n, s, req in expected_tensors(hp)}
+    missing = [n for n, (_, req) in want.items() if req and n not in tensors]
+    if missing:
+        raise ValueError(f"tensors missing for {hp.arch}: {missing[:5]}")
+    unknown = [n for n in tensors if n not in want]
+    if unknown:
+        raise ValueError(f"tensors not part of {hp.arch}: {unknown[:5]}")
+    a = hp.arch
+    w = GGUFWriter(os.fspath(path), a)
+    w.add_name(name)
+    w.add_uint32(f"{a}.block_count", hp.n_block)
+    if hp.n_mtp:
+        w.add_uint32(f"{a}.nextn_predict_layers", hp.n_mtp)
+    w.add_uint32(f"{a}.context_length", hp.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", hp.n_embd)
+    if hp.n_ff:
+        w.add_uint32(f"{a}.feed_forward_length", hp.n_ff)
+    if hp.is_moe:
+        w.add_uint32(f"{a}.expert_count", hp.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", hp.n_expert_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", hp.n_ff_exp)
+        w.add_uint32(f"{a}.expert_shared_feed_forward_length", hp.n_ff_shexp)
+    w.add_uint32(f"{a}.attention.head_count", hp.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", hp.n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", hp.head_dim_k)
+    w.add_uint32(f"{a}.attention.value_length", hp.head_dim_v)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp.rms_eps)
+    w.add_uint32(f"{a}.rope.dimension_count", hp.n_rot)
+    w.add_float32(f"{a}.rope.freq_base", hp.rope_base)
+    w.add_array(f"{a}.rope.dimension_sections", list(hp.rope_sections))
+    w.add_uint32(f"{a}.ssm.conv_kernel", hp.ssm_conv_kernel)
+    w.add_uint32(f"{a}.ssm.state_size", hp.ssm_d_state)
+    w.add_uint32(f"{a}.ssm.group_count", hp.ssm_n_group)
+    w.add_uint32(f"{a}.ssm.time_step_rank", hp.ssm_dt_rank)
+    w.add_uint32(f"{a}.ssm.inner_size", hp.ssm_d_inner)
+    w.add_uint32(f"{a}.full_attention_interval", hp.full_attention_interval)
+    w.add_uint32("general.quantization_version", 2)
+    for k, v in (extra_kv or {}).items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, v)
+    _add_vocab(w, vocab)
+    for tname, arr in tensors.items():
+        shapes, _ = want[tname]
+        allowed = shapes if isinstance(shapes[0], tuple) else (shapes,)
+        if tuple(arr.shape) not in allowed:
+            raise ValueError(f"{tname}: shape {tuple(arr.shape)}, expected {allowed}")
+        t = storage_type(tname, tuple(arr.shape), qtype, type_overrides)
+        if t == T.F32:
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))
+        elif t == T.F16:
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float16))
+        else:
+            w.add_tensor(tname, quantize(arr, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add_vocab(w: GGUFWriter, v: Vocab) -> None:
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", v.pre)
+    w.add_array("tokenizer.ggml.tokens", v.tokens)
+    w.add_array("tokenizer.ggml.token_type", v.token_types)
+    w.add_array("tokenizer.ggml.merges", v.merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", v.bos_id)
+    w.add_uint32("tokenizer.ggml.eos_token_id", v.eos_id)
+    if v.pad_id is not None:
+        w.add_uint32("tokenizer.ggml.padding_token_id", v.pad_id)
+    w.add_bool("tokenizer.ggml.add_bos_token", v.add_bos)
+    if v.chat_template is not None:
+        w.add_string("tokenizer.chat_template", v.chat_template)
