@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, fixture_path
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_json() -> None:
+    r = cli("inspect", str(fixture_path(KQUANT_MOE)), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "qwen35moe" and info["mtp"] is True
+    assert info["layer_pattern"] == "RRRAM"
+    assert set(info["tensor_types"]) >= {"F32", "Q4_K", "Q6_K"}
+    p = info["params"]
+    assert p["total"] == p["trunk"] + p["mtp"] and 0 < p["active_per_token"] < p["trunk"]
+    assert info["hparams"]["experts"] == KQUANT_MOE.n_expert
+
+
+def test_inspect_text_dense() -> None:
+    r = cli("inspect", str(fixture_path(TINY_DENSE)))
+    assert r.returncode == 0, r.stderr
+    assert "qwen35" in r.stdout and "dense" in r.stdout and "RRRAM" in r.stdout
+
+
+def test_tokenize_json(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("<|im_start|>user\nHello world<|im_end|>", encoding="utf-8")
+    r = cli("tokenize", str(fixture_path(TINY_MOE)), "--text-file", str(f), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["n_tokens"] == len(out["ids"]) > 3
+    assert out["ids"][0] == TINY_MOE.n_vocab - 2  # <|im_start|> is parsed as its control token
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    for args in (("inspect", str(bad)), ("inspect", str(tmp_path / "missing.gguf")),
+                 ("tokenize", str(fixture_path(TINY_MOE)), "--text-file", str(tmp_path / "none.txt"))):
+        r = cli(*args)
+        assert r.returncode == 1
+        assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert "Traceback" not in r.stderr
