@@ -83,7 +83,10 @@ def random_tensors(hp: HParams, spec: FixtureSpec) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(spec.seed)
     out: dict[str, np.ndarray] = {}
     for name, shapes, required in expected_tensors(hp):
-        if not required and not (name == "output.weight" and not spec.tied):
+        # Real MTP files carry shared_head_norm (spec §2.6); without it llama.cpp silently falls back
+        # to output_norm, and a wrong norm in our MTP head would go unnoticed.
+        optional_kept = (name == "output.weight" and not spec.tied) or name.endswith("nextn.shared_head_norm.weight")
+        if not required and not optional_kept:
             continue
         shape = shapes[0] if isinstance(shapes[0], tuple) else shapes
         out[name] = _init(name, shape, rng, spec)
