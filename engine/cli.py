@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -120,6 +121,88 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise EngineError(f"token ids must be comma-separated integers, got {text[:40]!r}") from None
+    if not ids:
+        raise EngineError("no token ids given")
+    return ids
+
+
+def _engine(args: argparse.Namespace, n_ctx: int):
+    from engine.generate import EngineConfig, load
+
+    return load(_model_arg(args.model), EngineConfig(n_ctx=n_ctx, device=args.device, n_threads=args.threads))
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    ids = _parse_ids(args.tokens)
+    eng = _engine(args, n_ctx=max(len(ids), 16))
+    bad = [i for i in ids if not 0 <= i < eng.hp.n_vocab]
+    if bad:
+        raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{eng.hp.n_vocab - 1})")
+    res = eng.model.forward(ids, eng.cache, logit_rows="all", chunked=args.chunked)
+    np.save(args.out, res.logits.float().numpy())
+    print(json.dumps({"out": args.out, "shape": list(res.logits.shape)}))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.chat import Message
+    from engine.generate import Done, GenerationConfig, Stats, Token
+    from engine.sampling import SamplingConfig
+
+    if args.prompt is None and args.prompt_tokens is None:
+        raise EngineError("give --prompt TEXT or --prompt-tokens 1,2,3")
+    eng = _engine(args, n_ctx=args.ctx)
+    if args.prompt_tokens is not None:
+        prompt: Any = _parse_ids(args.prompt_tokens)
+    elif args.raw:
+        prompt = args.prompt
+    else:
+        prompt = [Message("user", args.prompt)]
+    gen = GenerationConfig(
+        max_tokens=args.max_tokens,
+        sampling=SamplingConfig(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                repeat_penalty=args.repeat_penalty, seed=args.seed),
+        stop_strings=tuple(args.stop or ()),
+    )
+    tokens: list[int] = []
+    pieces: list[str] = []
+    final: Stats | None = None
+    done: Done | None = None
+    for ev in eng.generate(prompt, gen):
+        if isinstance(ev, Token):
+            tokens += ev.ids
+            pieces.append(ev.text)
+            if not args.json:
+                print(ev.text, end="", flush=True)
+        elif isinstance(ev, Stats) and ev.final:
+            final = ev
+        elif isinstance(ev, Done):
+            done = ev
+    if done is not None and done.reason == "context_overflow":
+        raise EngineError(done.message)
+    if done is None or final is None:
+        raise EngineError("generation ended without a result")
+    stats = {
+        "prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
+        "ttft_s": final.ttft_s, "prefill_tok_s": final.prefill_tok_s, "decode_tok_s": final.decode_tok_s,
+        "elapsed_s": final.elapsed_s, "cache_bytes": final.cache_bytes, "state_bytes": final.state_bytes,
+        "stop_reason": done.reason,
+    }
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": "".join(pieces), "stats": stats}))
+    else:
+        print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
+              f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -148,7 +231,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text-file", required=True)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_tokenize)
+    s = sub.add_parser("logits", help="float32 logits [n_tokens, n_vocab] of one pass over the tokens, as .npy")
+    s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
+    s.add_argument("--tokens", required=True, help="comma-separated token ids")
+    s.add_argument("--out", required=True, help="output .npy path")
+    s.add_argument("--chunked", action="store_true", help="chunk-parallel Gated DeltaNet (as a long prefill)")
+    _device_args(s)
+    s.set_defaults(func=cmd_logits)
+    s = sub.add_parser("generate", help="generate a reply; --json prints tokens, text and stats")
+    s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="one user message, rendered with the chat template (see --raw)")
+    g.add_argument("--prompt-tokens", help="comma-separated prompt token ids, fed as-is")
+    s.add_argument("--raw", action="store_true", help="feed --prompt text as-is, without the chat template")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repeat-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--ctx", type=int, default=4096, help="context length")
+    s.add_argument("--json", action="store_true")
+    _device_args(s)
+    s.set_defaults(func=cmd_generate)
     return p
+
+
+def _device_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--device", default="cpu", choices=["cpu"], help="compute device")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,3 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:  # a bug, not a user error: still one line, the traceback on request
+        if os.environ.get("FORETELL_DEBUG"):
+            raise
+        print(f"error: internal error ({type(e).__name__}: {e}); set FORETELL_DEBUG=1 for a traceback",
+              file=sys.stderr)
+        return 1

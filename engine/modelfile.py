@@ -205,6 +205,11 @@ class ModelFile:
             )
         self._reader_tensors = {t.name: t for t in self.reader.tensors}
         self.hparams = self._parse_hparams()
+        fused = next((n for n in self.tensors if n.endswith("ffn_gate_up_exps.weight")), None)
+        if fused:
+            raise UnsupportedModelError(
+                f"{self.path.name}: fused expert tensors ('{fused}') are not supported; convert without --fuse"
+            )
         self._validate_tensors()
 
     # -- metadata --------------------------------------------------------------------------------

@@ -106,3 +106,27 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
 
 
 _K_ENCODERS = {T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+
+
+def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, std: float) -> np.ndarray:
+    """Random but valid ggml blocks whose values have roughly zero mean and the given std.
+
+    For synthetic benchmark models far too large to draw as floats and encode (bytes are drawn
+    directly; only the f16 scale fields are set so every value is finite and of the right size).
+    """
+    n = int(np.prod(shape[:-1])) * (shape[-1] // QK_K if qtype in _K_ENCODERS else shape[-1] // 32)
+    if qtype == T.Q8_0:
+        raw = rng.integers(0, 256, (n, 34), dtype=np.uint8)
+        raw[:, :2] = np.full((n, 1), std / 73.0, np.float16).view(np.uint8).reshape(n, 2)
+    elif qtype == T.Q4_K:
+        raw = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+        d = std / 170.0  # d·sc·(q − 7.5) with sc ~ U[0, 63], q ~ U[0, 15]
+        raw[:, 0:2] = np.full((n, 1), d, np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = np.full((n, 1), d * 7.5, np.float16).view(np.uint8).reshape(n, 2)
+    elif qtype == T.Q6_K:
+        raw = rng.integers(0, 256, (n, 210), dtype=np.uint8)
+        raw[:, 192:208] = rng.integers(1, 128, (n, 16), dtype=np.uint8)  # positive int8 sub-block scales
+        raw[:, 208:210] = np.full((n, 1), std / (64.0 * 18.5), np.float16).view(np.uint8).reshape(n, 2)
+    else:
+        raise ValueError(f"random_blocks: {qtype.name} not supported")
+    return raw.reshape(*shape[:-1], -1)

@@ -22,6 +22,15 @@ from engine.quantize import quantize
 _F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
+@dataclass(frozen=True)
+class Raw:
+    """A tensor given as ready-made ggml blocks (bytes [..., row_bytes]) of `qtype`."""
+
+    data: np.ndarray
+    qtype: T
+    shape: tuple[int, ...]  # logical torch shape
+
+
 @dataclass
 class Vocab:
     """Tokenizer metadata as stored in GGUF (`tokenizer.ggml.*`)."""
@@ -70,7 +79,7 @@ def storage_type(name: str, shape: tuple[int, ...], qtype: T, overrides: Mapping
 
 
 def write_gguf(
-    path: str | os.PathLike[str], hp: HParams, tensors: Mapping[str, np.ndarray], vocab: Vocab,
+    path: str | os.PathLike[str], hp: HParams, tensors: Mapping[str, np.ndarray | Raw], vocab: Vocab,
     qtype: T = T.F32, type_overrides: Mapping[str, T] | None = None, name: str = "foretell-model",
     extra_kv: Mapping[str, str | int | float] | None = None,
 ) -> None:
@@ -123,8 +132,12 @@ def write_gguf(
     for tname, arr in tensors.items():
         shapes, _ = want[tname]
         allowed = shapes if isinstance(shapes[0], tuple) else (shapes,)
-        if tuple(arr.shape) not in allowed:
-            raise ValueError(f"{tname}: shape {tuple(arr.shape)}, expected {allowed}")
+        shape = arr.shape if isinstance(arr, Raw) else tuple(arr.shape)
+        if tuple(shape) not in allowed:
+            raise ValueError(f"{tname}: shape {tuple(shape)}, expected {allowed}")
+        if isinstance(arr, Raw):
+            w.add_tensor(tname, arr.data, raw_dtype=arr.qtype)
+            continue
         t = storage_type(tname, tuple(arr.shape), qtype, type_overrides)
         if t == T.F32:
             w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))

@@ -49,3 +49,34 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         assert r.returncode == 1
         assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_logits_matches_engine(tmp_path: Path) -> None:
+    import numpy as np
+
+    out = tmp_path / "l.npy"
+    r = cli("logits", str(fixture_path(TINY_MOE)), "--tokens", "1,2,3,4,5", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    a = np.load(out)
+    assert a.shape == (5, TINY_MOE.n_vocab) and a.dtype == np.float32
+    from tests.oracle_llama import llama_logits
+
+    ref = llama_logits(fixture_path(TINY_MOE), [1, 2, 3, 4, 5])
+    assert np.abs(a - ref).max() / ref.std() < 1e-4
+    r = cli("logits", str(fixture_path(TINY_MOE)), "--tokens", "1,99999", "--out", str(out))
+    assert r.returncode == 1 and "outside the vocabulary" in r.stderr
+
+
+def test_generate_json() -> None:
+    r = cli("generate", str(fixture_path(TINY_MOE)), "--prompt", "Hi", "--max-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"tokens", "text", "stats"}
+    s = out["stats"]
+    assert s["generated_tokens"] == len(out["tokens"]) <= 6
+    for key in ("prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s"):
+        assert key in s
+    r2 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--max-tokens", "4", "--json")
+    assert r2.returncode == 0 and json.loads(r2.stdout)["stats"]["prompt_tokens"] == 3
+    r3 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--ctx", "2", "--json")
+    assert r3.returncode == 1 and r3.stderr.startswith("error: ")

@@ -1,0 +1,115 @@
+"""Baseline prefill / decode speed on the mid-size synthetic MoE, ours vs llama.cpp, same file, same threads.
+
+    python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--out bench/results/decode.json]
+
+Also the peak RSS of loading the model (in a fresh process), which must stay ≤ 1.3 × the file size:
+weights stay quantized and memory-mapped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def load_rss(path: Path) -> dict:
+    """Load in a child process and report its peak RSS (MiB) right after loading."""
+    code = (
+        "import resource, sys, torch; torch.set_num_threads(1); "
+        "from engine.generate import EngineConfig, load; "
+        f"e = load({str(path)!r}, EngineConfig(n_ctx=1024)); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    peak_kib = int(out.stdout.strip().splitlines()[-1])
+    return {"peak_rss_mib": peak_kib / 1024, "file_mib": path.stat().st_size / 2**20,
+            "ratio": peak_kib * 1024 / path.stat().st_size}
+
+
+def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
+    import torch
+
+    from engine.modelfile import open_model
+    from engine.models.qwen35 import Qwen35Model
+
+    torch.set_num_threads(threads)
+    m = Qwen35Model(open_model(path), n_ctx=len(prompt) + n_decode + 8)
+    cache = m.new_cache(len(prompt) + n_decode + 8)
+    t0 = time.perf_counter()
+    logits = None
+    for s in range(0, len(prompt), 256):  # the Engine's prefill chunk
+        logits = m.forward(prompt[s:s + 256], cache, chunked=True).logits[-1]
+    t_prefill = time.perf_counter() - t0
+    tok = int(torch.argmax(logits))
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        tok = int(torch.argmax(m.forward([tok], cache).logits[-1]))
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tok_s": len(prompt) / t_prefill, "decode_tok_s": n_decode / t_decode,
+            "prefill_s": t_prefill, "decode_s": t_decode}
+
+
+def bench_llama(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=512, n_ubatch=512,
+                n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=False)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t_prefill = time.perf_counter() - t0
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tok_s": len(prompt) / t_prefill, "decode_tok_s": n_decode / t_decode,
+            "prefill_s": t_prefill, "decode_s": t_decode}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/decode.json"))
+    args = ap.parse_args()
+    from bench.synthetic import MID, cached
+
+    path = cached("mid", ROOT / "build/bench")
+    prompt = np.random.default_rng(0).integers(0, 32000, args.prompt).tolist()
+    rss = load_rss(path)
+    ours = bench_ours(path, prompt, args.decode, args.threads)
+    ref = bench_llama(path, prompt, args.decode, args.threads)
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                    "load_avg_at_start": os.getloadavg()[0]},
+        "model": {"file": path.name, "shape": MID.__dict__, "bytes": path.stat().st_size},
+        "prompt_tokens": args.prompt, "decode_tokens": args.decode,
+        "ours": ours, "llama_cpp": ref,
+        "ratio_ours_over_llama": {"prefill": ours["prefill_tok_s"] / ref["prefill_tok_s"],
+                                  "decode": ours["decode_tok_s"] / ref["decode_tok_s"]},
+        "load_memory": rss,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Per-sequence inference state: KV cache of the attention layers, conv + recurrent state of the GDN layers.
+
+Everything is preallocated from the context length, so a decode step allocates nothing large. The
+attention cache is truncated by length (free rollback); GDN states are small fixed-size tensors that
+a multi-token pass can capture per position, and one of those captures is committed afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import OutOfMemoryError
+from engine.modelfile import HParams
+
+
+@dataclass
+class GDNState:
+    conv: torch.Tensor  # [K-1, C] the last K-1 pre-conv inputs (oldest first)
+    ssm: torch.Tensor  # [H_v, d_k, d_v] the delta-rule state S
+
+
+@dataclass
+class KVLayer:
+    k: torch.Tensor  # [n_ctx, H_kv, D]
+    v: torch.Tensor  # [n_ctx, H_kv, D_v]
+
+
+@dataclass
+class CapturedStates:
+    """GDN states after every position of a multi-token pass, per recurrent layer (index = layer)."""
+
+    conv: dict[int, torch.Tensor]  # layer -> [N, K-1, C]
+    ssm: dict[int, torch.Tensor]  # layer -> [N, H_v, d_k, d_v]
+
+
+class Cache:
+    """State of one sequence for the trunk (and, with `layers`, for the MTP block's own attention)."""
+
+    def __init__(self, hp: HParams, n_ctx: int, device: torch.device | str = "cpu",
+                 layers: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32):
+        self.hp = hp
+        self.n_ctx = n_ctx
+        self.device = torch.device(device)
+        self.pos = 0
+        attn = hp.attention_layers if layers is None else tuple(i for i in layers)
+        rec = hp.recurrent_layers if layers is None else ()
+        try:
+            self.kv: dict[int, KVLayer] = {
+                i: KVLayer(torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_k, dtype=dtype, device=self.device),
+                           torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_v, dtype=dtype, device=self.device))
+                for i in attn
+            }
+            self.gdn: dict[int, GDNState] = {
+                i: GDNState(torch.zeros(hp.ssm_conv_kernel - 1, hp.ssm_conv_dim, device=self.device),
+                            torch.zeros(hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, device=self.device))
+                for i in rec
+            }
+        except RuntimeError as e:  # allocation failure
+            raise OutOfMemoryError(f"cannot allocate the cache for a context of {n_ctx} tokens: {e}") from None
+
+    @property
+    def nbytes(self) -> int:
+        kv = sum(l.k.nbytes + l.v.nbytes for l in self.kv.values())
+        return kv + self.state_nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(s.conv.nbytes + s.ssm.nbytes for s in self.gdn.values())
+
+    def reset(self) -> None:
+        self.pos = 0
+        for s in self.gdn.values():
+            s.conv.zero_()
+            s.ssm.zero_()
+
+    def truncate(self, n: int) -> None:
+        """Forget attention positions ≥ n (KV entries past `pos` are simply overwritten later).
+
+        GDN states cannot be rewound by length: callers restore them from captured states.
+        """
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"cannot truncate to {n}: cache holds {self.pos} positions")
+        self.pos = n
+
+    def commit(self, captured: CapturedStates, index: int) -> None:
+        """Take the GDN states reached after position `index` of the last multi-token pass."""
+        for i, s in self.gdn.items():
+            s.conv.copy_(captured.conv[i][index])
+            s.ssm.copy_(captured.ssm[i][index])
+
+    def snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {i: (s.conv.clone(), s.ssm.clone()) for i, s in self.gdn.items()}
+
+    def restore(self, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
+        for i, (c, m) in snap.items():
+            self.gdn[i].conv.copy_(c)
+            self.gdn[i].ssm.copy_(m)
+        self.pos = pos

@@ -1,0 +1,420 @@
+"""Qwen3.5 / Qwen3.6 hybrid models (`qwen35moe`, `qwen35`), as llama.cpp computes them (spec §3).
+
+Read top to bottom: norms and RoPE → gated attention → Gated DeltaNet → FFN (MoE or dense) →
+decoder layer → model (trunk forward, LM head) → MTP head. Weights stay in their GGUF block formats
+(engine.quant.QTensor); every projection is a rowwise product, so a pass over N tokens gives each
+token exactly the bits a one-token pass would. `hook(name, layer, tensor)` sees every named
+intermediate, as llama.cpp's `cb(cur, name, il)`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.cache import Cache, CapturedStates, GDNState, KVLayer
+from engine.experts import ExpertWeights, RoutingStats, route, run_experts
+from engine.modelfile import HParams, ModelFile
+from engine.quant import QTensor
+from engine.rowwise import rowwise_matmul, take_rows
+
+Hook = Callable[[str, int, torch.Tensor], None]
+
+
+def _noop(name: str, il: int, t: torch.Tensor) -> None:
+    return None
+
+
+# --- norms and rotary embedding ------------------------------------------------------------------
+
+# Batch invariance: ATen runs pointwise transcendentals (exp, rsqrt, sigmoid…) on SIMD lanes for most
+# elements but in scalar code for a tensor's tail, and the two can differ in the last bit; a [N, 4]
+# tensor is all tail at N = 1 and all SIMD at N = 8. So norms use sqrt and division (correctly rounded
+# on both paths), per-token gates are computed per token, and `pointwise` pads small rows.
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for x [N, L], with each row padded to 64 elements so every element takes the SIMD path."""
+    n, length = x.shape
+    if length % 64 == 0:
+        return fn(x)
+    padded = torch.zeros(n, length + (-length) % 64, dtype=x.dtype, device=x.device)
+    padded[:, :length] = x
+    return fn(padded)[:, :length]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x · 1/sqrt(mean(x²) + eps) · w over the last dim; `w` is the stored GGUF weight (already 1+w)."""
+    return x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml_l2_norm: x / max(‖x‖, eps)."""
+    return x / torch.clamp(x.pow(2).sum(-1, keepdim=True).sqrt(), min=eps)
+
+
+def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n_ctx, n_rot/2] with θ built by repeated float32 multiplication, as ggml does."""
+    scale = np.float32(base) ** np.float32(-2.0 / n_rot)
+    theta = np.empty((n_ctx, n_rot // 2), np.float32)
+    theta[:, 0] = np.arange(n_ctx, dtype=np.float32)
+    for i in range(1, n_rot // 2):
+        theta[:, i] = theta[:, i - 1] * scale
+    t = torch.from_numpy(theta)
+    return torch.cos(t), torch.sin(t)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NEOX pairing (i, i + n_rot/2) on dims [0, n_rot) of every head; x: [N, H, D], cos/sin: [N, n_rot/2]."""
+    half = n_rot // 2
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest], dim=-1)
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+def _vec(mf: ModelFile, name: str, device: torch.device) -> torch.Tensor:
+    return mf.tensor(name).dequantize(dtype=torch.float32, device=device).reshape(-1)
+
+
+@dataclass
+class AttentionWeights:
+    q: QTensor  # (2·H_q·D, d): per head [query rows ; gate rows]
+    k: QTensor
+    v: QTensor
+    o: QTensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+
+
+class GatedAttention:
+    def __init__(self, hp: HParams, w: AttentionWeights, layer: int):
+        self.hp, self.w, self.il = hp, w, layer
+        self.scale = 1.0 / math.sqrt(hp.head_dim_k)
+
+    def __call__(self, x: torch.Tensor, kv: KVLayer, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+                 cb: Hook) -> torch.Tensor:
+        hp, w, il = self.hp, self.w, self.il
+        n, D, Dv = x.shape[0], hp.head_dim_k, hp.head_dim_v
+        qg = rowwise_matmul(x, w.q).view(n, hp.n_head, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(n, hp.n_head * D)
+        k = rowwise_matmul(x, w.k).view(n, hp.n_head_kv, D)
+        v = rowwise_matmul(x, w.v).view(n, hp.n_head_kv, Dv)
+        q = rms_norm(q, w.q_norm, hp.rms_eps)
+        k = rms_norm(k, w.k_norm, hp.rms_eps)
+        cos, sin = rope[0][pos:pos + n], rope[1][pos:pos + n]
+        q = apply_rope(q, cos, sin, hp.n_rot)
+        k = apply_rope(k, cos, sin, hp.n_rot)
+        cb("Qcur", il, q)
+        cb("Kcur", il, k)
+        cb("Vcur", il, v)
+        kv.k[pos:pos + n] = k
+        kv.v[pos:pos + n] = v
+        group = hp.n_head // hp.n_head_kv
+        out = torch.empty(n, hp.n_head * Dv, dtype=x.dtype, device=x.device)
+        # One query at a time over exactly the keys it sees: the same ops whether the pass has 1 or N
+        # tokens (a masked batch would change reduction lengths and so the rounding).
+        for i in range(n):
+            t = pos + i + 1
+            qi = q[i].view(hp.n_head_kv, group, D)
+            keys = kv.k[:t].permute(1, 2, 0)  # [H_kv, D, t]
+            vals = kv.v[:t].transpose(0, 1)  # [H_kv, t, Dv]
+            probs = torch.softmax(torch.bmm(qi, keys) * self.scale, dim=-1)
+            out[i] = torch.bmm(probs, vals).reshape(-1)
+        cb("attn_out", il, out)
+        out = out * torch.sigmoid(gate)
+        return rowwise_matmul(out, w.o)
+
+
+@dataclass
+class GDNWeights:
+    qkv: QTensor  # (C, d): [q (H_k·d_k) ; k (H_k·d_k) ; v (H_v·d_v, tiled head order)]
+    gate: QTensor  # z, (H_v·d_v, d)
+    beta: QTensor  # (H_v, d)
+    alpha: QTensor  # (H_v, d)
+    a: torch.Tensor  # ssm_a = −exp(A_log), (H_v,)
+    dt_bias: torch.Tensor  # (H_v,)
+    conv: torch.Tensor  # (C, K), tap 0 multiplies the oldest input
+    norm: torch.Tensor  # (d_v,), plain multiplicative weight
+    out: QTensor  # (d, H_v·d_v)
+
+
+class GatedDeltaNet:
+    def __init__(self, hp: HParams, w: GDNWeights, layer: int):
+        self.hp, self.w, self.il = hp, w, layer
+
+    def __call__(self, x: torch.Tensor, st: GDNState, cb: Hook, capture: CapturedStates | None,
+                 chunked: bool) -> torch.Tensor:
+        hp, w, il = self.hp, self.w, self.il
+        n = x.shape[0]
+        Hk, Hv, dk, dv, K = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, hp.ssm_conv_kernel
+        mixed = rowwise_matmul(x, w.qkv)  # [n, C]
+        z = rowwise_matmul(x, w.gate)
+        b = rowwise_matmul(x, w.beta)
+        a = rowwise_matmul(x, w.alpha)
+        # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
+        window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
+        conv = window[0:n] * w.conv[:, 0]
+        for j in range(1, K):
+            conv = conv + window[j:j + n] * w.conv[:, j]
+        if capture is not None:
+            capture.conv[il] = window.unfold(0, K - 1, 1)[1:].transpose(1, 2).clone()  # [n, K-1, C]
+        st.conv.copy_(window[n:])
+        u = F.silu(conv)
+        cb("conv_output_silu", il, u)
+        q = u[:, :Hk * dk].reshape(n, Hk, dk)
+        k = u[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk)
+        v = u[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+        q = l2_norm(q, hp.rms_eps) * (1.0 / math.sqrt(dk))
+        k = l2_norm(k, hp.rms_eps)
+        r = Hv // Hk
+        q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # GGUF tiled order: v-head h uses k-head h mod H_k
+        if chunked and capture is None and n > 1:
+            beta = torch.sigmoid(b)
+            g = w.a * F.softplus(a + w.dt_bias)
+            o = _delta_rule_chunked(q, k, v, beta, g, st.ssm)
+        else:
+            beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st.ssm, capture.ssm if capture else None, il)
+        cb("beta", il, beta)
+        cb("gate", il, g)
+        cb("attn_output", il, o)
+        o = rms_norm(o, w.norm, hp.rms_eps) * F.silu(z.view(n, Hv, dv))
+        return rowwise_matmul(o.reshape(n, Hv * dv), w.out)
+
+
+def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                          w: GDNWeights, S: torch.Tensor, capture: dict | None,
+                          il: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S: [H, d_k, d_v].
+
+    β = σ(b) and g = ssm_a · softplus(α + dt_bias) are computed per token too (batch invariance).
+    Returns (β, g, o).
+    """
+    n = q.shape[0]
+    o = torch.empty_like(v)
+    beta, g = torch.empty_like(b), torch.empty_like(a)
+    states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
+    for t in range(n):
+        beta[t] = torch.sigmoid(b[t])
+        g[t] = w.a * F.softplus(a[t] + w.dt_bias)
+        S.mul_(torch.exp(g[t])[:, None, None])
+        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
+        e = (v[t] - kv_mem) * beta[t][:, None]
+        S.add_(k[t][:, :, None] * e[:, None, :])
+        o[t] = torch.einsum("hkv,hk->hv", S, q[t])
+        if states is not None:
+            states[t] = S
+    if capture is not None:
+        capture[il] = states
+    return beta, g, o
+
+
+def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                        g: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The same recurrence, parallel within chunks (WY/UT form); S is updated in place.
+
+    Within a chunk with cumulative log-decay G: T = (I + tril(diag(β) K Kᵀ ⊙ Γ, −1))⁻¹, U = T diag(β) V,
+    W = T diag(β e^G) K; then per chunk, with the incoming state S: V' = U − W S,
+    O = (Q e^G) S + tril(Q Kᵀ ⊙ Γ) V', S ← e^{G_L} S + (K e^{G_L − G})ᵀ V'.
+    """
+    n, H, dk = k.shape
+    dv = v.shape[-1]
+    o = torch.empty_like(v)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, ·]
+    bh, gh = beta.transpose(0, 1), g.transpose(0, 1)  # [H, n]
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        L = e - s
+        qc, kc, vc, bc = qh[:, s:e], kh[:, s:e], vh[:, s:e], bh[:, s:e]
+        G = torch.cumsum(gh[:, s:e], dim=-1)  # [H, L]
+        gamma = torch.exp(G[:, :, None] - G[:, None, :])  # Γ[i, j] = e^{G_i − G_j}
+        lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        gamma = gamma.masked_fill(~lower, 0.0)
+        kk = (kc * bc[..., None]) @ kc.transpose(1, 2)  # diag(β) K Kᵀ
+        A = (kk * gamma).tril(-1)
+        eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(H, L, L)
+        T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+        U = T @ (vc * bc[..., None])
+        W = T @ (kc * (bc * torch.exp(G))[..., None])
+        Vp = U - W @ S
+        attn = (qc @ kc.transpose(1, 2)) * gamma
+        o[s:e] = ((qc * torch.exp(G)[..., None]) @ S + attn @ Vp).transpose(0, 1)
+        gl = G[:, -1:]
+        S.mul_(torch.exp(gl)[..., None]).add_((kc * torch.exp(gl - G)[..., None]).transpose(1, 2) @ Vp)
+    return o
+
+
+@dataclass
+class MoEWeights:
+    router: QTensor  # (E, d), F32
+    experts: ExpertWeights
+    shared_gate_inp: QTensor | None  # (1, d)
+    shared_gate: QTensor | None
+    shared_up: QTensor | None
+    shared_down: QTensor | None
+
+
+class MoE:
+    def __init__(self, hp: HParams, w: MoEWeights, layer: int, stats: RoutingStats | None = None):
+        self.hp, self.w, self.il, self.stats = hp, w, layer, stats
+
+    def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
+        hp, w, il = self.hp, self.w, self.il
+        logits = rowwise_matmul(x, w.router)
+        cb("ffn_moe_logits", il, logits)
+        weights, idx = route(logits, hp.n_expert_used)
+        cb("ffn_moe_weights_norm", il, weights)
+        if self.stats is not None:
+            self.stats.add(il, idx, hp.n_expert)
+        y = run_experts(x, idx, weights, w.experts)
+        cb("ffn_moe_out", il, y)
+        if w.shared_gate is not None:
+            sh = F.silu(rowwise_matmul(x, w.shared_gate)) * rowwise_matmul(x, w.shared_up)
+            sh = rowwise_matmul(sh, w.shared_down) * pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
+            cb("ffn_shexp", il, sh)
+            y = y + sh
+        return y
+
+
+@dataclass
+class DenseWeights:
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+
+
+class DenseFFN:
+    def __init__(self, w: DenseWeights):
+        self.w = w
+
+    def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
+        h = F.silu(rowwise_matmul(x, self.w.gate)) * rowwise_matmul(x, self.w.up)
+        return rowwise_matmul(h, self.w.down)
+
+
+class DecoderLayer:
+    def __init__(self, il: int, attn_norm: torch.Tensor, post_norm: torch.Tensor,
+                 mixer: GatedAttention | GatedDeltaNet, ffn: MoE | DenseFFN, eps: float):
+        self.il, self.attn_norm, self.post_norm, self.mixer, self.ffn, self.eps = il, attn_norm, post_norm, mixer, ffn, eps
+
+    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor], cb: Hook,
+                 capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
+        il = self.il
+        a = rms_norm(x, self.attn_norm, self.eps)
+        cb("attn_norm", il, a)
+        if isinstance(self.mixer, GatedDeltaNet):
+            y = self.mixer(a, cache.gdn[il], cb, capture, chunked)
+        else:
+            y = self.mixer(a, cache.kv[il], pos, rope, cb)
+        cb("attn_residual_in", il, y)
+        h = x + y
+        f = rms_norm(h, self.post_norm, self.eps)
+        cb("attn_post_norm", il, f)
+        out = h + self.ffn(f, cb)
+        cb("l_out", il, out)
+        return out
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+@dataclass
+class ForwardResult:
+    hidden: torch.Tensor  # post-final-norm hidden rows [N, d] (what the LM head and the MTP head read)
+    logits: torch.Tensor | None  # [len(logit_rows), V]
+    captured: CapturedStates | None
+
+
+class Qwen35Model:
+    """The trunk (and, when present, the MTP block) of a qwen35 / qwen35moe GGUF."""
+
+    def __init__(self, mf: ModelFile, device: torch.device | str = "cpu", n_ctx: int | None = None):
+        self.mf = mf
+        self.hp = hp = mf.hparams
+        self.device = torch.device(device)
+        self.routing = RoutingStats()
+        dev = self.device
+        self.tok_embd = mf.tensor("token_embd.weight")
+        self.output = mf.tensor("output.weight") if mf.has_tensor("output.weight") else self.tok_embd
+        self.output_norm = _vec(mf, "output_norm.weight", dev)
+        self.layers = [self._layer(i) for i in range(hp.n_layer)]
+        self.n_ctx_max = n_ctx or hp.n_ctx_train
+        self.rope = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
+
+    def _ffn(self, p: str, il: int) -> MoE | DenseFFN:
+        mf, hp, dev = self.mf, self.hp, self.device
+        if not hp.is_moe:
+            return DenseFFN(DenseWeights(mf.tensor(p + "ffn_gate.weight"), mf.tensor(p + "ffn_up.weight"),
+                                         mf.tensor(p + "ffn_down.weight")))
+        experts = ExpertWeights(mf.tensor(p + "ffn_gate_exps.weight"), mf.tensor(p + "ffn_up_exps.weight"),
+                                mf.tensor(p + "ffn_down_exps.weight"))
+        shared = hp.n_ff_shexp > 0
+        sgi = None
+        if shared:  # stored as (d,) or (1, d): one scalar gate per token either way
+            t = mf.tensor(p + "ffn_gate_inp_shexp.weight")
+            sgi = QTensor(t.raw, t.qtype, (1, t.n_cols))
+        return MoE(hp, MoEWeights(
+            mf.tensor(p + "ffn_gate_inp.weight"), experts, sgi,
+            mf.tensor(p + "ffn_gate_shexp.weight") if shared else None,
+            mf.tensor(p + "ffn_up_shexp.weight") if shared else None,
+            mf.tensor(p + "ffn_down_shexp.weight") if shared else None,
+        ), il, self.routing)
+
+    def _attention(self, p: str, il: int) -> GatedAttention:
+        mf = self.mf
+        return GatedAttention(self.hp, AttentionWeights(
+            mf.tensor(p + "attn_q.weight"), mf.tensor(p + "attn_k.weight"), mf.tensor(p + "attn_v.weight"),
+            mf.tensor(p + "attn_output.weight"), _vec(mf, p + "attn_q_norm.weight", self.device),
+            _vec(mf, p + "attn_k_norm.weight", self.device)), il)
+
+    def _layer(self, il: int) -> DecoderLayer:
+        mf, hp, dev = self.mf, self.hp, self.device
+        p = f"blk.{il}."
+        if il < hp.n_layer and hp.recurrent[il]:
+            mixer: GatedAttention | GatedDeltaNet = GatedDeltaNet(hp, GDNWeights(
+                mf.tensor(p + "attn_qkv.weight"), mf.tensor(p + "attn_gate.weight"),
+                mf.tensor(p + "ssm_beta.weight"), mf.tensor(p + "ssm_alpha.weight"),
+                _vec(mf, p + "ssm_a", dev), _vec(mf, p + "ssm_dt.bias", dev),
+                mf.tensor(p + "ssm_conv1d.weight").dequantize(dtype=torch.float32, device=dev),
+                _vec(mf, p + "ssm_norm.weight", dev), mf.tensor(p + "ssm_out.weight")), il)
+        else:
+            mixer = self._attention(p, il)
+        return DecoderLayer(il, _vec(mf, p + "attn_norm.weight", dev), _vec(mf, p + "post_attention_norm.weight", dev),
+                            mixer, self._ffn(p, il), hp.rms_eps)
+
+    def new_cache(self, n_ctx: int) -> Cache:
+        return Cache(self.hp, min(n_ctx, self.n_ctx_max), self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return take_rows(self.tok_embd, tokens, device=self.device)
+
+    def forward(self, tokens: torch.Tensor | list[int], cache: Cache, *, logit_rows: str = "last",
+                capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:
+        """Run N new tokens at positions cache.pos … cache.pos+N−1 and advance the cache.
+
+        logit_rows: "last", "all" or "none". capture: keep the GDN states after every position (verify).
+        chunked: use the chunk-parallel delta rule (long prefills; equal to the recurrence to ~1e-6).
+        """
+        cb = hook or _noop
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        pos = cache.pos
+        if pos + n > cache.n_ctx:
+            raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
+        x = self.embed(ids)
+        cb("inp_embd", -1, x)
+        cap = CapturedStates({}, {}) if capture else None
+        for layer in self.layers:
+            x = layer(x, cache, pos, self.rope, cb, cap, chunked)
+        cache.pos = pos + n
+        h = rms_norm(x, self.output_norm, self.hp.rms_eps)
+        cb("result_norm", -1, h)
+        logits = None
+        if logit_rows != "none":
+            rows = h if logit_rows == "all" else h[-1:]
+            logits = rowwise_matmul(rows, self.output)
+            cb("result_output", -1, logits)
+        return ForwardResult(h, logits, cap)

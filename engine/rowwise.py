@@ -1,0 +1,90 @@
+"""Batch-invariant products: row i of a multi-token pass gets exactly the bits of a one-token pass.
+
+A plain `x @ W.T` lets the BLAS pick different kernels and reduction orders for different numbers
+of rows (measured: rows of a 4-row mm differ from the 1-row result). A batched matmul over rows,
+each row a [1, in] × [in, out] product against the same (expanded, not copied) weight, runs the
+same kernel per row whatever N is, and equals the 1-row mm bit for bit. Speculative verify and
+prefill rely on this to be token-identical to plain decoding.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.quant import TILE_ELEMENTS, QTensor
+
+_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+# The activation format llama.cpp's CPU matmul rounds x to for each weight type (ggml-cpu vec_dot_type).
+_Q8_0_ACT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"}
+_Q8_K_ACT = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+             "IQ3_S", "IQ4_XS"}
+
+
+def round_activations(x: torch.Tensor, weight_type: str) -> torch.Tensor:
+    """x as llama.cpp's CPU backend sees it when multiplying by a `weight_type` matrix.
+
+    ggml quantizes the activations of quantized matmuls: to Q8_0 (blocks of 32, scale = amax/127
+    stored as f16) or Q8_K (blocks of 256, scale = −max/127 from the signed extreme, q ≤ 127), and
+    rounds them to F16/BF16 for half-precision weights. The integer dot product it then runs equals
+    a float dot of these rounded values, so rounding x here reproduces its numbers (spec §8).
+    """
+    if weight_type in _Q8_0_ACT:
+        b = x.reshape(-1, 32)
+        d = b.abs().amax(-1, keepdim=True) / 127.0
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(b * inv)
+        return (q * d.half().float()).reshape(x.shape)
+    if weight_type in _Q8_K_ACT:
+        b = x.reshape(-1, 256)
+        idx = b.abs().argmax(-1, keepdim=True)
+        mx = torch.gather(b, 1, idx)
+        iscale = torch.where(mx != 0, -127.0 / mx, torch.zeros_like(mx))
+        q = torch.clamp(torch.round(iscale * b), max=127.0)
+        d = torch.where(mx != 0, 1.0 / iscale, torch.zeros_like(mx))
+        return (q * d).reshape(x.shape)
+    if weight_type == "F16":
+        return x.half().float()
+    if weight_type == "BF16":
+        return x.bfloat16().float()
+    return x
+
+
+def _rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, in], w [out, in] float32 → [N, out], one independent product per row."""
+    n = x.shape[0]
+    return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(n, -1, -1)).squeeze(1)
+
+
+def tile_rows(w: QTensor) -> int:
+    """Rows per dequantized tile: fixed per weight (never by N), so tiling cannot change results."""
+    return max(1, min(w.n_rows, TILE_ELEMENTS // max(w.n_cols, 1)))
+
+
+def rowwise_matmul(x: torch.Tensor, w: QTensor, ggml_activations: bool = True) -> torch.Tensor:
+    """y = x @ W.T with W kept quantized: dequantized one tile of rows at a time into float32.
+
+    ggml_activations: round x as llama.cpp's CPU backend does for this weight type (see above).
+    """
+    k, n_out = w.n_cols, w.n_rows
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {k}")
+    x2 = x.reshape(-1, k).float()
+    if ggml_activations:
+        x2 = round_activations(x2, w.qtype.name)
+    if w.qtype.name == "F32" and w.raw.device == x2.device:
+        return _rowwise(x2, w.raw.view(torch.float32).view(n_out, k)).reshape(*x.shape[:-1], n_out)
+    step = tile_rows(w)
+    if step >= n_out:
+        return _rowwise(x2, w.dequantize(slice(0, n_out), device=x2.device)).reshape(*x.shape[:-1], n_out)
+    y = torch.empty(x2.shape[0], n_out, dtype=torch.float32, device=x2.device)
+    for r0 in range(0, n_out, step):
+        r1 = min(n_out, r0 + step)
+        y[:, r0:r1] = _rowwise(x2, w.dequantize(slice(r0, r1), device=x2.device))
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def take_rows(w: QTensor, idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Dequantize rows `idx` (e.g. token embeddings) without touching the rest of the tensor."""
+    idx = idx.reshape(-1).to(w.raw.device)
+    return QTensor(w.raw[idx], w.qtype, (idx.numel(), w.n_cols)).dequantize(device=device)

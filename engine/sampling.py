@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded RNG.
+
+`probs()` turns one logit row into the distribution actually sampled from; speculative decoding uses
+the same function for the draft and the target so acceptance preserves exactly that distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError(f"invalid sampling settings: {self}")
+        if self.repeat_penalty <= 0:
+            raise ValueError("repeat_penalty must be > 0")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> torch.Tensor:
+    """llama.cpp's rule: over the last `repeat_last_n` ids, divide positive logits, multiply negative ones."""
+    if cfg.repeat_penalty == 1.0 or not history:
+        return logits
+    recent = torch.tensor(sorted(set(history[-cfg.repeat_last_n:])), dtype=torch.long, device=logits.device)
+    out = logits.clone()
+    vals = out[recent]
+    out[recent] = torch.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+    return out
+
+
+def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The sampling distribution over the vocabulary for one (already penalised) logit row."""
+    x = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < x.numel():
+        kth = torch.topk(x, cfg.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if cfg.min_p > 0:
+        p = p.masked_fill(p < cfg.min_p * p.max(), 0.0)
+    if cfg.top_p < 1.0:
+        sp, si = torch.sort(p, descending=True)
+        before = torch.cumsum(sp, 0) - sp  # mass strictly before each token: keep while < top_p
+        drop = si[before >= cfg.top_p]
+        p = p.index_fill(0, drop, 0.0)
+    return p / p.sum()
+
+
+class Sampler:
+    """Stateful sampler for one generation: owns its RNG so a seed reproduces a run exactly."""
+
+    def __init__(self, cfg: SamplingConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.gen = torch.Generator()
+        self.gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed() & 0x7FFFFFFF)
+
+    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        return probs(apply_repetition_penalty(logits, history, self.cfg), self.cfg)
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        if self.cfg.greedy:
+            return int(torch.argmax(apply_repetition_penalty(logits, history, self.cfg)))
+        return self.draw(self.distribution(logits, history))
+
+    def draw(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p.cpu(), 1, generator=self.gen))
+
+    def uniform(self) -> float:
+        return float(torch.rand(1, generator=self.gen))

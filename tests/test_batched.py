@@ -1,0 +1,94 @@
+"""Multi-token passes (prefill, speculative verify) are bit-identical to one token at a time.
+
+Grouped-by-expert MoE reduced in slot order, rowwise projections, per-query attention and the
+sequential GDN recurrence make a pass over N tokens give each token exactly the bits of N one-token
+passes; the per-position GDN states it captures equal the states reached token by token.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.experts import ExpertWeights, route, run_experts
+from engine.modelfile import open_model
+from engine.models.qwen35 import Qwen35Model
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+
+SPECS = [TINY_MOE, TINY_DENSE, KQUANT_MOE]
+IDS = ["moe-f32", "dense-f32", "moe-q4k"]
+
+
+def _model(spec: FixtureSpec) -> Qwen35Model:
+    return Qwen35Model(open_model(fixture_path(spec)), n_ctx=1100)
+
+
+def _toks(spec: FixtureSpec, n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, spec.n_vocab - 3, n).tolist()
+
+
+def _per_token(m: Qwen35Model, toks: list[int], cache=None) -> torch.Tensor:
+    cache = cache or m.new_cache(1100)
+    return torch.cat([m.forward([t], cache, logit_rows="all").logits for t in toks])
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_verify_sized_passes_are_bit_identical(spec: FixtureSpec) -> None:
+    m = _model(spec)
+    prefix = _toks(spec, 20, seed=1)
+    tail = _toks(spec, 8, seed=2)
+    base = m.new_cache(1100)
+    m.forward(prefix, base, logit_rows="none")
+    snap = base.snapshot()
+    ref = _per_token(m, tail, base)
+    for n in range(2, 9):
+        base.restore(snap, len(prefix))
+        got = m.forward(tail[:n], base, logit_rows="all", capture=True).logits
+        assert torch.equal(got, ref[:n]), n
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_prefill_chunks_are_bit_identical(spec: FixtureSpec) -> None:
+    m = _model(spec)
+    toks = _toks(spec, 512, seed=3)
+    ref = _per_token(m, toks)
+    for size in (1, 7, 64, 512):
+        cache = m.new_cache(1100)
+        got = torch.cat([m.forward(toks[s:s + size], cache, logit_rows="all").logits for s in range(0, 512, size)])
+        assert torch.equal(got, ref), size
+
+
+@pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE], ids=["f32", "q4k"])
+def test_captured_states_equal_token_by_token_states(spec: FixtureSpec) -> None:
+    m = _model(spec)
+    toks = _toks(spec, 6, seed=4)
+    c = m.new_cache(64)
+    m.forward(_toks(spec, 5, seed=5), c, logit_rows="none")
+    snap = c.snapshot()
+    cap = m.forward(toks, c, logit_rows="none", capture=True).captured
+    c.restore(snap, 5)
+    for i, t in enumerate(toks):
+        m.forward([t], c, logit_rows="none")
+        for il, st in c.gdn.items():
+            assert torch.equal(cap.conv[il][i], st.conv), (il, i)
+            assert torch.equal(cap.ssm[il][i], st.ssm), (il, i)
+
+
+def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch) -> None:
+    mf = open_model(fixture_path(KQUANT_MOE))
+    p = "blk.1."
+    ew = ExpertWeights(mf.tensor(p + "ffn_gate_exps.weight"), mf.tensor(p + "ffn_up_exps.weight"),
+                       mf.tensor(p + "ffn_down_exps.weight"))
+    router = mf.tensor(p + "ffn_gate_inp.weight").dequantize()
+    x = torch.randn(9, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(0))
+    w, idx = route(x @ router.T, KQUANT_MOE.n_expert_used)
+    calls: list[int] = []
+    import engine.experts as ex
+
+    real = ex.rowwise_matmul
+    monkeypatch.setattr(ex, "rowwise_matmul", lambda a, b: calls.append(id(b)) or real(a, b))
+    grouped = run_experts(x, idx, w, ew)
+    n_unique = len(torch.unique(idx))
+    assert len(calls) == 3 * n_unique  # gate, up, down once per selected expert
+    single = torch.cat([run_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ew) for i in range(9)])
+    assert torch.equal(grouped, single)
