@@ -63,18 +63,24 @@ def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
 
 def bench_llama(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import llama_cpp
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=512, n_ubatch=512,
                 n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=False)
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
     t0 = time.perf_counter()
     llm.eval(prompt)
     t_prefill = time.perf_counter() - t0
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(last_logits()))
     t0 = time.perf_counter()
     for _ in range(n_decode):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
     t_decode = time.perf_counter() - t0
     return {"prefill_tok_s": len(prompt) / t_prefill, "decode_tok_s": n_decode / t_decode,
             "prefill_s": t_prefill, "decode_s": t_decode}
@@ -92,8 +98,8 @@ def main() -> None:
     path = cached("mid", ROOT / "build/bench")
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt).tolist()
     rss = load_rss(path)
-    ours = bench_ours(path, prompt, args.decode, args.threads)
     ref = bench_llama(path, prompt, args.decode, args.threads)
+    ours = bench_ours(path, prompt, args.decode, args.threads)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

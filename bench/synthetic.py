@@ -45,9 +45,12 @@ def byte_vocab(n_vocab: int) -> Vocab:
     from engine.tokenizer import BYTE_TO_UNICODE
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = list(BYTE_TO_UNICODE) + [f"[PAD{i}]" for i in range(256, n_vocab - 3)] + specials
-    types = [1] * 256 + [5] * (n_vocab - 259) + [3] * 3
-    return Vocab(tokens, types, [], bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)
+    merges = ["Ġ t", "h e", "i n", "Ġt he"]  # GGUF readers need a non-empty merge list
+    merged = [m.replace(" ", "") for m in merges]
+    n_pad = n_vocab - 256 - len(merged) - len(specials)
+    tokens = list(BYTE_TO_UNICODE) + merged + [f"[PAD{i}]" for i in range(n_pad)] + specials
+    types = [1] * (256 + len(merged)) + [5] * n_pad + [3] * 3
+    return Vocab(tokens, types, merges, bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)
 
 
 def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0) -> Path:

@@ -1,9 +1,10 @@
 """Routed-expert execution for N tokens at once, grouped by expert.
 
 Each token picks its own top-k experts; the (token, slot) pairs are grouped by expert so every
-selected expert's gate/up/down weights are dequantized and read once per pass, whatever N is. Each
-product is computed row by row (`rowwise` products in engine.quant) and the k expert outputs of a
-token are reduced in top-k slot order, so a pass over N tokens is bit-identical to N passes of one.
+selected expert's gate/up/down weights are gathered and dequantized once per pass (one kernel call
+for a whole group of experts), whatever N is. Every product is one independent [1, in] × [in, out]
+row product (as in engine.rowwise) and the k expert outputs of a token are reduced in top-k slot
+order, so a pass over N tokens is bit-identical to N passes of one.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant import QTensor
-from engine.rowwise import rowwise_matmul
+from engine.rowwise import round_activations
 
 
 @dataclass
@@ -44,6 +45,25 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w / w.sum(dim=-1, keepdim=True), idx
 
 
+# Dequantized expert weights handled at once per projection: bounds memory on big models (a 35B
+# expert is 1M values per projection) while a decode step's k experts take one kernel call.
+GROUP_ELEMENTS = 1 << 23
+
+
+def gather_experts(w: QTensor, experts: list[int]) -> torch.Tensor:
+    """Float weights [U, rows, cols] of the listed experts: one gather of their blocks, one dequant call."""
+    e_all = w.shape[0]
+    rows = w.n_rows // e_all
+    sel = torch.tensor(experts, dtype=torch.long, device=w.raw.device)
+    raw = w.raw.view(e_all, rows, -1).index_select(0, sel).reshape(len(experts) * rows, -1)
+    return QTensor(raw, w.qtype, (len(experts) * rows, w.n_cols)).dequantize().view(len(experts), rows, w.n_cols)
+
+
+def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, 1, in] × w [B, out, in]ᵀ → [B, out]: one independent row product per batch item."""
+    return torch.bmm(x, w.transpose(1, 2)).squeeze(1)
+
+
 def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
     """y[t] = Σ_s w[t,s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t,s], summed in slot order s."""
     n, k = idx.shape
@@ -52,15 +72,30 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     tokens = order // k
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    # One iteration per *selected* expert (≤ k for a single token): its weights are dequantized once
-    # and applied to all of its tokens in one rowwise product.
-    for e, c in zip(experts.tolist(), counts.tolist()):
-        rows = order[start:start + c]
-        xe = x[tokens[start:start + c]]
-        h = F.silu(rowwise_matmul(xe, ew.gate[e])) * rowwise_matmul(xe, ew.up[e])
-        out[rows] = rowwise_matmul(h, ew.down[e])
-        start += c
+    xg = round_activations(x, ew.gate.qtype.name)
+    xu = xg if ew.up.qtype == ew.gate.qtype else round_activations(x, ew.up.qtype.name)
+    per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
+    step = max(1, GROUP_ELEMENTS // per_expert)
+    experts_l, counts_l = experts.tolist(), counts.tolist()
+    starts = [0]
+    for c in counts_l:
+        starts.append(starts[-1] + c)
+    for g0 in range(0, len(experts_l), step):
+        group = experts_l[g0:g0 + step]
+        wg, wu, wd = (gather_experts(t, group) for t in (ew.gate, ew.up, ew.down))
+        if all(c == 1 for c in counts_l[g0:g0 + step]):
+            # Decode: every selected expert has one token, so the whole group is one batched product.
+            pos = order[starts[g0]:starts[g0 + len(group)]]
+            tok = tokens[starts[g0]:starts[g0 + len(group)]]
+            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg)) * _bmm_t(xu[tok].unsqueeze(1), wu)
+            out[pos] = _bmm_t(round_activations(h, ew.down.qtype.name).unsqueeze(1), wd)
+            continue
+        for j, e in enumerate(group):
+            a, b = starts[g0 + j], starts[g0 + j + 1]
+            tok, c = tokens[a:b], b - a
+            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg[j].expand(c, -1, -1))) * \
+                _bmm_t(xu[tok].unsqueeze(1), wu[j].expand(c, -1, -1))
+            out[order[a:b]] = _bmm_t(round_activations(h, ew.down.qtype.name).unsqueeze(1), wd[j].expand(c, -1, -1))
     y = out.view(n, k, -1)
     acc = y[:, 0] * w[:, 0:1]
     for s in range(1, k):  # fixed slot order: identical sums whatever the grouping was

@@ -31,56 +31,44 @@ def _f16(v: np.ndarray) -> np.ndarray:
     return v.astype(np.float16)
 
 
-def _q4_k(b: np.ndarray) -> np.ndarray:
+def _affine_sub_blocks(b: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K: 8 sub-blocks of 32, value = d·sc·q − dmin·m with 6-bit sc, m and q in [0, levels]."""
     n = b.shape[0]
     sub = b.reshape(n, 8, 32)
     lo = np.minimum(sub.min(axis=2), 0.0)  # the min term is subtracted, so it is ≥ 0 as stored
-    hi = sub.max(axis=2)
-    scale = (hi - lo) / 15.0
+    scale = (sub.max(axis=2) - lo) / levels
     mins = -lo
     d = _f16(scale.max(axis=1) / 63.0)
     dmin = _f16(mins.max(axis=1) / 63.0)
-    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
-    sc = np.clip(np.rint(np.divide(scale, df[:, None], out=np.zeros_like(scale), where=df[:, None] > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(np.divide(mins, dminf[:, None], out=np.zeros_like(mins), where=dminf[:, None] > 0)), 0, 63).astype(np.uint8)
-    step = df[:, None] * sc
-    offset = dminf[:, None] * m
-    q = np.rint(np.divide(sub + offset[..., None], step[..., None], out=np.zeros_like(sub), where=step[..., None] > 0))
-    q = np.clip(q, 0, 15).astype(np.uint8)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dminf, out=np.zeros_like(mins), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.rint(np.divide(sub + (dminf * m)[..., None], step, out=np.zeros_like(sub), where=step > 0))
+    q = np.clip(q, 0, levels).astype(np.uint8)
     scales = np.zeros((n, 12), np.uint8)
     scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)  # sub-blocks 2c (low) / 2c+1 (high)
-    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
+    head = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales], axis=1)
+    return head, q
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+    head, q = _affine_sub_blocks(b, 15)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(b), 128)  # sub-blocks 2c (low) / 2c+1 (high)
+    return np.concatenate([head, qs], axis=1)
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
-    sub = b.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=2), 0.0)
-    hi = sub.max(axis=2)
-    scale = (hi - lo) / 31.0
-    mins = -lo
-    d = _f16(scale.max(axis=1) / 63.0)
-    dmin = _f16(mins.max(axis=1) / 63.0)
-    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
-    sc = np.clip(np.rint(np.divide(scale, df[:, None], out=np.zeros_like(scale), where=df[:, None] > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(np.divide(mins, dminf[:, None], out=np.zeros_like(mins), where=dminf[:, None] > 0)), 0, 63).astype(np.uint8)
-    step = df[:, None] * sc
-    q = np.rint(np.divide(sub + (dminf[:, None] * m)[..., None], step[..., None], out=np.zeros_like(sub), where=step[..., None] > 0))
-    q = np.clip(q, 0, 31).astype(np.uint8)
-    scales = np.zeros((n, 12), np.uint8)
-    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
-    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
-    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    head, q = _affine_sub_blocks(b, 31)
     low = q & 0xF
-    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(n, 128)
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(len(b), 128)
     high = (q >> 4).astype(np.uint8)  # bit j of qh[l] is the 5th bit of sub-block j, element l
-    qh = np.zeros((n, 32), np.uint8)
+    qh = np.zeros((len(b), 32), np.uint8)
     for j in range(8):
         qh |= high[:, j, :] << j
-    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qh, qs], axis=1)
+    return np.concatenate([head, qh, qs], axis=1)
 
 
 def _q6_k(b: np.ndarray) -> np.ndarray:

@@ -1,0 +1,130 @@
+"""Cost of a multi-token pass (speculative verify, prefill) relative to one decode step, mid-size MoE.
+
+    python bench/verify.py [--threads 2] [--reps 3] [--out bench/results/verify.json]
+
+For N = 2, 4, 8: one grouped pass over N tokens (as a verify: GDN states captured per position) vs N
+single-token steps, both divided by the time of one decode step, in the same run. Also prefill of 512
+tokens, grouped (sequential and chunk-parallel GDN) vs the per-token loop, and the quantized weight bytes
+each pass reads: decode is bandwidth-bound, so bytes read is the physical floor of each ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.synthetic import MID, cached  # noqa: E402
+import engine.experts as experts_mod  # noqa: E402
+import engine.models.qwen35 as model_mod  # noqa: E402
+from engine.modelfile import open_model  # noqa: E402
+from engine.models.qwen35 import Qwen35Model  # noqa: E402
+from engine.rowwise import rowwise_matmul  # noqa: E402
+
+_bytes_read = [0]
+
+
+def _counting(x, w, ggml_activations=True):  # type: ignore[no-untyped-def]
+    _bytes_read[0] += w.nbytes
+    return rowwise_matmul(x, w, ggml_activations)
+
+
+def timed(fn, reps: int) -> tuple[float, int]:
+    """Median seconds of `fn` over `reps` runs, and the weight bytes one run reads."""
+    times = []
+    for _ in range(reps):
+        _bytes_read[0] = 0
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), _bytes_read[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--loop-tokens", type=int, default=24, help="tokens timed for the per-token prefill rate")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/verify.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_mod.rowwise_matmul = _counting
+    experts_mod.rowwise_matmul = _counting
+
+    path = cached("mid", ROOT / "build/bench")
+    m = Qwen35Model(open_model(path), n_ctx=1200)
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, 32000, 64).tolist()
+    draft = rng.integers(0, 32000, 8).tolist()
+    cache = m.new_cache(1200)
+    m.forward(context, cache, logit_rows="none")
+    snap = cache.snapshot()
+
+    def reset() -> None:
+        cache.restore(snap, len(context))
+
+    def step(toks: list[int], capture: bool) -> None:
+        reset()
+        m.forward(toks, cache, logit_rows="all", capture=capture)
+
+    t1, b1 = timed(lambda: step(draft[:1], False), args.reps + 2)
+    rows = []
+    for n in (2, 4, 8):
+        tg, bg = timed(lambda: step(draft[:n], True), args.reps)
+
+        def loop() -> None:
+            reset()
+            for t in draft[:n]:
+                m.forward([t], cache, logit_rows="all")
+
+        tl, bl = timed(loop, args.reps)
+        rows.append({"n": n, "grouped_s": tg, "per_token_s": tl, "grouped_over_decode": tg / t1,
+                     "per_token_over_decode": tl / t1, "grouped_bytes_over_decode": bg / b1,
+                     "per_token_bytes_over_decode": bl / b1})
+        print(rows[-1], flush=True)
+
+    prompt = rng.integers(0, 32000, 512).tolist()
+    prefill = {}
+    for name, chunked in (("grouped_sequential_gdn", False), ("grouped_chunked_gdn", True)):
+        def run(chunked: bool = chunked) -> None:
+            c = m.new_cache(1200)
+            m.forward(prompt, c, logit_rows="last", chunked=chunked)
+
+        t, b = timed(run, 1)
+        prefill[name] = {"seconds": t, "tok_s": 512 / t, "weight_bytes": b}
+    c = m.new_cache(1200)
+    _bytes_read[0] = 0
+    t0 = time.perf_counter()
+    for tok in prompt[:args.loop_tokens]:
+        m.forward([tok], c, logit_rows="last")
+    tl = time.perf_counter() - t0
+    prefill["per_token_loop"] = {"tokens_timed": args.loop_tokens, "tok_s": args.loop_tokens / tl,
+                                 "weight_bytes_per_token": _bytes_read[0] / args.loop_tokens}
+    for name in ("grouped_sequential_gdn", "grouped_chunked_gdn"):
+        prefill[name]["speedup_over_per_token"] = prefill[name]["tok_s"] / prefill["per_token_loop"]["tok_s"]
+
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "threads": args.threads, "load_avg_at_start": os.getloadavg()[0], "torch": torch.__version__,
+        "model": {"file": path.name, "shape": MID.__dict__},
+        "decode_step_s": t1, "decode_step_weight_bytes": b1,
+        "verify": rows, "prefill_512": prefill,
+        "targets": {"n4_over_decode_max": 1.5, "prefill_speedup_min": 5.0},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
