@@ -39,6 +39,14 @@ def _counting(x, w, ggml_activations=True):  # type: ignore[no-untyped-def]
     return rowwise_matmul(x, w, ggml_activations)
 
 
+_gather = experts_mod.gather_experts
+
+
+def _counting_gather(w, experts):  # type: ignore[no-untyped-def]
+    _bytes_read[0] += w.nbytes // w.shape[0] * len(experts)
+    return _gather(w, experts)
+
+
 def timed(fn, reps: int) -> tuple[float, int]:
     """Median seconds of `fn` over `reps` runs, and the weight bytes one run reads."""
     times = []
@@ -59,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_mod.rowwise_matmul = _counting
-    experts_mod.rowwise_matmul = _counting
+    experts_mod.gather_experts = _counting_gather
 
     path = cached("mid", ROOT / "build/bench")
     m = Qwen35Model(open_model(path), n_ctx=1200)

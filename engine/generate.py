@@ -20,6 +20,7 @@ from engine.errors import EngineError
 from engine.modelfile import ModelFile, open_model
 from engine.models.qwen35 import Qwen35Model
 from engine.sampling import Sampler, SamplingConfig
+from engine.speculative import DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
 from engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[float, str], None]
@@ -40,6 +41,9 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     enable_thinking: bool | None = None
     stats_interval_s: float = 0.25
+    mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
+    draft: int | None = None  # draft depth 1..8, None = auto
+    p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class Stats:
     cache_bytes: int
     state_bytes: int
     final: bool = False
+    mtp: bool = False
+    speculative: dict | None = None  # SpecStats.as_dict(): drafted, accepted, by depth, histogram, times
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class Engine:
         self.model = Qwen35Model(mf, config.device, n_ctx=config.n_ctx)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
+        self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._last_logits: torch.Tensor | None = None
 
@@ -101,6 +108,8 @@ class Engine:
 
     def reset(self) -> None:
         self.cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
         self._seq = []
         self._last_logits = None
 
@@ -122,6 +131,8 @@ class Engine:
                 return None, s
             chunk = todo[s:s + PREFILL_CHUNK]
             res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1)
+            if self.drafter is not None:
+                self.drafter.push(chunk, res.hidden)
             logits = res.logits[-1]
             self._seq.extend(chunk)
         self._last_logits = logits
@@ -142,67 +153,135 @@ class Engine:
                        "shorten the conversation or raise the context length")
             return
         sampler = Sampler(gen.sampling)
+        use_mtp = gen.mtp and self.drafter is not None
+        spec = SpecStats()
+        depth = DepthController(gen.draft, spec, p_min=gen.p_min) if use_mtp else None
         logits, n_prefilled = self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")
             return
         t_prefill = time.perf_counter()
-        history = list(ids)
-        out_ids: list[int] = []
-        detok = self.tokenizer.detokenizer()
-        stopper = _StopStrings(gen.stop_strings)
-        t_first: float | None = None
+        run = _Run(self, ids, gen, sampler)
         t_stats = t_prefill
-        reason = "max_tokens"
 
         def stats(final: bool = False) -> Stats:
             now = time.perf_counter()
-            decode_n = max(len(out_ids) - 1, 0)
+            t_first = run.t_first or now
+            decode_n = max(len(run.out_ids) - 1, 0)
             return Stats(
-                prompt_tokens=len(ids), prefill_tokens=n_prefilled, generated_tokens=len(out_ids),
-                ttft_s=((t_first or now) - t0), prefill_tok_s=n_prefilled / max(t_prefill - t0, 1e-9),
-                decode_tok_s=decode_n / max(now - (t_first or now), 1e-9) if decode_n else 0.0,
-                elapsed_s=now - t0, cache_bytes=self.cache.nbytes, state_bytes=self.cache.state_nbytes, final=final,
+                prompt_tokens=len(ids), prefill_tokens=n_prefilled, generated_tokens=len(run.out_ids),
+                ttft_s=t_first - t0, prefill_tok_s=n_prefilled / max(t_prefill - t0, 1e-9),
+                decode_tok_s=decode_n / max(now - t_first, 1e-9) if decode_n else 0.0,
+                elapsed_s=now - t0, cache_bytes=self.cache.nbytes, state_bytes=self.cache.state_nbytes,
+                final=final, mtp=use_mtp, speculative=spec.as_dict() if use_mtp else None,
             )
 
-        while True:
+        x = sampler.sample(logits, run.history)
+        yield from run.emit([(x, False)])
+        while run.reason is None:
             if stop is not None and stop.is_set():
-                reason = "stopped"
+                run.reason = "stopped"
                 break
-            tok = sampler.sample(logits, history)
-            out_ids.append(tok)
-            history.append(tok)
-            if t_first is None:
-                t_first = time.perf_counter()
-            if tok in self.tokenizer.eog_ids:
-                reason = "eos"
+            room = self.n_ctx - self.cache.pos - 1
+            if room < 0:
+                run.reason = "context_full"
                 break
-            text, hit = stopper.push(detok.push([tok]))
-            if text:
-                yield Token([tok], text)
-            elif not hit:
-                yield Token([tok], "")
-            if hit:
-                reason = "stop_string"
-                break
-            if len(out_ids) >= gen.max_tokens:
-                break
-            if self.cache.pos >= self.n_ctx:
-                reason = "context_full"
-                break
-            logits = self.model.forward([tok], self.cache, logit_rows="last").logits[-1]
-            self._seq.append(tok)
-            self._last_logits = logits
+            k = depth.choose(room) if depth is not None else 0
+            t_step = time.perf_counter()
+            if k == 0:
+                res = self.model.forward([x], self.cache, logit_rows="last")
+                if self.drafter is not None:
+                    self.drafter.push([x], res.hidden)
+                self._seq.append(x)
+                self._last_logits = logits = res.logits[-1]
+                x = sampler.sample(logits, run.history)
+                dt = time.perf_counter() - t_step
+                spec.plain_steps += 1
+                spec.decode_s += dt
+                if depth is not None:
+                    depth.observe_decode(dt)
+                yield from run.emit([(x, False)])
+            else:
+                x = yield from self._speculative_step(x, k, run, sampler, spec, depth)
             if time.perf_counter() - t_stats >= gen.stats_interval_s:
                 t_stats = time.perf_counter()
                 yield stats()
-        if reason not in ("stop_string", "eos"):
-            tail = stopper.flush(detok.flush())
+        if run.reason not in ("stop_string", "eos"):
+            tail = run.stopper.flush(run.detok.flush())
             if tail:
                 yield Token([], tail)
         yield stats(final=True)
-        msg = f"the context of {self.n_ctx} tokens is full" if reason == "context_full" else ""
-        yield Done(reason, msg)
+        msg = f"the context of {self.n_ctx} tokens is full" if run.reason == "context_full" else ""
+        yield Done(run.reason or "max_tokens", msg)
+
+    def _speculative_step(self, x: int, k: int, run: "_Run", sampler: Sampler, spec: SpecStats,
+                          depth: DepthController | None) -> Iterator[Event]:
+        """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix.
+        Returns the new last token (emitted but not yet processed by the trunk)."""
+        assert self.drafter is not None
+        t0 = time.perf_counter()
+        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min if depth else 0.0)
+        t1 = time.perf_counter()
+        pos0 = self.cache.pos
+        seq = [x] + draft.tokens
+        res = self.model.forward(seq, self.cache, logit_rows="all", capture=True)
+        t2 = time.perf_counter()
+        # run.history ends with x: it was emitted by the previous step
+        if sampler.cfg.greedy:
+            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history)
+        else:
+            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history)
+        emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
+        kept = yield from run.emit(emitted)
+        t3 = time.perf_counter()
+        c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
+        self.cache.commit(res.captured, c)
+        self.cache.truncate(pos0 + c + 1)
+        self.drafter.commit(c, seq, res.hidden)
+        self._seq.extend(seq[:c + 1])
+        self._last_logits = res.logits[c]
+        t4 = time.perf_counter()
+        spec.record(len(draft.tokens), n_acc)
+        spec.draft_s += t1 - t0
+        spec.verify_s += t2 - t1
+        spec.commit_s += t4 - t3
+        if depth is not None:
+            depth.observe_verify(len(seq), t2 - t1, len(draft.tokens), t1 - t0)
+        return emitted[kept - 1][0]
+
+
+class _Run:
+    """Bookkeeping of one generation: emitted ids, streaming text, stop conditions."""
+
+    def __init__(self, eng: Engine, prompt: list[int], gen: GenerationConfig, sampler: Sampler):
+        self.eng, self.gen = eng, gen
+        self.history = list(prompt)
+        self.out_ids: list[int] = []
+        self.detok = eng.tokenizer.detokenizer()
+        self.stopper = _StopStrings(gen.stop_strings)
+        self.t_first: float | None = None
+        self.reason: str | None = None
+
+    def emit(self, tokens: list[tuple[int, bool]]) -> Iterator[Event]:
+        """Emit tokens in order until a stop condition; returns how many were kept."""
+        for i, (tok, from_draft) in enumerate(tokens):
+            self.out_ids.append(tok)
+            self.history.append(tok)
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            if tok in self.eng.tokenizer.eog_ids:
+                self.reason = "eos"
+                return i + 1
+            text, hit = self.stopper.push(self.detok.push([tok]))
+            if text or not hit:
+                yield Token([tok], text, from_draft)
+            if hit:
+                self.reason = "stop_string"
+                return i + 1
+            if len(self.out_ids) >= self.gen.max_tokens:
+                self.reason = "max_tokens"
+                return i + 1
+        return len(tokens)
 
 
 class _StopStrings:

@@ -69,12 +69,15 @@ class Sampler:
         self.gen = torch.Generator()
         self.gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed() & 0x7FFFFFFF)
 
+    def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        return apply_repetition_penalty(logits, history, self.cfg)
+
     def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        return probs(apply_repetition_penalty(logits, history, self.cfg), self.cfg)
+        return probs(self.penalized(logits, history), self.cfg)
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         if self.cfg.greedy:
-            return int(torch.argmax(apply_repetition_penalty(logits, history, self.cfg)))
+            return int(torch.argmax(self.penalized(logits, history)))
         return self.draw(self.distribution(logits, history))
 
     def draw(self, p: torch.Tensor) -> int:

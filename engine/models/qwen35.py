@@ -343,6 +343,7 @@ class Qwen35Model:
         self.layers = [self._layer(i) for i in range(hp.n_layer)]
         self.n_ctx_max = n_ctx or hp.n_ctx_train
         self.rope = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
+        self.mtp = MTPHead(self) if hp.has_mtp else None
 
     def _ffn(self, p: str, il: int) -> MoE | DenseFFN:
         mf, hp, dev = self.mf, self.hp, self.device
@@ -418,3 +419,55 @@ class Qwen35Model:
             logits = rowwise_matmul(rows, self.output)
             cb("result_output", -1, logits)
         return ForwardResult(h, logits, cap)
+
+
+# --- the MTP head --------------------------------------------------------------------------------
+
+class MTPHead:
+    """The multi-token-prediction block (spec §3.6): from the trunk's post-norm hidden h at position
+    p−1 and the token x at p it predicts the token at p+1. Its input row for position p is
+    c = W_eh [RMSNorm(embed(x); enorm) ; RMSNorm(h; hnorm)], then one full decoder block (layer L, with
+    its own KV cache), then shared_head_norm and the LM head. Chained drafts feed the head's own
+    post-norm output back as the next h. Position p pairs token x_p with h_{p−1} (h_{−1} = 0), as
+    llama.cpp's MTP context does.
+    """
+
+    def __init__(self, model: Qwen35Model):
+        mf, hp, dev = model.mf, model.hp, model.device
+        self.hp, self.model = hp, model
+        self.il = L = hp.n_layer
+        p = f"blk.{L}.nextn."
+        self.eh_proj = mf.tensor(p + "eh_proj.weight")
+        self.enorm = _vec(mf, p + "enorm.weight", dev)
+        self.hnorm = _vec(mf, p + "hnorm.weight", dev)
+        self.head_norm = _vec(mf, p + "shared_head_norm.weight", dev) if mf.has_tensor(p + "shared_head_norm.weight") \
+            else model.output_norm
+        self.embed = mf.tensor(p + "embed_tokens.weight") if mf.has_tensor(p + "embed_tokens.weight") else model.tok_embd
+        self.head = mf.tensor(p + "shared_head_head.weight") if mf.has_tensor(p + "shared_head_head.weight") \
+            else model.output
+        self.layer = model._layer(L)
+
+    def new_cache(self, n_ctx: int) -> Cache:
+        return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.model.device, layers=(self.il,))
+
+    def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, *,
+                logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
+        """Rows (tokens[i], hidden[i]) at positions cache.pos…; returns the head's post-norm hidden rows
+        (the next chained "h") and the draft logits."""
+        cb = hook or _noop
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n, pos, eps = ids.numel(), cache.pos, self.hp.rms_eps
+        if pos + n > cache.n_ctx:
+            raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
+        e = rms_norm(take_rows(self.embed, ids, device=self.model.device), self.enorm, eps)
+        h = rms_norm(hidden, self.hnorm, eps)
+        x = rowwise_matmul(torch.cat([e, h], dim=-1), self.eh_proj)
+        cb("mtp_eh_proj", self.il, x)
+        x = self.layer(x, cache, pos, self.model.rope, cb, None, False)
+        cache.pos = pos + n
+        out = rms_norm(x, self.head_norm, eps)
+        cb("mtp_result_norm", self.il, out)
+        logits = None
+        if logit_rows != "none":
+            logits = rowwise_matmul(out if logit_rows == "all" else out[-1:], self.head)
+        return ForwardResult(out, logits, None)

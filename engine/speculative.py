@@ -1,0 +1,244 @@
+"""MTP speculative decoding: chained drafts, acceptance, rollback bookkeeping, depth control.
+
+One step (DESIGN.md "Speculative decoding"): the last emitted token x_n and the trunk's hidden state feed
+the MTP head, which drafts d1..dK (each draft feeds the next). One trunk pass over [x_n, d1..dK] — the
+grouped, batch-invariant multi-token pass — gives K+1 logit rows and captures the GDN state after every
+position. Greedy keeps the longest prefix of drafts that equal the trunk's argmax, then the trunk's own
+token; sampling uses standard speculative rejection sampling, which preserves the target distribution.
+The step commits the captured GDN state at the last kept position and truncates the attention KV by
+length: rollback costs no recomputation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.cache import Cache
+from engine.models.qwen35 import MTPHead
+from engine.sampling import Sampler
+
+MAX_DEPTH = 8
+CATCH_UP_CHUNK = 256
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
+    seconds: float = 0.0
+
+
+class MTPDrafter:
+    """Owns the MTP head's KV cache and keeps it in step with the trunk.
+
+    Head position p holds the row (x_p, h_{p−1}). Rows for positions the trunk has processed are queued
+    (`pending`) and run in one batch at the next draft, together with the first draft row.
+    """
+
+    def __init__(self, head: MTPHead, n_ctx: int):
+        self.head = head
+        self.cache: Cache = head.new_cache(n_ctx)
+        d = head.hp.n_embd
+        self.last_hidden = torch.zeros(d, device=head.model.device)  # h_{-1} = 0
+        self.pending_tokens: list[int] = []
+        self.pending_hidden: list[torch.Tensor] = []
+        self._committed = 0  # head positions computed from true trunk hiddens
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.last_hidden.zero_()
+        self.pending_tokens.clear()
+        self.pending_hidden.clear()
+        self._committed = 0
+
+    def push(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
+        """The trunk processed `tokens` and produced post-norm hidden rows `hidden` for them."""
+        for t, h in zip(tokens, hidden):
+            self.pending_tokens.append(int(t))
+            self.pending_hidden.append(self.last_hidden)
+            self.last_hidden = h
+
+    def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
+        """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
+        `history` is every token so far, ending with x (for the repetition penalty)."""
+        toks = self.pending_tokens + [x]
+        hid = torch.stack(self.pending_hidden + [self.last_hidden])
+        self.pending_tokens, self.pending_hidden = [], []
+        res = None
+        for s in range(0, len(toks), CATCH_UP_CHUNK):
+            res = self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache)
+        self._committed = self.cache.pos
+        out = Draft([], [])
+        hist = list(history)
+        for i in range(depth):
+            logits = res.logits[-1]
+            if sampler.cfg.greedy:
+                q = None
+                tok = int(torch.argmax(sampler.penalized(logits, hist)))
+                conf = float(torch.softmax(logits.float(), -1).max())
+            else:
+                q = sampler.distribution(logits, hist)
+                tok = sampler.draw(q)
+                conf = float(q.max())
+            if i > 0 and conf < p_min:  # an unconfident draft is more likely to cost than to pay
+                break
+            out.tokens.append(tok)
+            out.probs.append(q)
+            hist.append(tok)
+            if i + 1 < depth and self.cache.pos < self.cache.n_ctx:
+                res = self.head.forward([tok], res.hidden[-1:], self.cache)
+            else:
+                break
+        return out
+
+    def commit(self, kept: int, tokens: Sequence[int], verify_hidden: torch.Tensor) -> None:
+        """After a verify of [x, d1..dK]: the trunk kept x, d1..d_kept. Drop the chained rows and queue the
+        true rows (d_j, h_{n+j−1}) for j = 1..kept; the next token pairs with h_{n+kept}."""
+        self.cache.truncate(self._committed)
+        self.last_hidden = verify_hidden[0]
+        self.push(tokens[1:kept + 1], verify_hidden[1:kept + 1])
+
+
+@dataclass
+class SpecStats:
+    """Counters for Stats events: how much speculation is helping."""
+
+    steps: int = 0  # verify passes
+    plain_steps: int = 0  # steps decoded without drafting (auto chose depth 0)
+    drafted: int = 0
+    accepted: int = 0
+    tried_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    accept_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    decode_s: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(min(drafted, accepted + 1)):
+            self.tried_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+        self.accept_hist[accepted] += 1
+
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_at, self.tried_at)]
+
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verify pass (accepted drafts + the trunk's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_by_depth": self.acceptance_by_depth(), "mean_accepted_length": self.mean_accepted(),
+            "accepted_length_histogram": list(self.accept_hist), "verify_steps": self.steps,
+            "plain_steps": self.plain_steps,
+            "time_s": {"draft": self.draft_s, "verify": self.verify_s, "commit": self.commit_s,
+                       "plain_decode": self.decode_s},
+        }
+
+
+class DepthController:
+    """Chooses the draft depth each step: fixed, or `auto` from running acceptance and measured costs.
+
+    auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
+    acceptance at depth j, Laplace-smoothed) and C(K) = verify(K+1) + K·draft, against plain decoding
+    (K = 0, E = 1). When depth 0 wins it still probes depth 1 every `probe_every` steps so acceptance can
+    recover; with acceptance ≈ 0 that costs a few percent at most.
+    """
+
+    def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32):
+        if depth is not None and not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"draft depth must be 1..{MAX_DEPTH} or auto")
+        self.fixed = depth
+        self.stats = stats
+        self.p_min = 0.0 if depth is not None else p_min
+        self.probe_every = probe_every
+        self.t_decode: float | None = None
+        self.t_verify: dict[int, float] = {}
+        self.t_draft: float | None = None
+        self._since_probe = 0
+
+    @staticmethod
+    def _ema(old: float | None, new: float, a: float = 0.2) -> float:
+        return new if old is None else (1 - a) * old + a * new
+
+    def observe_decode(self, seconds: float) -> None:
+        self.t_decode = self._ema(self.t_decode, seconds)
+
+    def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float) -> None:
+        self.t_verify[n] = self._ema(self.t_verify.get(n), seconds)
+        if n_drafts:
+            self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
+
+    def choose(self, room: int) -> int:
+        """Depth for the next step, given `room` free positions in the context after the next token."""
+        if self.fixed is not None:
+            return max(0, min(self.fixed, room))
+        if self.t_decode is None:
+            return 0  # measure plain decoding first
+        if self.t_draft is None or 2 not in self.t_verify:
+            return min(1, room)  # then one draft step, to measure verify and draft costs
+        alpha = [(a + 1) / (t + 2) for a, t in zip(self.stats.accepted_at, self.stats.tried_at)]
+        best_k, best = 0, 1.0 / self.t_decode
+        expect, prod = 1.0, 1.0
+        for k in range(1, min(MAX_DEPTH, room) + 1):
+            prod *= alpha[k - 1]
+            expect += prod
+            t_ver = self.t_verify.get(k + 1) or self._extrapolate(k + 1)
+            rate = expect / (t_ver + k * self.t_draft)
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every and room >= 1:
+                self._since_probe = 0
+                return 1
+        return best_k
+
+    def _extrapolate(self, n: int) -> float:
+        """Verify cost for an unmeasured size: linear through the measured sizes (and decode at n = 1)."""
+        pts = sorted(self.t_verify.items())
+        (n0, t0) = (1, self.t_decode or 0.0) if len(pts) == 1 else pts[-2]
+        n1, t1 = pts[-1]
+        slope = max((t1 - t0) / max(n1 - n0, 1), 0.0)
+        return t1 + slope * (n - n1)
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
+                  history: list[int]) -> tuple[int, int]:
+    """(number of drafts accepted, the trunk's own next token) — the longest matching prefix."""
+    hist = list(history)
+    for i, d in enumerate(drafts):
+        t = int(torch.argmax(sampler.penalized(target_logits[i], hist)))
+        if t != d:
+            return i, t
+        hist.append(d)
+    return len(drafts), int(torch.argmax(sampler.penalized(target_logits[len(drafts)], hist)))
+
+
+def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
+                    history: list[int]) -> tuple[int, int]:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
+    min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
+    draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling."""
+    hist = list(history)
+    for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
+        p = sampler.distribution(target_logits[i], hist)
+        assert q is not None
+        if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q without dividing by a tiny q
+            hist.append(d)
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        tok = sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)
+        return i, tok
+    return len(draft.tokens), sampler.draw(sampler.distribution(target_logits[len(draft.tokens)], hist))

@@ -1,0 +1,229 @@
+"""MTP speculative decoding: head parity with llama.cpp, greedy identity with plain decoding for every
+depth, rollback and stop conditions inside accepted windows, and an exact rejection sampler."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load
+from engine.sampling import Sampler, SamplingConfig
+from engine.speculative import Draft, MTPDrafter, accept_sampling
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+from tests.oracle_llama import llama_mtp
+from tests.test_parity import NEAR_TIE, kl_ref_ours
+
+
+# --- the head against llama.cpp -------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, FixtureSpec(qtype="Q8_0"), KQUANT_MOE],
+                         ids=["moe-F32", "dense-F32", "moe-Q8_0", "moe-Q4_K"])
+def test_mtp_head_matches_llama_cpp(spec: FixtureSpec) -> None:
+    toks = np.random.default_rng(9).integers(0, spec.n_vocab - 3, 200).tolist()
+    ref = llama_mtp(fixture_path(spec), toks)
+    eng = load(fixture_path(spec), EngineConfig(n_ctx=512))
+    m = eng.model
+    hidden = m.forward(toks, m.new_cache(512), logit_rows="none").hidden
+    h_in = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # row p pairs x_p with h_{p-1}
+    out = m.mtp.forward(toks, h_in, m.mtp.new_cache(512), logit_rows="all")
+    ours = out.logits.numpy()
+    kl = kl_ref_ours(ref.mtp_logits, ours)
+    agree = float((ref.mtp_logits.argmax(-1) == ours.argmax(-1)).mean())
+    assert kl < 0.01, kl
+    if spec.qtype.endswith("_K"):
+        # Spec §8 near-tie rule, as for the trunk (tests/test_parity.py). The head's input is the trunk's
+        # hidden state, which already carries the K-quant rounding differences, so its raw agreement is
+        # lower than the trunk's (measured 0.945 at KL ≈ 1e-3); the raw floor here is 0.93.
+        r = ref.mtp_logits
+        near = r[np.arange(len(toks)), ours.argmax(-1)] >= r.max(-1) - NEAR_TIE * r.std()
+        assert near.mean() >= 0.99 and agree >= 0.93, (near.mean(), agree)
+    else:
+        assert agree >= 0.99, agree
+    if spec.qtype == "F32":
+        assert np.abs(ref.mtp_hidden - out.hidden.numpy()).max() < 1e-3
+
+
+# --- greedy identity ------------------------------------------------------------------------------
+
+def _engine(spec: FixtureSpec, n_ctx: int = 1024):
+    eng = load(fixture_path(spec), EngineConfig(n_ctx=n_ctx))
+    eng.tokenizer.eog_ids = frozenset()  # random fixtures emit end ids by chance
+    return eng
+
+
+def _gen(eng, prompt, **kw) -> tuple[list[int], list[bool], Stats, Done]:
+    toks, flags, final, done = [], [], None, None
+    for ev in eng.generate(prompt, GenerationConfig(**kw)):
+        if isinstance(ev, Token):
+            toks += ev.ids
+            flags += [ev.accepted_draft] * len(ev.ids)
+        elif isinstance(ev, Stats) and ev.final:
+            final = ev
+        elif isinstance(ev, Done):
+            done = ev
+    return toks, flags, final, done
+
+
+class OracleDrafter(MTPDrafter):
+    """Runs the real head (so its cache bookkeeping is exercised) but proposes the true greedy
+    continuation, corrupted at a fixed rate: accepted windows of every length occur."""
+
+    def __init__(self, base: MTPDrafter, truth: list[int], prompt_len: int, wrong_every: int):
+        self.__dict__.update(base.__dict__)
+        self.truth, self.prompt_len, self.wrong_every, self.calls = truth, prompt_len, wrong_every, 0
+
+    def draft(self, x, depth, sampler, history, p_min=0.0) -> Draft:
+        d = super().draft(x, depth, sampler, history, 0.0)
+        start = len(history) - self.prompt_len  # index in `truth` of the first draft
+        self.calls += 1
+        toks = []
+        for i in range(len(d.tokens)):
+            j = start + i
+            good = self.truth[j] if j < len(self.truth) else d.tokens[i]
+            wrong = (self.calls * 7 + i) % self.wrong_every == 0
+            toks.append((good + 1) % 300 if wrong else good)
+        return Draft(toks, [None] * len(toks))
+
+
+@pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE], ids=["moe", "dense"])
+@pytest.mark.parametrize("draft", [1, 2, 3, 4, None], ids=["k1", "k2", "k3", "k4", "auto"])
+def test_greedy_mtp_equals_plain_with_real_head(spec: FixtureSpec, draft: int | None) -> None:
+    eng = _engine(spec)
+    prompt = np.random.default_rng(1).integers(0, 380, 24).tolist()
+    plain, _, _, _ = _gen(eng, prompt, max_tokens=512, mtp=False)
+    eng.reset()
+    spec_toks, _, final, done = _gen(eng, prompt, max_tokens=512, mtp=True, draft=draft)
+    assert spec_toks == plain and done.reason == "max_tokens"
+    s = final.speculative
+    assert s["verify_steps"] + s["plain_steps"] > 0
+    if draft is not None:
+        assert s["drafted"] > 0 and s["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, KQUANT_MOE], ids=["moe", "dense", "moe-q4k"])
+@pytest.mark.parametrize("draft", [1, 3, 4])
+def test_greedy_mtp_equals_plain_when_drafts_are_accepted(spec: FixtureSpec, draft: int) -> None:
+    eng = _engine(spec)
+    prompt = np.random.default_rng(2).integers(0, 380, 16).tolist()
+    plain, _, _, _ = _gen(eng, prompt, max_tokens=160, mtp=False)
+    eng.reset()
+    eng.drafter = OracleDrafter(eng.drafter, plain, len(prompt), wrong_every=5)
+    toks, flags, final, _ = _gen(eng, prompt, max_tokens=160, mtp=True, draft=draft)
+    assert toks == plain
+    s = final.speculative
+    hist = s["accepted_length_histogram"]
+    assert s["accepted"] > 40 and sum(1 for h in hist[1:draft + 1] if h) >= min(draft, 2)  # many window lengths
+    assert sum(flags) == s["accepted"]  # every accepted draft is flagged for the app's colouring
+    assert abs(s["mean_accepted_length"] - (s["accepted"] + s["verify_steps"]) / s["verify_steps"]) < 1e-9
+
+
+def test_stops_inside_accepted_window_keep_the_next_turn_correct() -> None:
+    spec = TINY_MOE
+    eng_plain = _engine(spec)
+    prompt = np.random.default_rng(3).integers(0, 380, 20).tolist()
+    truth, _, _, _ = _gen(eng_plain, prompt, max_tokens=80, mtp=False)
+    for max_tokens in (5, 6, 7, 9):  # ends at different offsets inside 4-token windows
+        eng = _engine(spec)
+        eng.drafter = OracleDrafter(eng.drafter, truth, len(prompt), wrong_every=1000)
+        t1, _, _, done = _gen(eng, prompt, max_tokens=max_tokens, mtp=True, draft=4)
+        assert t1 == truth[:max_tokens] and done.reason == "max_tokens"
+        # The next turn extends the conversation: it must equal a fresh plain run on the same prompt.
+        turn2 = prompt + t1 + [11, 12, 13]
+        t2, _, final, _ = _gen(eng, turn2, max_tokens=12, mtp=True, draft=2)
+        assert final.prefill_tokens < final.prompt_tokens  # the cached prefix was reused
+        fresh = _engine(spec)
+        t2_plain, _, _, _ = _gen(fresh, turn2, max_tokens=12, mtp=False)
+        assert t2 == t2_plain, max_tokens
+
+
+def test_eos_inside_accepted_window() -> None:
+    eng = _engine(TINY_MOE)
+    prompt = np.random.default_rng(4).integers(0, 380, 20).tolist()
+    truth, _, _, _ = _gen(eng, prompt, max_tokens=40, mtp=False)
+    eos = truth[6]
+    first = truth.index(eos)
+    for e in (eng,):
+        e.reset()
+        e.tokenizer.eog_ids = frozenset({eos})
+        e.drafter = OracleDrafter(e.drafter, truth, len(prompt), wrong_every=1000)
+        toks, _, _, done = _gen(e, prompt, max_tokens=40, mtp=True, draft=4)
+        assert done.reason == "eos" and toks == truth[:first]  # the end id itself is not streamed
+
+
+def test_multi_turn_chat_mtp_equals_plain() -> None:
+    from engine.chat import Message
+
+    a, b = _engine(TINY_MOE), _engine(TINY_MOE)
+    conv: list[Message] = [Message("user", "Hello there, how are you?")]
+    for turn in range(3):
+        ta, _, _, _ = _gen(a, conv, max_tokens=40, mtp=True, draft=None)
+        tb, _, _, _ = _gen(b, conv, max_tokens=40, mtp=False)
+        assert ta == tb, turn
+        conv = conv + [Message("assistant", a.tokenizer.decode(ta)), Message("user", f"And then {turn}?")]
+
+
+def test_context_end_with_drafts() -> None:
+    eng, plain = _engine(TINY_MOE, n_ctx=40), _engine(TINY_MOE, n_ctx=40)
+    prompt = list(range(1, 31))
+    t_plain, _, _, d1 = _gen(plain, prompt, max_tokens=100, mtp=False)
+    t_spec, _, _, d2 = _gen(eng, prompt, max_tokens=100, mtp=True, draft=4)
+    assert t_spec == t_plain and d1.reason == d2.reason == "context_full"
+
+
+def test_model_without_mtp_runs_plain() -> None:
+    eng = _engine(FixtureSpec(mtp=False))
+    assert eng.drafter is None
+    toks, _, final, _ = _gen(eng, [1, 2, 3], max_tokens=8, mtp=True, draft=3)
+    assert len(toks) == 8 and final.mtp is False and final.speculative is None
+
+
+# --- the rejection sampler preserves the target distribution ---------------------------------------
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    from math import exp, lgamma, log
+
+    n = counts.sum()
+    keep = probs > 0
+    exp_c = probs[keep] * n
+    stat = float(((counts[keep] - exp_c) ** 2 / exp_c).sum())
+    k = int(keep.sum()) - 1
+    # Upper tail of chi² with k dof via the regularised incomplete gamma (series; fine for these sizes).
+    a, x = k / 2.0, stat / 2.0
+    term = total = 1.0 / a
+    for i in range(1, 500):
+        term *= x / (a + i)
+        total += term
+    lower = exp(-x + a * log(x) - lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+def test_speculative_sampling_preserves_the_target_distribution() -> None:
+    v = 6
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(3, v, generator=g) * 1.5  # K = 2 drafts → 3 target rows
+    draft_logits = torch.randn(2, v, generator=g) * 1.5
+    cfg = SamplingConfig(temperature=0.9, top_k=5, seed=1)
+    s = Sampler(cfg)
+    p0 = s.distribution(target[0], []).numpy()
+    n = 30000
+    first = np.zeros(v)
+    for _ in range(n):
+        q = [s.distribution(draft_logits[i], []) for i in range(2)]
+        d = Draft([s.draw(q[0]), s.draw(q[1])], q)
+        n_acc, nxt = accept_sampling(target, d, s, [])
+        tok = d.tokens[0] if n_acc >= 1 else nxt
+        first[tok] += 1
+    assert _chi2_pvalue(first, p0) > 1e-3
+    # Power: a sampler biased by 2 % of the mass towards the draft's favourite must be caught.
+    biased = 0.98 * p0.astype(np.float64) + 0.02 * np.eye(v)[int(draft_logits[0].argmax())]
+    expected_biased = np.random.default_rng(0).multinomial(n, biased / biased.sum())
+    assert _chi2_pvalue(expected_biased.astype(float), p0) < 1e-3
+
+
+def test_engine_sampling_with_mtp_runs_and_is_seeded() -> None:
+    eng = _engine(TINY_MOE)
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
+    a, _, fa, _ = _gen(eng, [1, 2, 3], max_tokens=30, mtp=True, draft=2, sampling=cfg)
+    eng.reset()
+    b, _, _, _ = _gen(eng, [1, 2, 3], max_tokens=30, mtp=True, draft=2, sampling=cfg)
+    assert a == b and len(a) == 30 and fa.speculative["drafted"] > 0
