@@ -170,14 +170,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=SamplingConfig(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repeat_penalty=args.repeat_penalty, seed=args.seed),
         stop_strings=tuple(args.stop or ()),
+        mtp=args.mtp,
+        draft=None if args.draft == "auto" else int(args.draft),
     )
     tokens: list[int] = []
+    flags: list[bool] = []
     pieces: list[str] = []
     final: Stats | None = None
     done: Done | None = None
     for ev in eng.generate(prompt, gen):
         if isinstance(ev, Token):
             tokens += ev.ids
+            flags += [ev.accepted_draft] * len(ev.ids)
             pieces.append(ev.text)
             if not args.json:
                 print(ev.text, end="", flush=True)
@@ -193,10 +197,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
         "ttft_s": final.ttft_s, "prefill_tok_s": final.prefill_tok_s, "decode_tok_s": final.decode_tok_s,
         "elapsed_s": final.elapsed_s, "cache_bytes": final.cache_bytes, "state_bytes": final.state_bytes,
-        "stop_reason": done.reason,
+        "stop_reason": done.reason, "mtp": final.mtp,
     }
+    if final.speculative:
+        stats.update(final.speculative)
     if args.json:
-        print(json.dumps({"tokens": tokens, "text": "".join(pieces), "stats": stats}))
+        print(json.dumps({"tokens": tokens, "text": "".join(pieces), "accepted_draft": flags, "stats": stats}))
     else:
         print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
               f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
@@ -253,10 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ctx", type=int, default=4096, help="context length")
+    s.add_argument("--mtp", dest="mtp", action="store_true", default=True,
+                   help="speculative decoding with the model's MTP head (default when the model has one)")
+    s.add_argument("--no-mtp", dest="mtp", action="store_false", help="plain decoding")
+    s.add_argument("--draft", default="auto", type=_draft_depth, help="draft depth 1-8 or 'auto' (default)")
     s.add_argument("--json", action="store_true")
     _device_args(s)
     s.set_defaults(func=cmd_generate)
     return p
+
+
+def _draft_depth(value: str) -> str:
+    if value == "auto" or (value.isdigit() and 1 <= int(value) <= 8):
+        return value
+    raise argparse.ArgumentTypeError("draft depth must be 1-8 or 'auto'")
 
 
 def _device_args(s: argparse.ArgumentParser) -> None:

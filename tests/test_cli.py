@@ -71,12 +71,21 @@ def test_generate_json() -> None:
     r = cli("generate", str(fixture_path(TINY_MOE)), "--prompt", "Hi", "--max-tokens", "6", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"tokens", "text", "stats"}
+    assert set(out) == {"tokens", "text", "accepted_draft", "stats"}
+    assert len(out["accepted_draft"]) == len(out["tokens"]) and out["stats"]["mtp"] is True
     s = out["stats"]
     assert s["generated_tokens"] == len(out["tokens"]) <= 6
     for key in ("prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s"):
         assert key in s
     r2 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--max-tokens", "4", "--json")
     assert r2.returncode == 0 and json.loads(r2.stdout)["stats"]["prompt_tokens"] == 3
+    r4 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--max-tokens", "12",
+             "--draft", "3", "--json")
+    st = json.loads(r4.stdout)["stats"]
+    assert r4.returncode == 0 and st["drafted"] > 0 and len(st["acceptance_by_depth"]) == 8
+    assert set(st["time_s"]) == {"draft", "verify", "commit", "plain_decode"}
+    r5 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--no-mtp", "--json")
+    assert r5.returncode == 0 and json.loads(r5.stdout)["stats"]["mtp"] is False
+    assert cli("generate", str(fixture_path(TINY_MOE)), "--prompt", "x", "--draft", "9").returncode == 2
     r3 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--ctx", "2", "--json")
     assert r3.returncode == 1 and r3.stderr.startswith("error: ")
