@@ -159,6 +159,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is None and args.prompt_tokens is None:
         raise EngineError("give --prompt TEXT or --prompt-tokens 1,2,3")
     eng = _engine(args, n_ctx=args.ctx)
+    if args.mtp:
+        for notice in eng.notices:
+            print(f"note: {notice}", file=sys.stderr)
     if args.prompt_tokens is not None:
         prompt: Any = _parse_ids(args.prompt_tokens)
     elif args.raw:

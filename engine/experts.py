@@ -80,22 +80,32 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     starts = [0]
     for c in counts_l:
         starts.append(starts[-1] + c)
+    down_t = ew.down.qtype.name
     for g0 in range(0, len(experts_l), step):
         group = experts_l[g0:g0 + step]
         wg, wu, wd = (gather_experts(t, group) for t in (ew.gate, ew.up, ew.down))
-        if all(c == 1 for c in counts_l[g0:g0 + step]):
-            # Decode: every selected expert has one token, so the whole group is one batched product.
-            pos = order[starts[g0]:starts[g0 + len(group)]]
-            tok = tokens[starts[g0]:starts[g0 + len(group)]]
-            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg)) * _bmm_t(xu[tok].unsqueeze(1), wu)
-            out[pos] = _bmm_t(round_activations(h, ew.down.qtype.name).unsqueeze(1), wd)
-            continue
+        # Experts with one token (all of them in a decode step, most of them in a verify pass) run as
+        # one batched product over distinct weights; the rest one expert at a time over its tokens.
+        single = [j for j, c in enumerate(counts_l[g0:g0 + step]) if c == 1]
+        if single:
+            at = torch.tensor([starts[g0 + j] for j in single], dtype=torch.long, device=x.device)
+            tok = tokens[at]
+            if len(single) == len(group):  # no copy of the weights when the whole group is single
+                sg, su, sd = wg, wu, wd
+            else:
+                sel = torch.tensor(single, dtype=torch.long, device=x.device)
+                sg, su, sd = wg[sel], wu[sel], wd[sel]
+            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), sg)) * _bmm_t(xu[tok].unsqueeze(1), su)
+            out[order[at]] = _bmm_t(round_activations(h, down_t).unsqueeze(1), sd)
         for j, e in enumerate(group):
             a, b = starts[g0 + j], starts[g0 + j + 1]
-            tok, c = tokens[a:b], b - a
+            c = b - a
+            if c == 1:
+                continue
+            tok = tokens[a:b]
             h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg[j].expand(c, -1, -1))) * \
                 _bmm_t(xu[tok].unsqueeze(1), wu[j].expand(c, -1, -1))
-            out[order[a:b]] = _bmm_t(round_activations(h, ew.down.qtype.name).unsqueeze(1), wd[j].expand(c, -1, -1))
+            out[order[a:b]] = _bmm_t(round_activations(h, down_t).unsqueeze(1), wd[j].expand(c, -1, -1))
     y = out.view(n, k, -1)
     acc = y[:, 0] * w[:, 0:1]
     for s in range(1, k):  # fixed slot order: identical sums whatever the grouping was

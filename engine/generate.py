@@ -93,6 +93,9 @@ class Engine:
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
+        # Things the user should know about this model (shown by the CLI and the app).
+        self.notices: list[str] = [] if self.drafter is not None else [
+            f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._last_logits: torch.Tensor | None = None
 

@@ -172,7 +172,8 @@ def test_context_end_with_drafts() -> None:
 
 def test_model_without_mtp_runs_plain() -> None:
     eng = _engine(FixtureSpec(mtp=False))
-    assert eng.drafter is None
+    assert eng.drafter is None and "no MTP block" in eng.notices[0]
+    assert _engine(TINY_MOE).notices == []
     toks, _, final, _ = _gen(eng, [1, 2, 3], max_tokens=8, mtp=True, draft=3)
     assert len(toks) == 8 and final.mtp is False and final.speculative is None
 
