@@ -61,7 +61,7 @@ def timed(fn, reps: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loop-tokens", type=int, default=24, help="tokens timed for the per-token prefill rate")
     ap.add_argument("--out", default=str(ROOT / "bench/results/verify.json"))
     args = ap.parse_args()
@@ -85,21 +85,34 @@ def main() -> None:
         reset()
         m.forward(toks, cache, logit_rows="all", capture=capture)
 
-    t1, b1 = timed(lambda: step(draft[:1], False), args.reps + 2)
+    # Each repetition times one decode step, the grouped pass and the per-token loop back to back, and the
+    # ratios are taken per repetition: the host's speed drifts, so only same-moment timings are compared.
+    timed(lambda: step(draft[:1], False), 1)  # warm-up
     rows = []
+    t1s: list[float] = []
+    b1 = 0
     for n in (2, 4, 8):
-        tg, bg = timed(lambda: step(draft[:n], True), args.reps)
-
-        def loop() -> None:
+        def loop(n: int = n) -> None:
             reset()
             for t in draft[:n]:
                 m.forward([t], cache, logit_rows="all")
 
-        tl, bl = timed(loop, args.reps)
-        rows.append({"n": n, "grouped_s": tg, "per_token_s": tl, "grouped_over_decode": tg / t1,
-                     "per_token_over_decode": tl / t1, "grouped_bytes_over_decode": bg / b1,
-                     "per_token_bytes_over_decode": bl / b1})
+        r_group, r_loop, tgs, tls = [], [], [], []
+        for _ in range(args.reps):
+            t1, b1 = timed(lambda: step(draft[:1], False), 1)
+            tg, bg = timed(lambda n=n: step(draft[:n], True), 1)
+            tl, bl = timed(loop, 1)
+            t1s.append(t1)
+            tgs.append(tg)
+            tls.append(tl)
+            r_group.append(tg / t1)
+            r_loop.append(tl / t1)
+        rows.append({"n": n, "grouped_s": statistics.median(tgs), "per_token_s": statistics.median(tls),
+                     "grouped_over_decode": statistics.median(r_group),
+                     "per_token_over_decode": statistics.median(r_loop),
+                     "grouped_bytes_over_decode": bg / b1, "per_token_bytes_over_decode": bl / b1})
         print(rows[-1], flush=True)
+    t1 = statistics.median(t1s)
 
     prompt = rng.integers(0, 32000, 512).tolist()
     prefill = {}

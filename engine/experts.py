@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant import QTensor
-from engine.rowwise import round_activations
+from engine.rowwise import Weight, round_activations
 
 
 @dataclass
 class ExpertWeights:
-    gate: QTensor  # (E, F, d)
-    up: QTensor  # (E, F, d)
-    down: QTensor  # (E, d, F)
+    gate: Weight  # (E, F, d)
+    up: Weight  # (E, F, d)
+    down: Weight  # (E, d, F)
 
 
 @dataclass
@@ -50,8 +50,10 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 GROUP_ELEMENTS = 1 << 23
 
 
-def gather_experts(w: QTensor, experts: list[int]) -> torch.Tensor:
+def gather_experts(w: Weight, experts: list[int]) -> torch.Tensor:
     """Float weights [U, rows, cols] of the listed experts: one gather of their blocks, one dequant call."""
+    if isinstance(w, torch.Tensor):
+        return w[torch.tensor(experts, dtype=torch.long, device=w.device)]
     e_all = w.shape[0]
     rows = w.n_rows // e_all
     sel = torch.tensor(experts, dtype=torch.long, device=w.raw.device)
@@ -72,6 +74,8 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     tokens = order // k
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
+    if isinstance(ew.gate, torch.Tensor):
+        return _run_experts_float(x, idx, w, ew, order, experts, counts, tokens)
     xg = round_activations(x, ew.gate.qtype.name)
     xu = xg if ew.up.qtype == ew.gate.qtype else round_activations(x, ew.up.qtype.name)
     per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
@@ -106,8 +110,27 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
             h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg[j].expand(c, -1, -1))) * \
                 _bmm_t(xu[tok].unsqueeze(1), wu[j].expand(c, -1, -1))
             out[order[a:b]] = _bmm_t(round_activations(h, down_t).unsqueeze(1), wd[j].expand(c, -1, -1))
-    y = out.view(n, k, -1)
+    return _reduce_slots(out.view(n, k, -1), w)
+
+
+def _reduce_slots(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     acc = y[:, 0] * w[:, 0:1]
-    for s in range(1, k):  # fixed slot order: identical sums whatever the grouping was
+    for s in range(1, y.shape[1]):  # fixed slot order: identical sums whatever the grouping was
         acc = acc + y[:, s] * w[:, s:s + 1]
     return acc
+
+
+def _run_experts_float(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights,
+                       order: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                       tokens: torch.Tensor) -> torch.Tensor:
+    """Training path (float parameter weights, autograd): same grouping and reduction, plain matmuls."""
+    n, k = idx.shape
+    parts, start = [], 0
+    for e, c in zip(experts.tolist(), counts.tolist()):
+        xe = x[tokens[start:start + c]]
+        h = F.silu(xe @ ew.gate[e].t()) * (xe @ ew.up[e].t())
+        parts.append(h @ ew.down[e].t())
+        start += c
+    out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
+    out = out.index_put((order,), torch.cat(parts))
+    return _reduce_slots(out.view(n, k, -1), w)

@@ -61,11 +61,22 @@ def tile_rows(w: QTensor) -> int:
     return max(1, min(w.n_rows, TILE_ELEMENTS // max(w.n_cols, 1)))
 
 
-def rowwise_matmul(x: torch.Tensor, w: QTensor, ggml_activations: bool = True) -> torch.Tensor:
+Weight = QTensor | torch.Tensor  # a GGUF tensor, or a float parameter while training
+
+
+def weight_type(w: Weight) -> str:
+    return w.qtype.name if isinstance(w, QTensor) else "F32"
+
+
+def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) -> torch.Tensor:
     """y = x @ W.T with W kept quantized: dequantized one tile of rows at a time into float32.
 
     ggml_activations: round x as llama.cpp's CPU backend does for this weight type (see above).
+    A float tensor W (a parameter being trained) takes plain `F.linear`: fast and differentiable,
+    not batch-invariant, which training does not need.
     """
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w)
     k, n_out = w.n_cols, w.n_rows
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {k}")
@@ -84,7 +95,9 @@ def rowwise_matmul(x: torch.Tensor, w: QTensor, ggml_activations: bool = True) -
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def take_rows(w: QTensor, idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+def take_rows(w: Weight, idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Dequantize rows `idx` (e.g. token embeddings) without touching the rest of the tensor."""
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.embedding(idx.reshape(-1).to(w.device), w)
     idx = idx.reshape(-1).to(w.raw.device)
     return QTensor(w.raw[idx], w.qtype, (idx.numel(), w.n_cols)).dequantize(device=device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from engine.cache import Cache, CapturedStates, GDNState, KVLayer
 from engine.experts import ExpertWeights, RoutingStats, route, run_experts
-from engine.modelfile import HParams, ModelFile
+from engine.modelfile import HParams
 from engine.quant import QTensor
-from engine.rowwise import rowwise_matmul, take_rows
+from engine.rowwise import Weight, rowwise_matmul, take_rows
 
 Hook = Callable[[str, int, torch.Tensor], None]
 
@@ -77,16 +77,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int
 
 # --- layers --------------------------------------------------------------------------------------
 
-def _vec(mf: ModelFile, name: str, device: torch.device) -> torch.Tensor:
-    return mf.tensor(name).dequantize(dtype=torch.float32, device=device).reshape(-1)
+class WeightSource(Protocol):
+    """Where a model's weights come from: a GGUF `ModelFile` (QTensors), or the trainer's parameters."""
+
+    hparams: HParams
+
+    def tensor(self, name: str) -> Weight: ...
+
+    def has_tensor(self, name: str) -> bool: ...
+
+
+def _dense(src: WeightSource, name: str, device: torch.device) -> torch.Tensor:
+    """A small tensor (norm, gate, conv kernel) as float32, kept as-is when it is a trained parameter."""
+    t = src.tensor(name)
+    return t.dequantize(dtype=torch.float32, device=device) if isinstance(t, QTensor) else t
+
+
+def _vec(src: WeightSource, name: str, device: torch.device) -> torch.Tensor:
+    return _dense(src, name, device).reshape(-1)
 
 
 @dataclass
 class AttentionWeights:
-    q: QTensor  # (2·H_q·D, d): per head [query rows ; gate rows]
-    k: QTensor
-    v: QTensor
-    o: QTensor
+    q: Weight  # (2·H_q·D, d): per head [query rows ; gate rows]
+    k: Weight
+    v: Weight
+    o: Weight
     q_norm: torch.Tensor
     k_norm: torch.Tensor
 
@@ -95,6 +111,7 @@ class GatedAttention:
     def __init__(self, hp: HParams, w: AttentionWeights, layer: int):
         self.hp, self.w, self.il = hp, w, layer
         self.scale = 1.0 / math.sqrt(hp.head_dim_k)
+        self.training = False  # the trainer sets this: one causal SDPA call instead of per-query steps
 
     def __call__(self, x: torch.Tensor, kv: KVLayer, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  cb: Hook) -> torch.Tensor:
@@ -112,6 +129,12 @@ class GatedAttention:
         cb("Qcur", il, q)
         cb("Kcur", il, k)
         cb("Vcur", il, v)
+        if self.training:  # whole sequences from position 0, no cache
+            assert pos == 0, "training runs whole sequences"
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            out = o.transpose(0, 1).reshape(n, hp.n_head * Dv) * torch.sigmoid(gate)
+            return rowwise_matmul(out, w.o)
         kv.k[pos:pos + n] = k
         kv.v[pos:pos + n] = v
         group = hp.n_head // hp.n_head_kv
@@ -132,15 +155,15 @@ class GatedAttention:
 
 @dataclass
 class GDNWeights:
-    qkv: QTensor  # (C, d): [q (H_k·d_k) ; k (H_k·d_k) ; v (H_v·d_v, tiled head order)]
-    gate: QTensor  # z, (H_v·d_v, d)
-    beta: QTensor  # (H_v, d)
-    alpha: QTensor  # (H_v, d)
+    qkv: Weight  # (C, d): [q (H_k·d_k) ; k (H_k·d_k) ; v (H_v·d_v, tiled head order)]
+    gate: Weight  # z, (H_v·d_v, d)
+    beta: Weight  # (H_v, d)
+    alpha: Weight  # (H_v, d)
     a: torch.Tensor  # ssm_a = −exp(A_log), (H_v,)
     dt_bias: torch.Tensor  # (H_v,)
     conv: torch.Tensor  # (C, K), tap 0 multiplies the oldest input
     norm: torch.Tensor  # (d_v,), plain multiplicative weight
-    out: QTensor  # (d, H_v·d_v)
+    out: Weight  # (d, H_v·d_v)
 
 
 class GatedDeltaNet:
@@ -163,7 +186,7 @@ class GatedDeltaNet:
             conv = conv + window[j:j + n] * w.conv[:, j]
         if capture is not None:
             capture.conv[il] = window.unfold(0, K - 1, 1)[1:].transpose(1, 2).clone()  # [n, K-1, C]
-        st.conv.copy_(window[n:])
+        st.conv = window[n:]  # rebind, not copy_: the old state may be saved for backward while training
         u = F.silu(conv)
         cb("conv_output_silu", il, u)
         q = u[:, :Hk * dk].reshape(n, Hk, dk)
@@ -176,7 +199,7 @@ class GatedDeltaNet:
         if chunked and capture is None and n > 1:
             beta = torch.sigmoid(b)
             g = w.a * F.softplus(a + w.dt_bias)
-            o = _delta_rule_chunked(q, k, v, beta, g, st.ssm)
+            o, st.ssm = _delta_rule_chunked(q, k, v, beta, g, st.ssm)
         else:
             beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st.ssm, capture.ssm if capture else None, il)
         cb("beta", il, beta)
@@ -214,16 +237,17 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
 
 
 def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                        g: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+                        g: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, parallel within chunks (WY/UT form); S is updated in place.
 
     Within a chunk with cumulative log-decay G: T = (I + tril(diag(β) K Kᵀ ⊙ Γ, −1))⁻¹, U = T diag(β) V,
     W = T diag(β e^G) K; then per chunk, with the incoming state S: V' = U − W S,
-    O = (Q e^G) S + tril(Q Kᵀ ⊙ Γ) V', S ← e^{G_L} S + (K e^{G_L − G})ᵀ V'.
+    O = (Q e^G) S + tril(Q Kᵀ ⊙ Γ) V', S ← e^{G_L} S + (K e^{G_L − G})ᵀ V'. Returns (O, final S);
+    nothing is updated in place, so the trainer can differentiate through it.
     """
     n, H, dk = k.shape
     dv = v.shape[-1]
-    o = torch.empty_like(v)
+    outs = []
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, ·]
     bh, gh = beta.transpose(0, 1), g.transpose(0, 1)  # [H, n]
     for s in range(0, n, chunk):
@@ -231,9 +255,10 @@ def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta:
         L = e - s
         qc, kc, vc, bc = qh[:, s:e], kh[:, s:e], vh[:, s:e], bh[:, s:e]
         G = torch.cumsum(gh[:, s:e], dim=-1)  # [H, L]
-        gamma = torch.exp(G[:, :, None] - G[:, None, :])  # Γ[i, j] = e^{G_i − G_j}
         lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        gamma = gamma.masked_fill(~lower, 0.0)
+        # Γ[i, j] = e^{G_i − G_j} for j ≤ i. Mask before exp: above the diagonal the exponent is positive
+        # and can overflow, and inf·0 would poison the gradient while training.
+        gamma = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")))
         kk = (kc * bc[..., None]) @ kc.transpose(1, 2)  # diag(β) K Kᵀ
         A = (kk * gamma).tril(-1)
         eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(H, L, L)
@@ -242,20 +267,20 @@ def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta:
         W = T @ (kc * (bc * torch.exp(G))[..., None])
         Vp = U - W @ S
         attn = (qc @ kc.transpose(1, 2)) * gamma
-        o[s:e] = ((qc * torch.exp(G)[..., None]) @ S + attn @ Vp).transpose(0, 1)
+        outs.append(((qc * torch.exp(G)[..., None]) @ S + attn @ Vp).transpose(0, 1))
         gl = G[:, -1:]
-        S.mul_(torch.exp(gl)[..., None]).add_((kc * torch.exp(gl - G)[..., None]).transpose(1, 2) @ Vp)
-    return o
+        S = S * torch.exp(gl)[..., None] + (kc * torch.exp(gl - G)[..., None]).transpose(1, 2) @ Vp
+    return torch.cat(outs), S
 
 
 @dataclass
 class MoEWeights:
-    router: QTensor  # (E, d), F32
+    router: Weight  # (E, d), F32
     experts: ExpertWeights
-    shared_gate_inp: QTensor | None  # (1, d)
-    shared_gate: QTensor | None
-    shared_up: QTensor | None
-    shared_down: QTensor | None
+    shared_gate_inp: Weight | None  # (1, d)
+    shared_gate: Weight | None
+    shared_up: Weight | None
+    shared_down: Weight | None
 
 
 class MoE:
@@ -282,9 +307,9 @@ class MoE:
 
 @dataclass
 class DenseWeights:
-    gate: QTensor
-    up: QTensor
-    down: QTensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 class DenseFFN:
@@ -331,8 +356,8 @@ class ForwardResult:
 class Qwen35Model:
     """The trunk (and, when present, the MTP block) of a qwen35 / qwen35moe GGUF."""
 
-    def __init__(self, mf: ModelFile, device: torch.device | str = "cpu", n_ctx: int | None = None):
-        self.mf = mf
+    def __init__(self, mf: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None):
+        self.mf = mf  # a ModelFile, or the trainer's parameters
         self.hp = hp = mf.hparams
         self.device = torch.device(device)
         self.routing = RoutingStats()
@@ -356,7 +381,7 @@ class Qwen35Model:
         sgi = None
         if shared:  # stored as (d,) or (1, d): one scalar gate per token either way
             t = mf.tensor(p + "ffn_gate_inp_shexp.weight")
-            sgi = QTensor(t.raw, t.qtype, (1, t.n_cols))
+            sgi = QTensor(t.raw, t.qtype, (1, t.n_cols)) if isinstance(t, QTensor) else t.reshape(1, -1)
         return MoE(hp, MoEWeights(
             mf.tensor(p + "ffn_gate_inp.weight"), experts, sgi,
             mf.tensor(p + "ffn_gate_shexp.weight") if shared else None,
@@ -379,7 +404,7 @@ class Qwen35Model:
                 mf.tensor(p + "attn_qkv.weight"), mf.tensor(p + "attn_gate.weight"),
                 mf.tensor(p + "ssm_beta.weight"), mf.tensor(p + "ssm_alpha.weight"),
                 _vec(mf, p + "ssm_a", dev), _vec(mf, p + "ssm_dt.bias", dev),
-                mf.tensor(p + "ssm_conv1d.weight").dequantize(dtype=torch.float32, device=dev),
+                _dense(mf, p + "ssm_conv1d.weight", dev),
                 _vec(mf, p + "ssm_norm.weight", dev), mf.tensor(p + "ssm_out.weight")), il)
         else:
             mixer = self._attention(p, il)

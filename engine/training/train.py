@@ -1,0 +1,204 @@
+"""Train a small qwen35moe with a jointly trained MTP head, and export it as a GGUF.
+
+    python -m engine.training.train --out resources/models/foretell-demo.gguf [--minutes 80] [--seed 0]
+
+The trunk loss is next-token cross-entropy; the MTP loss (spec §3.6) predicts token t+2 from the trunk's
+post-final-norm hidden at t and the embedding of token t+1, through the same `MTPHead` inference runs.
+A Switch-style load-balancing term keeps the router from collapsing onto a few experts. Progress (loss,
+MTP loss, tokens/s) is printed while it runs; everything is seeded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.modelfile import HParams
+from engine.training.model import ModelParams
+from engine.writer import Vocab, make_hparams, write_gguf
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    n_embd: int = 256
+    n_layer: int = 8  # full attention every 4th layer
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 64
+    ssm_n_group: int = 4
+    ssm_dt_rank: int = 8
+    ssm_d_state: int = 32
+    n_expert: int = 16
+    n_expert_used: int = 4
+    n_ff_exp: int = 128
+    n_ff_shexp: int = 256
+    seq_len: int = 256
+    batch: int = 8
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    mtp_weight: float = 0.3
+    balance_weight: float = 0.01
+    seed: int = 0
+
+
+def hparams_for(cfg: TrainConfig, n_vocab: int) -> HParams:
+    return make_hparams(
+        "qwen35moe", n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_vocab=n_vocab, n_head=cfg.n_head,
+        n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, ssm_n_group=cfg.ssm_n_group, ssm_dt_rank=cfg.ssm_dt_rank,
+        ssm_d_state=cfg.ssm_d_state, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used,
+        n_ff_exp=cfg.n_ff_exp, n_ff_shexp=cfg.n_ff_shexp, n_mtp=1, n_ctx_train=4096,
+    )
+
+
+def pack(docs: Sequence[list[int]], seq_len: int, sep: int) -> torch.Tensor:
+    """Documents joined by `sep` and cut into rows of seq_len + 1 tokens (inputs + shifted targets)."""
+    flat: list[int] = []
+    for d in docs:
+        flat += d + [sep]
+    n = (len(flat) - 1) // seq_len
+    t = torch.tensor(flat[:n * seq_len + 1], dtype=torch.long)
+    return torch.stack([t[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
+
+
+def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(trunk CE, MTP CE, load-balance term) for one sequence of seq_len + 1 tokens."""
+    hp = params.hparams
+    model = params.build(n_ctx=seq.numel())
+    router_logits: list[torch.Tensor] = []
+
+    def hook(name: str, il: int, t: torch.Tensor) -> None:
+        if name == "ffn_moe_logits":
+            router_logits.append(t)
+
+    x, y = seq[:-1], seq[1:]
+    res = model.forward(x, model.new_cache(x.numel()), logit_rows="all", chunked=True, hook=hook)
+    ce = F.cross_entropy(res.logits, y)
+    # MTP: the row for position p pairs token x_{p+1} with the trunk's hidden h_p and predicts x_{p+2}.
+    head = model.mtp
+    assert head is not None
+    mres = head.forward(x[1:], res.hidden[:-1], head.new_cache(x.numel()), logit_rows="all")
+    mtp_ce = F.cross_entropy(mres.logits, y[1:])
+    bal = torch.zeros(())
+    for lg in router_logits:  # Switch: E · Σ_e (fraction routed to e) · (mean router prob of e)
+        p = torch.softmax(lg, -1)
+        frac = torch.zeros(hp.n_expert).index_add_(0, p.topk(hp.n_expert_used, -1).indices.reshape(-1),
+                                                   torch.ones(p.shape[0] * hp.n_expert_used))
+        bal = bal + hp.n_expert * (frac / frac.sum() * p.mean(0)).sum()
+    return ce, mtp_ce, bal / max(len(router_logits), 1)
+
+
+def train(data: torch.Tensor, params: ModelParams, cfg: TrainConfig, seconds: float, max_steps: int | None = None,
+          log: Callable[[str], None] = print) -> list[dict]:
+    """Train until `seconds` have passed (or max_steps); returns the progress records."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    decay = [p for n, p in params.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in params.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    t0 = time.perf_counter()
+    history: list[dict] = []
+    step, tokens = 0, 0
+    est_steps = max_steps or 10**9
+    while True:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+            break
+        # Cosine schedule over the time budget (or the step budget), after a linear warm-up.
+        frac = step / est_steps if max_steps else elapsed / seconds
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rows = [data[rng.randrange(len(data))] for _ in range(cfg.batch)]
+        opt.zero_grad(set_to_none=True)
+        ce_sum = mtp_sum = 0.0
+        for seq in rows:
+            ce, mtp_ce, bal = losses(params, seq, cfg)
+            loss = (ce + cfg.mtp_weight * mtp_ce + cfg.balance_weight * bal) / cfg.batch
+            loss.backward()
+            ce_sum += float(ce)
+            mtp_sum += float(mtp_ce)
+        torch.nn.utils.clip_grad_norm_(params.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += cfg.batch * cfg.seq_len
+        if step % 10 == 0 or step == 1:
+            el = time.perf_counter() - t0
+            rec = {"step": step, "loss": ce_sum / cfg.batch, "mtp_loss": mtp_sum / cfg.batch, "lr": lr,
+                   "tokens": tokens, "tok_s": tokens / el, "elapsed_s": el}
+            history.append(rec)
+            log(f"step {step:5d}  loss {rec['loss']:.3f}  mtp {rec['mtp_loss']:.3f}  lr {lr:.2e}  "
+                f"{rec['tok_s']:.0f} tok/s  {el / 60:.1f} min")
+    return history
+
+
+def export(params: ModelParams, vocab: Vocab, path: str | os.PathLike[str], name: str, extra: dict,
+           qtype: str = "Q8_0") -> None:
+    """Write the GGUF: Q8_0 matrices, F32 norms/gates/conv (the writer applies llama.cpp's type rules)."""
+    from gguf import GGMLQuantizationType as T
+
+    write_gguf(path, params.hparams, params.export_tensors(), vocab, qtype=T[qtype], name=name,
+               extra_kv={"foretell.training": json.dumps(extra)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=80.0)
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine.chat import CHATML_TEMPLATE
+    from engine.tokenizer import PRE_TOKENIZER_PATTERNS, Tokenizer
+    from engine.training import data as corpus
+    from engine.training.bpe import train_bpe
+
+    cfg = TrainConfig(seed=args.seed)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    t0 = time.perf_counter()
+    docs = corpus.build_corpus(seed=cfg.seed)
+    vocab = train_bpe(docs, args.vocab, pattern=PRE_TOKENIZER_PATTERNS["qwen35"], chat_template=CHATML_TEMPLATE)
+    tok = Tokenizer.from_metadata(_vocab_metadata(vocab))
+    ids = tok.encode_batch(docs, special=True)
+    data = pack(ids, cfg.seq_len, vocab.bos_id)
+    print(f"corpus: {len(docs)} documents, {sum(map(len, ids))} tokens, {len(data)} rows "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    params = ModelParams(hparams_for(cfg, len(vocab.tokens)), seed=cfg.seed)
+    n_params = sum(p.numel() for p in params.parameters())
+    print(f"model: {n_params / 1e6:.1f}M parameters", flush=True)
+    hist = train(data, params, cfg, seconds=args.minutes * 60, max_steps=args.max_steps,
+                 log=lambda s: print(s, flush=True))
+    extra = {"config": asdict(cfg), "steps": hist[-1]["step"] if hist else 0,
+             "train_seconds": hist[-1]["elapsed_s"] if hist else 0.0, "final_loss": hist[-1]["loss"] if hist else None}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    export(params, vocab, args.out, "foretell-demo", extra)
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+def _vocab_metadata(v: Vocab) -> dict:
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": v.pre, "tokenizer.ggml.tokens": v.tokens,
+            "tokenizer.ggml.token_type": v.token_types, "tokenizer.ggml.merges": v.merges,
+            "tokenizer.ggml.bos_token_id": v.bos_id, "tokenizer.ggml.eos_token_id": v.eos_id,
+            "tokenizer.ggml.add_bos_token": v.add_bos}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
