@@ -53,6 +53,24 @@ def test_losses_are_finite_and_reach_every_parameter() -> None:
     assert missing == []
 
 
+def test_target_weights_learn_only_assistant_replies() -> None:
+    from engine.chat import ChatFormat, Message
+    from engine.tokenizer import Tokenizer
+    from engine.training.train import target_weights
+    from tests.fixtures import TINY_MOE, fixture_path
+
+    tok = Tokenizer.from_metadata(open_model(fixture_path(TINY_MOE)).metadata)
+    chat = ChatFormat(None, tok)
+    ids = chat.encode([Message("system", "Be brief."), Message("user", "Hi there"), Message("assistant", "Hello!")],
+                      add_generation_prompt=False)
+    im_start, im_end = (tok.encode(t, special=True)[0] for t in ("<|im_start|>", "<|im_end|>"))
+    w = target_weights(ids, tok, im_start, im_end)
+    learned = tok.decode([t for t, x in zip(ids, w) if x == 1.0])
+    assert learned == "Hello!<|im_end|>"
+    plain = tok.encode("just some text", special=False)
+    assert target_weights(plain, tok, im_start, im_end) == [1.0] * len(plain)
+
+
 def test_a_few_steps_learn_a_repeating_pattern() -> None:
     params = _params(seed=2)
     pattern = [5, 17, 42, 99, 7, 230, 3]

@@ -51,7 +51,7 @@ class ModelParams(nn.Module):
     def build(self, n_ctx: int) -> Qwen35Model:
         """A model over the current parameters (rebuilt every step: derived tensors such as ssm_a must
         be recomputed from the parameters inside each step's autograd graph)."""
-        m = Qwen35Model(self, n_ctx=n_ctx)
+        m = Qwen35Model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
         for layer in m.layers + ([m.mtp.layer] if m.mtp is not None else []):
             if isinstance(layer.mixer, GatedAttention):
                 layer.mixer.training = True

@@ -62,18 +62,47 @@ def hparams_for(cfg: TrainConfig, n_vocab: int) -> HParams:
     )
 
 
-def pack(docs: Sequence[list[int]], seq_len: int, sep: int) -> torch.Tensor:
-    """Documents joined by `sep` and cut into rows of seq_len + 1 tokens (inputs + shifted targets)."""
+def target_weights(doc: list[int], tok, im_start: int, im_end: int) -> list[float]:
+    """Loss weight of each token as a prediction target: in ChatML dialogues only the assistant's replies
+    (and their closing <|im_end|>) are learned — questions are context; plain documents count in full."""
+    if im_start not in doc:
+        return [1.0] * len(doc)
+    w, i, assistant = [0.0] * len(doc), 0, False
+    while i < len(doc):
+        if doc[i] == im_start:  # role header: up to the token that holds the newline
+            j = i + 1
+            while j < len(doc) and "\n" not in tok.decode([doc[j]]):
+                j += 1
+            assistant = tok.decode(doc[i + 1:j + 1]).strip() == "assistant"
+            i = j + 1
+            continue
+        w[i] = 1.0 if assistant else 0.0
+        if doc[i] == im_end:
+            assistant = False
+        i += 1
+    return w
+
+
+def pack(docs: Sequence[list[int]], seq_len: int, sep: int,
+         weights: Sequence[list[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents joined by `sep`, cut into rows of seq_len + 1 tokens (inputs + shifted targets), with each
+    token's weight as a target (default 1)."""
     flat: list[int] = []
-    for d in docs:
+    wflat: list[float] = []
+    for k, d in enumerate(docs):
         flat += d + [sep]
+        wflat += (list(weights[k]) if weights is not None else [1.0] * len(d)) + [1.0]
     n = (len(flat) - 1) // seq_len
     t = torch.tensor(flat[:n * seq_len + 1], dtype=torch.long)
-    return torch.stack([t[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
+    w = torch.tensor(wflat[:n * seq_len + 1], dtype=torch.float32)
+    rows = [slice(i * seq_len, (i + 1) * seq_len + 1) for i in range(n)]
+    return torch.stack([t[r] for r in rows]), torch.stack([w[r] for r in rows])
 
 
-def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(trunk CE, MTP CE, load-balance term) for one sequence of seq_len + 1 tokens."""
+def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
+           weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(trunk CE, MTP CE, load-balance term) for one sequence of seq_len + 1 tokens; `weights` are the
+    tokens' weights as targets (see target_weights)."""
     hp = params.hparams
     model = params.build(n_ctx=seq.numel())
     router_logits: list[torch.Tensor] = []
@@ -83,24 +112,30 @@ def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig) -> tuple[to
             router_logits.append(t)
 
     x, y = seq[:-1], seq[1:]
+    wy = torch.ones(y.shape, device=y.device) if weights is None else weights[1:]
     res = model.forward(x, model.new_cache(x.numel()), logit_rows="all", chunked=True, hook=hook)
-    ce = F.cross_entropy(res.logits, y)
+    ce = _weighted_ce(res.logits, y, wy)
     # MTP: the row for position p pairs token x_{p+1} with the trunk's hidden h_p and predicts x_{p+2}.
     head = model.mtp
     assert head is not None
     mres = head.forward(x[1:], res.hidden[:-1], head.new_cache(x.numel()), logit_rows="all")
-    mtp_ce = F.cross_entropy(mres.logits, y[1:])
-    bal = torch.zeros(())
+    mtp_ce = _weighted_ce(mres.logits, y[1:], wy[1:])
+    bal = torch.zeros((), device=seq.device)
     for lg in router_logits:  # Switch: E · Σ_e (fraction routed to e) · (mean router prob of e)
         p = torch.softmax(lg, -1)
-        frac = torch.zeros(hp.n_expert).index_add_(0, p.topk(hp.n_expert_used, -1).indices.reshape(-1),
-                                                   torch.ones(p.shape[0] * hp.n_expert_used))
+        frac = torch.zeros(hp.n_expert, device=lg.device).index_add_(
+            0, p.topk(hp.n_expert_used, -1).indices.reshape(-1),
+            torch.ones(p.shape[0] * hp.n_expert_used, device=lg.device))
         bal = bal + hp.n_expert * (frac / frac.sum() * p.mean(0)).sum()
     return ce, mtp_ce, bal / max(len(router_logits), 1)
 
 
-def train(data: torch.Tensor, params: ModelParams, cfg: TrainConfig, seconds: float, max_steps: int | None = None,
-          log: Callable[[str], None] = print) -> list[dict]:
+def _weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
+
+
+def train(data: tuple[torch.Tensor, torch.Tensor], params: ModelParams, cfg: TrainConfig, seconds: float,
+          max_steps: int | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """Train until `seconds` have passed (or max_steps); returns the progress records."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -121,15 +156,15 @@ def train(data: torch.Tensor, params: ModelParams, cfg: TrainConfig, seconds: fl
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        rows = [data[rng.randrange(len(data))] for _ in range(cfg.batch)]
+        rows = [rng.randrange(len(data[0])) for _ in range(cfg.batch)]
         opt.zero_grad(set_to_none=True)
         ce_sum = mtp_sum = 0.0
-        for seq in rows:
-            ce, mtp_ce, bal = losses(params, seq, cfg)
+        for r in rows:
+            ce, mtp_ce, bal = losses(params, data[0][r], cfg, data[1][r])
             loss = (ce + cfg.mtp_weight * mtp_ce + cfg.balance_weight * bal) / cfg.batch
             loss.backward()
-            ce_sum += float(ce)
-            mtp_sum += float(mtp_ce)
+            ce_sum += float(ce.detach())
+            mtp_sum += float(mtp_ce.detach())
         torch.nn.utils.clip_grad_norm_(params.parameters(), 1.0)
         opt.step()
         step += 1
@@ -161,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the same code on either)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,10 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = train_bpe(docs, args.vocab, pattern=PRE_TOKENIZER_PATTERNS["qwen35"], chat_template=CHATML_TEMPLATE)
     tok = Tokenizer.from_metadata(_vocab_metadata(vocab))
     ids = tok.encode_batch(docs, special=True)
-    data = pack(ids, cfg.seq_len, vocab.bos_id)
-    print(f"corpus: {len(docs)} documents, {sum(map(len, ids))} tokens, {len(data)} rows "
+    im_start, im_end = (tok.encode(t, special=True)[0] for t in ("<|im_start|>", "<|im_end|>"))
+    data = pack(ids, cfg.seq_len, vocab.bos_id, [target_weights(d, tok, im_start, im_end) for d in ids])
+    data = (data[0].to(args.device), data[1].to(args.device))
+    print(f"corpus: {len(docs)} documents, {sum(map(len, ids))} tokens, {len(data[0])} rows "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    params = ModelParams(hparams_for(cfg, len(vocab.tokens)), seed=cfg.seed)
+    params = ModelParams(hparams_for(cfg, len(vocab.tokens)), seed=cfg.seed).to(args.device)
     n_params = sum(p.numel() for p in params.parameters())
     print(f"model: {n_params / 1e6:.1f}M parameters", flush=True)
     hist = train(data, params, cfg, seconds=args.minutes * 60, max_steps=args.max_steps,
