@@ -94,32 +94,24 @@ def write_gguf(
     a = hp.arch
     w = GGUFWriter(os.fspath(path), a)
     w.add_name(name)
-    w.add_uint32(f"{a}.block_count", hp.n_block)
-    if hp.n_mtp:
-        w.add_uint32(f"{a}.nextn_predict_layers", hp.n_mtp)
-    w.add_uint32(f"{a}.context_length", hp.n_ctx_train)
-    w.add_uint32(f"{a}.embedding_length", hp.n_embd)
-    if hp.n_ff:
-        w.add_uint32(f"{a}.feed_forward_length", hp.n_ff)
-    if hp.is_moe:
-        w.add_uint32(f"{a}.expert_count", hp.n_expert)
-        w.add_uint32(f"{a}.expert_used_count", hp.n_expert_used)
-        w.add_uint32(f"{a}.expert_feed_forward_length", hp.n_ff_exp)
-        w.add_uint32(f"{a}.expert_shared_feed_forward_length", hp.n_ff_shexp)
-    w.add_uint32(f"{a}.attention.head_count", hp.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", hp.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", hp.head_dim_k)
-    w.add_uint32(f"{a}.attention.value_length", hp.head_dim_v)
+    # uint32 keys in spec §1 (a zero value means "not written": absent MTP, dense vs MoE widths)
+    counts = {
+        "block_count": hp.n_block, "nextn_predict_layers": hp.n_mtp, "context_length": hp.n_ctx_train,
+        "embedding_length": hp.n_embd, "feed_forward_length": hp.n_ff, "expert_count": hp.n_expert,
+        "expert_used_count": hp.n_expert_used, "expert_feed_forward_length": hp.n_ff_exp,
+        "expert_shared_feed_forward_length": hp.n_ff_shexp, "attention.head_count": hp.n_head,
+        "attention.head_count_kv": hp.n_head_kv, "attention.key_length": hp.head_dim_k,
+        "attention.value_length": hp.head_dim_v, "rope.dimension_count": hp.n_rot,
+        "ssm.conv_kernel": hp.ssm_conv_kernel, "ssm.state_size": hp.ssm_d_state, "ssm.group_count": hp.ssm_n_group,
+        "ssm.time_step_rank": hp.ssm_dt_rank, "ssm.inner_size": hp.ssm_d_inner,
+        "full_attention_interval": hp.full_attention_interval,
+    }
+    for key, value in counts.items():
+        if value:
+            w.add_uint32(f"{a}.{key}", value)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp.rms_eps)
-    w.add_uint32(f"{a}.rope.dimension_count", hp.n_rot)
     w.add_float32(f"{a}.rope.freq_base", hp.rope_base)
     w.add_array(f"{a}.rope.dimension_sections", list(hp.rope_sections))
-    w.add_uint32(f"{a}.ssm.conv_kernel", hp.ssm_conv_kernel)
-    w.add_uint32(f"{a}.ssm.state_size", hp.ssm_d_state)
-    w.add_uint32(f"{a}.ssm.group_count", hp.ssm_n_group)
-    w.add_uint32(f"{a}.ssm.time_step_rank", hp.ssm_dt_rank)
-    w.add_uint32(f"{a}.ssm.inner_size", hp.ssm_d_inner)
-    w.add_uint32(f"{a}.full_attention_interval", hp.full_attention_interval)
     w.add_uint32("general.quantization_version", 2)
     for k, v in (extra_kv or {}).items():
         if isinstance(v, str):
