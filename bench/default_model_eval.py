@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     model_path = Path(args.model) if args.model else None
     if model_path is None:
-        from engine.cli import default_model_path
+        from engine.modelfile import default_model_path
         model_path = default_model_path()
 
     items = eval_prompts(args.n, args.seed)

@@ -13,18 +13,9 @@ from typing import Any, Sequence
 
 from engine.errors import EngineError
 
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "resources" / "models"
-
-
-def default_model_path() -> Path:
-    """The embedded default model shipped in resources/models/ (the newest .gguf there)."""
-    found = sorted(EMBEDDED_DIR.glob("*.gguf")) if EMBEDDED_DIR.is_dir() else []
-    if not found:
-        raise EngineError(f"no MODEL given and no embedded model found in {EMBEDDED_DIR}; pass a GGUF path")
-    return found[-1]
-
-
 def _model_arg(value: str | None) -> Path:
+    from engine.modelfile import default_model_path
+
     return Path(value) if value else default_model_path()
 
 

@@ -17,7 +17,7 @@ import torch
 
 from engine.chat import ChatFormat, Message
 from engine.errors import EngineError
-from engine.modelfile import ModelFile, open_model
+from engine.modelfile import ModelFile, default_model_path, open_model
 from engine.models.qwen35 import Qwen35Model
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
@@ -315,8 +315,6 @@ class _StopStrings:
 def load(path: str | os.PathLike[str] | None = None, config: EngineConfig = EngineConfig(),
          progress: ProgressFn | None = None) -> Engine:
     """Open, validate and prepare a model (None = the embedded default model)."""
-    from engine.cli import default_model_path
-
     report = progress or (lambda f, m: None)
     p = Path(path) if path is not None else default_model_path()
     report(0.0, f"opening {p.name}")

@@ -115,7 +115,7 @@ class ParamCounts:
     mtp: int
 
 
-def expected_tensors(hp: HParams, fused_gate_up: bool = False) -> Iterator[tuple[str, tuple[int, ...] | tuple[tuple[int, ...], ...], bool]]:
+def expected_tensors(hp: HParams) -> Iterator[tuple[str, tuple[int, ...] | tuple[tuple[int, ...], ...], bool]]:
     """(name, allowed torch shape(s), required) for every tensor the architecture reads."""
     d, V = hp.n_embd, hp.n_vocab
     yield "token_embd.weight", (V, d), True
@@ -147,10 +147,8 @@ def expected_tensors(hp: HParams, fused_gate_up: bool = False) -> Iterator[tuple
         if hp.is_moe:
             E, F, Fs = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
             yield p + "ffn_gate_inp.weight", (E, d), True
-            fused = fused_gate_up
-            yield p + "ffn_gate_up_exps.weight", (E, 2 * F, d), fused
-            yield p + "ffn_gate_exps.weight", (E, F, d), not fused
-            yield p + "ffn_up_exps.weight", (E, F, d), not fused
+            yield p + "ffn_gate_exps.weight", (E, F, d), True
+            yield p + "ffn_up_exps.weight", (E, F, d), True
             yield p + "ffn_down_exps.weight", (E, d, F), True
             if Fs:
                 yield p + "ffn_gate_inp_shexp.weight", ((d,), (1, d)), True
@@ -168,6 +166,19 @@ def expected_tensors(hp: HParams, fused_gate_up: bool = False) -> Iterator[tuple
             yield p + "nextn.shared_head_norm.weight", (d,), False
             yield p + "nextn.embed_tokens.weight", (V, d), False
             yield p + "nextn.shared_head_head.weight", (V, d), False
+
+
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "resources" / "models"
+
+
+def default_model_path() -> Path:
+    """The embedded default model shipped in resources/models/ (the last .gguf there by name)."""
+    from engine.errors import EngineError
+
+    found = sorted(EMBEDDED_DIR.glob("*.gguf")) if EMBEDDED_DIR.is_dir() else []
+    if not found:
+        raise EngineError(f"no MODEL given and no embedded model found in {EMBEDDED_DIR}; pass a GGUF path")
+    return found[-1]
 
 
 def open_model(path: str | os.PathLike[str]) -> "ModelFile":
@@ -370,7 +381,7 @@ class ModelFile:
 
     # -- tensors ---------------------------------------------------------------------------------
     def expected_tensors(self) -> Iterator[tuple[str, tuple[int, ...] | tuple[tuple[int, ...], ...], bool]]:
-        return expected_tensors(self.hparams, fused_gate_up=any(n.endswith("ffn_gate_up_exps.weight") for n in self.tensors))
+        return expected_tensors(self.hparams)
 
     def _validate_tensors(self) -> None:
         from engine.quant import SUPPORTED_TYPES  # local: quant imports torch, keep `inspect` of headers light

@@ -15,7 +15,7 @@ from tests.fixtures import KQUANT_DENSE, KQUANT_MOE, TINY_DENSE, TINY_MOE, Fixtu
 
 
 def rewrite(src: Path, dst: Path, *, drop: tuple[str, ...] = (), tensors: dict | None = None,
-            kv: dict | None = None) -> Path:
+            kv: dict | None = None, extra: dict | None = None) -> Path:
     """Copy a GGUF, dropping tensors, replacing some (name -> (array, raw_dtype|None)) or metadata values."""
     r = GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
@@ -38,6 +38,8 @@ def rewrite(src: Path, dst: Path, *, drop: tuple[str, ...] = (), tensors: dict |
             w.add_tensor(t.name, arr, raw_dtype=raw)
         else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type if t.tensor_type not in (T.F32, T.F16) else None)
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -197,4 +199,12 @@ def test_vector_tensor_must_be_float(tmp_path: Path) -> None:
     raw = gq.quantize(np.ones((1, 64), np.float32), T.Q8_0).reshape(-1)
     p = rewrite(fixture_path(TINY_MOE), tmp_path / "n.gguf", tensors={"output_norm.weight": (raw, T.Q8_0)})
     with pytest.raises(UnsupportedModelError, match="output_norm.weight"):
+        open_model(p)
+
+
+def test_fused_expert_tensors_are_refused_clearly(tmp_path: Path) -> None:
+    s = TINY_MOE
+    fused = np.zeros((s.n_expert, 2 * s.n_ff_exp, s.n_embd), np.float32)
+    p = rewrite(fixture_path(s), tmp_path / "fused.gguf", extra={"blk.0.ffn_gate_up_exps.weight": fused})
+    with pytest.raises(UnsupportedModelError, match="fused expert tensors"):
         open_model(p)
