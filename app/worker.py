@@ -1,0 +1,115 @@
+"""The engine on its own QThread (GPT4All's shape): the GUI talks to it only through queued signals.
+
+`EngineController` lives in the GUI thread and owns the thread and the worker. Requests go GUI → worker as
+signals (queued: they run on the worker thread); results come back as signals (queued: they run on the GUI
+thread). Stop is a `threading.Event` set directly from the GUI thread — the worker is busy inside the
+decode loop and would never see a queued call in time; the engine checks it every decode step.
+Errors never escape as tracebacks: typed engine errors become their message, anything else a short line.
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.errors import EngineError
+from engine.generate import Done, Engine, EngineConfig, GenerationConfig, Stats, Token, load
+
+
+def model_info(eng: Engine) -> dict[str, Any]:
+    """What the model panel shows (plain data: safe to pass between threads)."""
+    mf, hp = eng.mf, eng.hp
+    pc = mf.param_counts
+    return {
+        "path": str(mf.path), "name": mf.get("general.name") or mf.path.stem, "architecture": hp.arch,
+        "file_bytes": mf.file_size, "layers": hp.n_layer, "layer_pattern": mf.layer_pattern(),
+        "hidden": hp.n_embd, "vocab": hp.n_vocab, "context_train": hp.n_ctx_train, "context": eng.n_ctx,
+        "experts": hp.n_expert, "experts_used": hp.n_expert_used, "mtp": hp.has_mtp,
+        "params_total": pc.total, "params_active": pc.active,
+        "quant_mix": {k: v["bytes"] for k, v in mf.type_histogram().items()},
+        "notices": list(eng.notices),
+    }
+
+
+class EngineWorker(QObject):
+    loadProgress = Signal(float, str)
+    loaded = Signal(object)  # model_info dict
+    loadFailed = Signal(str)
+    token = Signal(str, bool)  # text, came from an accepted draft
+    stats = Signal(object)  # engine.generate.Stats
+    finished = Signal(str, str)  # stop reason, message
+    failed = Signal(str)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.stop_flag = threading.Event()
+
+    @Slot(object, object)
+    def load(self, path: str | None, config: EngineConfig) -> None:
+        try:
+            eng = load(path, config, progress=lambda f, m: self.loadProgress.emit(f, m))
+        except EngineError as e:
+            self.loadFailed.emit(str(e))
+            return
+        except Exception as e:  # a bug: one readable line for the dialog, details on stderr
+            traceback.print_exc()
+            self.loadFailed.emit(f"Unexpected error while loading: {type(e).__name__}: {e}")
+            return
+        self.engine = eng
+        self.loaded.emit(model_info(eng))
+
+    @Slot(object, object)
+    def generate(self, messages: list, gen: GenerationConfig) -> None:
+        if self.engine is None:
+            self.failed.emit("No model is loaded.")
+            return
+        self.stop_flag.clear()
+        try:
+            for ev in self.engine.generate(messages, gen, self.stop_flag):
+                if isinstance(ev, Token):
+                    if ev.text:
+                        self.token.emit(ev.text, ev.accepted_draft)
+                elif isinstance(ev, Stats):
+                    self.stats.emit(ev)
+                elif isinstance(ev, Done):
+                    self.finished.emit(ev.reason, ev.message)
+        except EngineError as e:
+            self.failed.emit(str(e))
+        except Exception as e:
+            traceback.print_exc()
+            self.failed.emit(f"Unexpected error while generating: {type(e).__name__}: {e}")
+
+
+class EngineController(QObject):
+    """GUI-side handle: starts the worker thread and forwards requests to it as queued signals."""
+
+    requestLoad = Signal(object, object)
+    requestGenerate = Signal(object, object)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("foretell-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self.requestLoad.connect(self.worker.load)
+        self.requestGenerate.connect(self.worker.generate)
+        self.thread.start()
+
+    def load(self, path: str | None, config: EngineConfig = EngineConfig()) -> None:
+        self.requestLoad.emit(path, config)
+
+    def generate(self, messages: list, gen: GenerationConfig) -> None:
+        self.requestGenerate.emit(messages, gen)
+
+    def stop(self) -> None:
+        """Honoured within one decode step (an Event, not a queued call: the worker is busy)."""
+        self.worker.stop_flag.set()
+
+    def shutdown(self) -> None:
+        self.stop()
+        self.thread.quit()
+        self.thread.wait(10_000)
