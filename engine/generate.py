@@ -67,6 +67,7 @@ class Stats:
     final: bool = False
     mtp: bool = False
     speculative: dict | None = None  # SpecStats.as_dict(): drafted, accepted, by depth, histogram, times
+    expert_usage: dict[int, list[int]] | None = None  # MoE: tokens routed to each expert, per layer (cumulative)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class Engine:
                 decode_tok_s=decode_n / max(now - t_first, 1e-9) if decode_n else 0.0,
                 elapsed_s=now - t0, cache_bytes=self.cache.nbytes, state_bytes=self.cache.state_nbytes,
                 final=final, mtp=use_mtp, speculative=spec.as_dict() if use_mtp else None,
+                expert_usage={il: c.tolist() for il, c in self.model.routing.counts.items()} or None,
             )
 
         x = sampler.sample(logits, run.history)
