@@ -1,0 +1,163 @@
+"""The chat transcript: Markdown replies with highlighted, copyable code blocks, collapsible thinking,
+optional colouring of tokens that came from accepted drafts, and a stats footer per reply.
+
+Streaming text is buffered and the view re-rendered on a 75 ms tick, never per token.
+"""
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass, field
+
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import TextLexer, get_lexer_by_name
+from pygments.util import ClassNotFound
+from PySide6.QtCore import QTimer, QUrl, Signal, Slot
+from PySide6.QtGui import QGuiApplication, QTextDocument
+from PySide6.QtWidgets import QTextBrowser, QWidget
+
+FENCE = re.compile(r"```([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
+
+
+@dataclass
+class ViewMessage:
+    role: str
+    text: str = ""
+    spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, from accepted draft)
+    footer: str = ""
+    show_thinking: bool = False
+
+
+def _code_html(code: str, lang: str, idx: int, dark: bool) -> str:
+    try:
+        lexer = get_lexer_by_name(lang) if lang else TextLexer()
+    except ClassNotFound:
+        lexer = TextLexer()
+    fmt = HtmlFormatter(noclasses=True, nowrap=True, style="monokai" if dark else "default")
+    body = highlight(code, lexer, fmt)
+    bg = "#272822" if dark else "#f6f8fa"
+    return (f'<table width="100%" cellpadding="6" style="background:{bg}; margin:4px 0"><tr><td>'
+            f'<div style="font-size:small"><a href="copy:{idx}">Copy</a> {html.escape(lang)}</div>'
+            f'<pre style="margin:0">{body}</pre></td></tr></table>')
+
+
+def render_markdown(text: str, dark: bool, codes: list[str]) -> str:
+    """HTML for one message: Qt renders the Markdown, pygments the fenced code (appended to `codes`)."""
+    blocks: list[str] = []
+
+    def stash(m: re.Match[str]) -> str:
+        codes.append(m.group(2))
+        blocks.append(_code_html(m.group(2), m.group(1), len(codes) - 1, dark))
+        return f"\n\nFORETELLCODE{len(blocks) - 1}\n\n"
+
+    doc = QTextDocument()
+    doc.setMarkdown(FENCE.sub(stash, text))
+    out = doc.toHtml()
+    body = re.search(r"<body[^>]*>(.*)</body>", out, re.S)
+    out = body.group(1) if body else out
+    for i, b in enumerate(blocks):
+        out = re.sub(rf"<p[^>]*>FORETELLCODE{i}</p>", lambda _m, b=b: b, out)
+    return out
+
+
+class ChatView(QTextBrowser):
+    copied = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setAccessibleName("Conversation")
+        self.setOpenLinks(False)
+        self.anchorClicked.connect(self._on_anchor)
+        self.messages: list[ViewMessage] = []
+        self.dark = False
+        self.color_drafts = False
+        self._codes: list[str] = []
+        self._pending: list[tuple[str, bool]] = []
+        self.timer = QTimer(self)
+        self.timer.setInterval(75)
+        self.timer.timeout.connect(self.flush)
+        self.timer.start()
+
+    # -- content -----------------------------------------------------------------------------------
+    def set_messages(self, msgs: list[tuple[str, str, str]]) -> None:
+        """(role, text, footer) triples: a conversation loaded from the store."""
+        self._pending.clear()
+        self.messages = [ViewMessage(r, t, [(t, False)], f) for r, t, f in msgs]
+        self.render()
+
+    def add_message(self, role: str, text: str = "") -> None:
+        self.flush()
+        self.messages.append(ViewMessage(role, text, [(text, False)] if text else []))
+        self.render()
+
+    @Slot(str, bool)
+    def append_token(self, text: str, accepted_draft: bool) -> None:
+        """Buffered: shown on the next tick."""
+        self._pending.append((text, accepted_draft))
+
+    def set_footer(self, footer: str) -> None:
+        self.flush()
+        if self.messages:
+            self.messages[-1].footer = footer
+        self.render()
+
+    @Slot()
+    def flush(self) -> None:
+        if not self._pending or not self.messages:
+            return
+        m = self.messages[-1]
+        for text, acc in self._pending:
+            m.text += text
+            m.spans.append((text, acc))
+        self._pending.clear()
+        self.render()
+
+    def last_reply(self) -> str:
+        return next((m.text for m in reversed(self.messages) if m.role == "assistant"), "")
+
+    # -- rendering ---------------------------------------------------------------------------------
+    def render(self) -> None:
+        self._codes = []
+        parts = []
+        for i, m in enumerate(self.messages):
+            who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
+            parts.append(f'<p style="margin-top:10px"><b>{who}</b></p>')
+            parts.append(self._message_html(m, i))
+            if m.footer:
+                parts.append(f'<p style="color:gray; font-size:small">{html.escape(m.footer)}</p>')
+        bar = self.verticalScrollBar()
+        at_end = bar.value() >= bar.maximum() - 4
+        self.setHtml("".join(parts))
+        if at_end:
+            bar.setValue(bar.maximum())
+
+    def _message_html(self, m: ViewMessage, idx: int) -> str:
+        if m.role != "assistant":
+            return f"<p>{html.escape(m.text).replace(chr(10), '<br>')}</p>"
+        if self.color_drafts:  # token-level view: accepted-draft tokens highlighted, no Markdown
+            bg = "#1f4d2b" if self.dark else "#d9f2dc"
+            return "<p>" + "".join(
+                f'<span style="background:{bg}">{html.escape(t)}</span>' if acc else html.escape(t)
+                for t, acc in m.spans).replace("\n", "<br>") + "</p>"
+        out, text = [], m.text
+        think = THINK.search(text)
+        if think:
+            label = "▾ Thinking" if m.show_thinking else "▸ Thinking (click to show)"
+            out.append(f'<p><a href="think:{idx}">{label}</a></p>')
+            if m.show_thinking:
+                out.append(f'<p style="color:gray">{html.escape(think.group(1).strip())}</p>')
+            text = text[:think.start()] + text[think.end():]
+        out.append(render_markdown(text.strip(), self.dark, self._codes))
+        return "".join(out)
+
+    @Slot(QUrl)
+    def _on_anchor(self, url: QUrl) -> None:
+        kind, _, arg = url.toString().partition(":")
+        if kind == "copy" and arg.isdigit() and int(arg) < len(self._codes):
+            QGuiApplication.clipboard().setText(self._codes[int(arg)])
+            self.copied.emit(self._codes[int(arg)])
+        elif kind == "think" and arg.isdigit() and int(arg) < len(self.messages):
+            self.messages[int(arg)].show_thinking = not self.messages[int(arg)].show_thinking
+            self.render()

@@ -1,0 +1,47 @@
+"""Chat transcript rendering: Markdown, highlighted copyable code, thinking blocks, throttled streaming."""
+from __future__ import annotations
+
+from PySide6.QtCore import QUrl
+from PySide6.QtGui import QGuiApplication
+
+from app.chat_view import ChatView
+
+
+def test_markdown_code_and_copy(qtbot) -> None:
+    v = ChatView()
+    qtbot.addWidget(v)
+    v.add_message("user", "Show me code")
+    v.add_message("assistant", "Here is **bold** and code:\n\n```python\ndef f(x):\n    return x + 1\n```\nDone.")
+    html = v.toHtml()
+    assert "font-weight" in html or "<b>" in html  # bold rendered by Qt's Markdown
+    assert "copy:0" in html and "def" in v.toPlainText() and "Done." in v.toPlainText()
+    assert "```" not in v.toPlainText()
+    v._on_anchor(QUrl("copy:0"))
+    assert QGuiApplication.clipboard().text() == "def f(x):\n    return x + 1\n"
+
+
+def test_thinking_is_collapsible(qtbot) -> None:
+    v = ChatView()
+    qtbot.addWidget(v)
+    v.add_message("assistant", "<think>secret plan</think>The answer is 4.")
+    assert "secret plan" not in v.toPlainText() and "The answer is 4." in v.toPlainText()
+    v._on_anchor(QUrl("think:0"))
+    assert "secret plan" in v.toPlainText()
+
+
+def test_streaming_is_buffered_and_drafts_coloured(qtbot) -> None:
+    v = ChatView()
+    qtbot.addWidget(v)
+    v.add_message("assistant")
+    renders = []
+    orig = v.render
+    v.render = lambda: (renders.append(1), orig())
+    for i in range(50):
+        v.append_token(f"w{i} ", i % 2 == 0)
+    qtbot.waitUntil(lambda: "w49" in v.toPlainText(), timeout=2000)
+    assert len(renders) < 5  # one render per tick, not per token
+    v.color_drafts = True
+    v.render()
+    assert "background:#d9f2dc" in v.toHtml().replace(" ", "") or "#d9f2dc" in v.toHtml()
+    v.set_footer("12.0 tok/s · 50 tokens")
+    assert "12.0 tok/s" in v.toPlainText() and v.last_reply().startswith("w0 w1")
