@@ -159,7 +159,8 @@ class Engine:
         sampler = Sampler(gen.sampling)
         use_mtp = gen.mtp and self.drafter is not None
         spec = SpecStats()
-        depth = DepthController(gen.draft, spec, p_min=gen.p_min) if use_mtp else None
+        reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
+        depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible) if use_mtp else None
         logits, n_prefilled = self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")
@@ -262,7 +263,7 @@ class _Run:
         self.eng, self.gen = eng, gen
         self.history = list(prompt)
         self.out_ids: list[int] = []
-        self.detok = eng.tokenizer.detokenizer()
+        self.detok = eng.tokenizer.detokenizer(skip_special=True)  # control tokens are never shown
         self.stopper = _StopStrings(gen.stop_strings)
         self.t_first: float | None = None
         self.reason: str | None = None
