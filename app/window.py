@@ -317,6 +317,13 @@ class MainWindow(QMainWindow):
     def on_stats(self, st: Stats) -> None:
         self.last_stats = st
         self.metrics.push_stats(st)
+        # The MTP-off reference: plain decode speed, from a reply without MTP or from the plain steps
+        # (depth 0) that auto takes and times.
+        sp = st.speculative
+        if not st.mtp and st.decode_tok_s > 0 and st.final:
+            self.metrics.set_mtp_off_reference(st.decode_tok_s)
+        elif sp and sp["plain_steps"] >= 8 and sp["time_s"]["plain_decode"] > 0:
+            self.metrics.set_mtp_off_reference(sp["plain_steps"] / sp["time_s"]["plain_decode"])
 
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:
