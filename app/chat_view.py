@@ -64,6 +64,7 @@ def render_markdown(text: str, dark: bool, codes: list[str]) -> str:
 
 class ChatView(QTextBrowser):
     copied = Signal(str)
+    editRequested = Signal(int)  # index of a user message in `messages`
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -123,7 +124,8 @@ class ChatView(QTextBrowser):
         parts = []
         for i, m in enumerate(self.messages):
             who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
-            parts.append(f'<p style="margin-top:10px"><b>{who}</b></p>')
+            edit = f' &nbsp;<a href="edit:{i}" style="font-size:small">Edit</a>' if m.role == "user" else ""
+            parts.append(f'<p style="margin-top:10px"><b>{who}</b>{edit}</p>')
             parts.append(self._message_html(m, i))
             if m.footer:
                 parts.append(f'<p style="color:gray; font-size:small">{html.escape(m.footer)}</p>')
@@ -158,6 +160,8 @@ class ChatView(QTextBrowser):
         if kind == "copy" and arg.isdigit() and int(arg) < len(self._codes):
             QGuiApplication.clipboard().setText(self._codes[int(arg)])
             self.copied.emit(self._codes[int(arg)])
+        elif kind == "edit" and arg.isdigit() and int(arg) < len(self.messages):
+            self.editRequested.emit(int(arg))
         elif kind == "think" and arg.isdigit() and int(arg) < len(self.messages):
             self.messages[int(arg)].show_thinking = not self.messages[int(arg)].show_thinking
             self.render()

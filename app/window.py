@@ -140,6 +140,7 @@ class MainWindow(QMainWindow):
         self.stop_btn.clicked.connect(self.stop)
         self.regen_btn.clicked.connect(self.regenerate)
         self.edit_btn.clicked.connect(self.edit_last)
+        self.chat.editRequested.connect(self.edit_message)
         self.new_btn.clicked.connect(self.new_conversation)
         self.rename_btn.clicked.connect(self.rename_conversation)
         self.delete_btn.clicked.connect(self.delete_conversation)
@@ -303,15 +304,24 @@ class MainWindow(QMainWindow):
             self._run()
 
     def edit_last(self) -> None:
-        """Put the last user message back in the input and drop it (and everything after) from the chat."""
+        if self.conv_id is not None:
+            users = [i for i, m in enumerate(self.store.messages(self.conv_id)) if m.role == "user"]
+            if users:
+                self.edit_message(users[-1])
+
+    @Slot(int)
+    def edit_message(self, index: int) -> None:
+        """Put user message `index` back in the input and drop it and everything after it; sending re-runs
+        the conversation from there."""
         if self.generating or self.conv_id is None:
             return
-        users = [m for m in self.store.messages(self.conv_id) if m.role == "user"]
-        if users:
-            self.store.truncate_from(self.conv_id, users[-1].position)
-            self.open_conversation(self.conv_id)
-            self.prompt.setPlainText(users[-1].content)
-            self.prompt.setFocus()
+        msgs = self.store.messages(self.conv_id)
+        if not 0 <= index < len(msgs) or msgs[index].role != "user":
+            return
+        self.store.truncate_from(self.conv_id, msgs[index].position)
+        self.open_conversation(self.conv_id)
+        self.prompt.setPlainText(msgs[index].content)
+        self.prompt.setFocus()
 
     @Slot(object)
     def on_stats(self, st: Stats) -> None:

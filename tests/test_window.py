@@ -44,6 +44,13 @@ def test_send_stream_regenerate_edit_and_restart(qtbot, tmp_path: Path) -> None:
     win.edit_last()
     assert win.prompt.toPlainText() == "Hello there" and win.store.messages(win.conv_id) == []
     _send(qtbot, win, "Hello again")
+    _send(qtbot, win, "Second question")
+    assert len(win.store.messages(win.conv_id)) == 4
+    from PySide6.QtCore import QUrl
+
+    win.chat._on_anchor(QUrl("edit:0"))  # edit the *first* user message
+    assert win.prompt.toPlainText() == "Hello again" and win.store.messages(win.conv_id) == []
+    _send(qtbot, win, "Hello again")
     conv = win.conv_id
     win.close()
     # Restart: the conversation is found again.
