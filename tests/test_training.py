@@ -77,3 +77,32 @@ def test_a_few_steps_learn_a_repeating_pattern() -> None:
     data = pack([pattern * 40], TINY.seq_len, 0)
     hist = train(data, params, TINY, seconds=120, max_steps=40, log=lambda s: None)
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["mtp_loss"] < 0.5 * hist[0]["mtp_loss"]
+
+
+def test_a_batch_of_sequences_in_one_pass_equals_separate_passes() -> None:
+    """The trainer runs B sequences as one flattened pass (extra delta-rule heads, batched SDPA): each
+    sequence must get exactly the logits of its own pass, and sequences must not see each other."""
+    params = _params(seed=3)
+    seqs = torch.randint(0, 380, (3, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        m = params.build(n_ctx=120, gdn_chunk=16, n_seq=3)
+        batched = m.forward(seqs, m.new_cache(120), logit_rows="all", chunked=True).logits.view(3, 40, -1)
+        for b in range(3):
+            one = params.build(n_ctx=40, gdn_chunk=16)
+            alone = one.forward(seqs[b], one.new_cache(40), logit_rows="all", chunked=True).logits
+            assert (batched[b] - alone).abs().max() / alone.std() < 1e-4, b
+
+
+def test_dense_expert_path_equals_the_grouped_path() -> None:
+    """On an accelerator the trainer weights every expert's output by its (mostly zero) routing weight in
+    three large products; on any device that equals the grouped per-expert path."""
+    from engine.experts import ExpertWeights, _run_experts_dense, route, run_experts
+
+    g = torch.Generator().manual_seed(5)
+    E, d, f, n = 8, 32, 16, 20
+    ew = ExpertWeights(torch.randn(E, f, d, generator=g), torch.randn(E, f, d, generator=g),
+                       torch.randn(E, d, f, generator=g))
+    x = torch.randn(n, d, generator=g)
+    w, idx = route(torch.randn(n, E, generator=g), 3)
+    ref = run_experts(x, idx, w, ew)
+    assert torch.allclose(_run_experts_dense(x, idx, w, ew), ref, rtol=1e-5, atol=1e-4)

@@ -178,7 +178,7 @@ def test_eval_questions_never_in_training_corpus() -> None:
         train_keys.update(p.key for p in problems)
     eval_keys = {D.split_key_of(m.content) for i in items for m in i.messages if m.role == "user"}
     assert not train_keys & eval_keys
-    assert {k.split(":")[0].split("-")[0] for k in train_keys} >= {"add", "sub", "mul", "letters", "letter", "range", "dow",
+    assert {k.split(":")[0].split("-")[0] for k in train_keys} >= {"add", "sub", "mul", "letters", "letter", "range", "day",
                                                      "between", "month", "conv", "doc", "greet"}
 
 
@@ -252,3 +252,27 @@ def test_commonest_greetings_are_trained_on() -> None:
                   if D.is_heldout(p)}
     assert eval_parts
     assert not any(set(D.greeting_pool()[q][1].split("&")) & eval_parts for q in train)
+
+
+def test_phrasing_split_trains_every_fact_and_keeps_one_phrasing_for_evaluation() -> None:
+    """Memorised facts are held out by phrasing: each fact is trained in all but one of its templates, and
+    the evaluation asks it in exactly that one."""
+    for kind in ("arithmetic", "counting", "dates", "units", "docstring"):
+        task = D.TASKS[kind]
+        rng = random.Random(f"phrasing:{kind}")
+        seen: dict[str, dict[str, set[int]]] = {}
+        for split in ("train", "eval"):
+            for _ in range(400):
+                p = task.sample(rng, split)
+                if "@q" not in p.key:
+                    continue
+                fact, _, tpl = p.key.rpartition("@q")
+                i, n = (int(v) for v in tpl.split("/"))
+                assert n >= 2 and (i == D.reserved_template(fact, n)) == (split == "eval")
+                seen.setdefault(split, {}).setdefault(fact, set()).add(i)
+        assert seen.get("eval"), kind  # every kind has phrasing-split sub-kinds
+        for fact, tpls in seen["eval"].items():
+            assert len(tpls) == 1
+    # operand-split problems never put a held-out operand pair into training, whatever the phrasing
+    arith = D.TASKS["arithmetic"]
+    assert D.is_heldout(arith.key_of("What is 17 minus 3?")) == D.is_heldout(arith.key_of("Calculate 17 - 3."))

@@ -112,6 +112,7 @@ class GatedAttention:
         self.hp, self.w, self.il = hp, w, layer
         self.scale = 1.0 / math.sqrt(hp.head_dim_k)
         self.training = False  # the trainer sets this: one causal SDPA call instead of per-query steps
+        self.n_seq = 1  # training: the pass holds this many independent sequences of equal length
 
     def __call__(self, x: torch.Tensor, kv: KVLayer, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  cb: Hook) -> torch.Tensor:
@@ -131,9 +132,10 @@ class GatedAttention:
         cb("Vcur", il, v)
         if self.training:  # whole sequences from position 0, no cache
             assert pos == 0, "training runs whole sequences"
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=self.scale, enable_gqa=True)
-            out = o.transpose(0, 1).reshape(n, hp.n_head * Dv) * torch.sigmoid(gate)
+            B = self.n_seq
+            qb, kb, vb = (t.view(B, n // B, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=True)
+            out = o.transpose(1, 2).reshape(n, hp.n_head * Dv) * torch.sigmoid(gate)
             return rowwise_matmul(out, w.o)
         kv.k[pos:pos + n] = k
         kv.v[pos:pos + n] = v
@@ -169,6 +171,8 @@ class GDNWeights:
 class GatedDeltaNet:
     def __init__(self, hp: HParams, w: GDNWeights, layer: int):
         self.hp, self.w, self.il = hp, w, layer
+        self.chunk = 64  # tokens per chunk of the chunk-parallel delta rule (the trainer may raise it)
+        self.n_seq = 1  # training: the pass holds this many independent sequences, each from a zero state
 
     def __call__(self, x: torch.Tensor, st: GDNState, cb: Hook, capture: CapturedStates | None,
                  chunked: bool) -> torch.Tensor:
@@ -179,6 +183,8 @@ class GatedDeltaNet:
         z = rowwise_matmul(x, w.gate)
         b = rowwise_matmul(x, w.beta)
         a = rowwise_matmul(x, w.alpha)
+        if self.n_seq > 1:
+            return self._independent_sequences(mixed, z, b, a, cb)
         # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
         window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
         conv = window[0:n] * w.conv[:, 0]
@@ -199,11 +205,45 @@ class GatedDeltaNet:
         if chunked and capture is None and n > 1:
             beta = torch.sigmoid(b)
             g = w.a * F.softplus(a + w.dt_bias)
-            o, st.ssm = _delta_rule_chunked(q, k, v, beta, g, st.ssm)
+            o, st.ssm = _delta_rule_chunked(q, k, v, beta, g, st.ssm, self.chunk)
         else:
             beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st.ssm, capture.ssm if capture else None, il)
         cb("beta", il, beta)
         cb("gate", il, g)
+        cb("attn_output", il, o)
+        o = rms_norm(o, w.norm, hp.rms_eps) * F.silu(z.view(n, Hv, dv))
+        return rowwise_matmul(o.reshape(n, Hv * dv), w.out)
+
+
+    def _independent_sequences(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                               cb: Hook) -> torch.Tensor:
+        """Training on B sequences at once, each from a zero state: the sequences become extra heads of
+        the chunk-parallel delta rule, so one sequential chunk loop serves the whole batch."""
+        hp, w, il, B = self.hp, self.w, self.il, self.n_seq
+        Hk, Hv, dk, dv, K = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, hp.ssm_conv_kernel
+        n, C = mixed.shape
+        T = n // B
+        window = F.pad(mixed.view(B, T, C), (0, 0, K - 1, 0))  # zero conv state before each sequence
+        conv = window[:, 0:T] * w.conv[:, 0]
+        for j in range(1, K):
+            conv = conv + window[:, j:j + T] * w.conv[:, j]
+        u = F.silu(conv).view(n, C)
+        cb("conv_output_silu", il, u)
+        q = l2_norm(u[:, :Hk * dk].reshape(n, Hk, dk), hp.rms_eps) * (1.0 / math.sqrt(dk))
+        k = l2_norm(u[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk), hp.rms_eps)
+        v = u[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+        r = Hv // Hk
+        q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)
+        beta = torch.sigmoid(b)
+        g = w.a * F.softplus(a + w.dt_bias)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [B·T, Hv, ·] → [T, B·Hv, ·]
+            return t.view(B, T, Hv, -1).transpose(0, 1).reshape(T, B * Hv, t.shape[-1])
+
+        S0 = torch.zeros(B * Hv, dk, dv, dtype=mixed.dtype, device=mixed.device)
+        o, _ = _delta_rule_chunked(heads(q), heads(k), heads(v), heads(beta[..., None])[..., 0],
+                                   heads(g[..., None])[..., 0], S0, self.chunk)
+        o = o.view(T, B, Hv, dv).transpose(0, 1).reshape(n, Hv, dv)
         cb("attn_output", il, o)
         o = rms_norm(o, w.norm, hp.rms_eps) * F.silu(z.view(n, Hv, dv))
         return rowwise_matmul(o.reshape(n, Hv * dv), w.out)
@@ -238,39 +278,50 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
 
 def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                         g: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same recurrence, parallel within chunks (WY/UT form); S is updated in place.
+    """The same recurrence, parallel within chunks (WY/UT form).
 
     Within a chunk with cumulative log-decay G: T = (I + tril(diag(β) K Kᵀ ⊙ Γ, −1))⁻¹, U = T diag(β) V,
     W = T diag(β e^G) K; then per chunk, with the incoming state S: V' = U − W S,
-    O = (Q e^G) S + tril(Q Kᵀ ⊙ Γ) V', S ← e^{G_L} S + (K e^{G_L − G})ᵀ V'. Returns (O, final S);
-    nothing is updated in place, so the trainer can differentiate through it.
+    O = (Q e^G) S + tril(Q Kᵀ ⊙ Γ) V', S ← e^{G_L} S + (K e^{G_L − G})ᵀ V'. Everything that does not
+    depend on S is computed for all chunks at once; only the short state recurrence loops over chunks
+    (a few ops per 64 tokens, which keeps long prefills and training passes cheap in kernel launches).
+    Returns (O, final S); nothing is updated in place, so the trainer can differentiate through it.
     """
     n, H, dk = k.shape
     dv = v.shape[-1]
-    outs = []
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, ·]
-    bh, gh = beta.transpose(0, 1), g.transpose(0, 1)  # [H, n]
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        L = e - s
-        qc, kc, vc, bc = qh[:, s:e], kh[:, s:e], vh[:, s:e], bh[:, s:e]
-        G = torch.cumsum(gh[:, s:e], dim=-1)  # [H, L]
-        lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        # Γ[i, j] = e^{G_i − G_j} for j ≤ i. Mask before exp: above the diagonal the exponent is positive
-        # and can overflow, and inf·0 would poison the gradient while training.
-        gamma = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")))
-        kk = (kc * bc[..., None]) @ kc.transpose(1, 2)  # diag(β) K Kᵀ
-        A = (kk * gamma).tril(-1)
-        eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(H, L, L)
-        T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
-        U = T @ (vc * bc[..., None])
-        W = T @ (kc * (bc * torch.exp(G))[..., None])
-        Vp = U - W @ S
-        attn = (qc @ kc.transpose(1, 2)) * gamma
-        outs.append(((qc * torch.exp(G)[..., None]) @ S + attn @ Vp).transpose(0, 1))
-        gl = G[:, -1:]
-        S = S * torch.exp(gl)[..., None] + (kc * torch.exp(gl - G)[..., None]).transpose(1, 2) @ Vp
-    return torch.cat(outs), S
+    pad = (-n) % chunk
+    if pad:  # padded steps have k = v = 0, β = 0, g = 0: they leave the state untouched
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        beta, g = F.pad(beta, (0, 0, 0, pad)), F.pad(g, (0, 0, 0, pad))
+    m, L = (n + pad) // chunk, chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [n, H, ·] → [H, m, L, ·]
+        return t.transpose(0, 1).reshape(H, m, L, *t.shape[2:])
+
+    qc, kc, vc, bc = chunks(q), chunks(k), chunks(v), chunks(beta)
+    G = torch.cumsum(chunks(g), dim=-1)  # [H, m, L]
+    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    # Γ[i, j] = e^{G_i − G_j} for j ≤ i. Mask before exp: above the diagonal the exponent is positive
+    # and can overflow, and inf·0 would poison the gradient while training.
+    gamma = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")))
+    kk = (kc * bc[..., None]) @ kc.transpose(-1, -2)  # diag(β) K Kᵀ
+    eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(H, m, L, L)
+    T = torch.linalg.solve_triangular(eye + (kk * gamma).tril(-1), eye, upper=False, unitriangular=True)
+    U = T @ (vc * bc[..., None])
+    W = T @ (kc * (bc * torch.exp(G))[..., None])
+    attn = (qc @ kc.transpose(-1, -2)) * gamma
+    qg = qc * torch.exp(G)[..., None]
+    kd = (kc * torch.exp(G[..., -1:] - G)[..., None]).transpose(-1, -2)  # [H, m, dk, L]
+    decay = torch.exp(G[..., -1])[..., None, None]  # [H, m, 1, 1]
+    # Only the states at chunk starts are sequential; unbind (not indexing) keeps the backward to one op each.
+    Us, Ws, kds, decays = U.unbind(1), W.unbind(1), kd.unbind(1), decay.unbind(1)
+    starts = []
+    for c in range(m):
+        starts.append(S)
+        S = S * decays[c] + kds[c] @ (Us[c] - Ws[c] @ S)
+    S0 = torch.stack(starts, dim=1)  # [H, m, dk, dv]
+    o = qg @ S0 + attn @ (U - W @ S0)
+    return o.reshape(H, m * L, dv)[:, :n].transpose(0, 1), S
 
 
 @dataclass
@@ -367,7 +418,8 @@ class Qwen35Model:
         self.output_norm = _vec(mf, "output_norm.weight", dev)
         self.layers = [self._layer(i) for i in range(hp.n_layer)]
         self.n_ctx_max = n_ctx or hp.n_ctx_train
-        self.rope = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
+        cos, sin = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
+        self.rope = (cos.to(dev), sin.to(dev))
         self.mtp = MTPHead(self) if hp.has_mtp else None
 
     def _ffn(self, p: str, il: int) -> MoE | DenseFFN:

@@ -11,10 +11,15 @@ Sources (one generator of text documents each):
     their own public methods) in sorted order. The text is that of the running Python (3.11.7 here).
   * `dialogue_documents` – generated ChatML dialogues of the task kinds in `TASKS`.
 
-Every generated question carries a *split key* (its operands, date, word, function name, greeting parts).
-`is_heldout(key)` is a fixed hash-based split (sha256, 1/8 held out): questions with held-out keys are used only by
-`eval_prompts`, the others only by `build_corpus`, so no evaluation question can occur verbatim in the
-training corpus. The same hash split holds out Bible chapters and some stdlib members for perplexity
+Every generated question carries a *split key*. Two kinds of hold-out, both fixed hash splits (sha256):
+  * computed answers (sums, differences, counting ranges, days between dates, km/kg conversions) are held
+    out by their operands: 1/8 of the operand keys are never trained on, so the model must compute them;
+  * memorised facts (the multiplication table, spellings, the month and weekday cycles, minute and
+    temperature tables, docstrings) are held out by phrasing: every fact is trained on, but one of its
+    question templates (chosen by hash) is reserved for evaluation, so the evaluation asks a known fact in
+    words the model never saw it asked in.
+Questions with held-out keys are used only by `eval_prompts`, the others only by `build_corpus`, so no
+evaluation question can occur verbatim in the training corpus. The same hash split holds out Bible chapters and some stdlib members for perplexity
 (`heldout_corpus`).
 
 Dialogue rendering (plain ChatML, the engine's fallback template; `<|im_end|>` is the end-of-turn token):
@@ -69,8 +74,8 @@ STDLIB_MODULES = tuple(sorted((
 )))
 
 KINDS = ("arithmetic", "counting", "dates", "units", "docstring", "greeting")
-DEFAULT_KIND_WEIGHTS = {"arithmetic": 0.22, "counting": 0.17, "dates": 0.18, "units": 0.16,
-                        "docstring": 0.15, "greeting": 0.12}
+DEFAULT_KIND_WEIGHTS = {"arithmetic": 0.26, "counting": 0.15, "dates": 0.16, "units": 0.15,
+                        "docstring": 0.17, "greeting": 0.11}
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
           "October", "November", "December")
@@ -108,8 +113,22 @@ def split_value(key: str) -> float:
 
 def is_heldout(key: str) -> bool:
     """Whether `key` belongs to the evaluation split. A composite key "a&b" is held out when any part is;
-    a part starting with "core:" never is (the commonest greetings must be trained on)."""
+    a part starting with "core:" never is (the commonest greetings must be trained on). A phrasing key
+    "fact@q{i}/{n}" (template i of n) is held out when i is the one template reserved for that fact."""
+    if "@q" in key:
+        fact, _, tpl = key.rpartition("@q")
+        i, n = (int(v) for v in tpl.split("/"))
+        return i == reserved_template(fact, n)
     return any(not part.startswith("core:") and split_value(part) < HELDOUT_FRACTION for part in key.split("&"))
+
+
+def reserved_template(fact: str, n_templates: int) -> int:
+    """The question template kept for evaluation for `fact` (the others are trained on)."""
+    return int(split_value(f"phrasing:{fact}") * n_templates)
+
+
+def phrasing_key(fact: str, template: int, n_templates: int) -> str:
+    return f"{fact}@q{template}/{n_templates}"
 
 
 def _split_ok(key: str, split: str) -> bool:
@@ -174,15 +193,11 @@ def _names_in(reply: str, names: Sequence[str]) -> set[str]:
     return found
 
 
-def _check_weekday(expected: str, reply: str) -> bool:
-    return _names_in(reply, WEEKDAYS) == {expected}
-
-
-def _check_month(expected: str, question_month: str, reply: str) -> bool:
-    """The right month, and no other month except the question's own, echoed as "after/before X"."""
-    echo = rf"\b(?:after|before|follows|precedes|following|preceding)\s+{question_month}\b"
+def _check_cycle_name(expected: str, question_name: str, reply: str, names: Sequence[str]) -> bool:
+    """The right month/weekday, and no other one except the question's own, echoed as "after/before X"."""
+    echo = rf"\b(?:after|before|follows|precedes|following|preceding)\s+{question_name}\b"
     rest = re.sub(echo, " ", reply, flags=re.IGNORECASE)
-    found = _names_in(rest, MONTHS)  # a lower-case "may" is not taken for a (wrong) month ...
+    found = _names_in(rest, names)  # a lower-case "may" is not taken for a (wrong) month ...
     if expected == "May" and re.search(r"(?i)\bmay\b", rest):  # ... but is accepted as the right one
         found.add("May")
     return found == {expected}
@@ -214,7 +229,7 @@ _SLOTS: dict[str, tuple[str, Callable[[str], Any], Callable[[Any], str]]] = {
     "a": (r"-?\d+", int, str), "b": (r"-?\d+", int, str), "x": (r"-?\d+", int, str), "k": (r"\d+", int, str),
     "date": (_DATE_RE, _parse_date, _fmt_date), "d1": (_DATE_RE, _parse_date, _fmt_date),
     "d2": (_DATE_RE, _parse_date, _fmt_date),
-    "month": ("|".join(MONTHS), str, str), "word": (r"[a-z]+", str, str), "letter": (r"[a-z]", str, str),
+    "month": ("|".join(MONTHS), str, str), "day": ("|".join(WEEKDAYS), str, str), "word": (r"[a-z]+", str, str), "letter": (r"[a-z]", str, str),
     "f": (r"[A-Za-z_][\w.]*", str, str),
 }
 
@@ -259,6 +274,7 @@ class Form:
     key: Callable[[dict[str, Any]], str]
     check: Callable[[dict[str, Any], Any, str], bool]  # (params, expected, reply)
     show: Callable[[Any], str] = str  # how the expected value is written in answers ("{r}")
+    split: str = "operands"  # "operands": hold out whole problems; "phrasing": hold out one template per fact
 
 
 class Task:
@@ -268,18 +284,33 @@ class Task:
         self.kind = kind
         self.forms = tuple(forms)
 
+    def templates(self, form: Form, params: dict[str, Any]) -> tuple[str, ...]:
+        """The question templates usable for these parameters (all of the form's, by default)."""
+        return form.questions
+
+    def _key(self, form: Form, params: dict[str, Any], template: int) -> str:
+        fact = form.key(params)
+        if form.split == "phrasing":
+            return phrasing_key(fact, template, len(self.templates(form, params)))
+        return fact
+
     # generation
-    def draw(self, rng: random.Random) -> Problem:
-        form = rng.choice(self.forms)
+    def draw(self, rng: random.Random, form: Form | None = None) -> Problem:
+        form = form or rng.choice(self.forms)
         params = form.draw(rng)
         expected = form.solve(params)
-        q = _render(rng.choice(form.questions), params)
+        qs = self.templates(form, params)
+        i = rng.randrange(len(qs))
+        q = _render(qs[i], params)
         a = _render(rng.choice(form.answers), params, {"r": form.show(expected)})
-        return Problem(self.kind, form.sub, q, a, form.key(params))
+        return Problem(self.kind, form.sub, q, a, self._key(form, params, i))
 
     def sample(self, rng: random.Random, split: str = "train") -> Problem:
+        # The sub-kind first, then a problem of it from the split: every sub-kind gets its share of both
+        # splits (drawing until a held-out key appears would favour sub-kinds that hold out more).
+        form = rng.choice(self.forms)
         for _ in range(10_000):
-            p = self.draw(rng)
+            p = self.draw(rng, form)
             if _split_ok(p.key, split):
                 return p
         raise RuntimeError(f"{self.kind}: no {split} problem found")  # pragma: no cover
@@ -289,21 +320,26 @@ class Task:
         return p.question, p.answer
 
     # checking
-    def parse(self, question: str) -> tuple[Form, dict[str, Any]] | None:
+    def parse(self, question: str) -> tuple[Form, dict[str, Any], int] | None:
+        """(form, parameters, index of the template among `templates(form, params)`) of a question."""
         q = question.strip()
         for form in self.forms:
             for t in form.questions:
                 m = _template_regex(t).fullmatch(q)
-                if m:
-                    try:
-                        return form, {k: _SLOTS[k][1](v) for k, v in m.groupdict().items()}
-                    except (ValueError, KeyError):
-                        return None
+                if not m:
+                    continue
+                try:
+                    params = {k: _SLOTS[k][1](v) for k, v in m.groupdict().items()}
+                except (ValueError, KeyError):
+                    return None
+                qs = self.templates(form, params)
+                if t in qs:
+                    return form, params, qs.index(t)
         return None
 
     def key_of(self, question: str) -> str | None:
         parsed = self.parse(question)
-        return parsed[0].key(parsed[1]) if parsed else None
+        return self._key(*parsed) if parsed else None
 
     def expected(self, question: str) -> Any:
         parsed = self.parse(question)
@@ -315,7 +351,7 @@ class Task:
         parsed = self.parse(question)
         if parsed is None:
             return False
-        form, params = parsed
+        form, params, _ = parsed
         return form.check(params, form.solve(params), reply)
 
 
@@ -350,7 +386,7 @@ def _arithmetic() -> Task:
         Form("multiply", ("What is {a} times {b}?", "What is {a} * {b}?", "Multiply {a} by {b}.",
                           "What is the product of {a} and {b}?", "Calculate {a} * {b}."),
              ("{a} times {b} is {r}.", "{a} * {b} = {r}.", "The answer is {r}.", "The product is {r}."),
-             mul_draw, lambda p: p["a"] * p["b"], _pair_key("mul"), _num),
+             mul_draw, lambda p: p["a"] * p["b"], _pair_key("mul"), _num, split="phrasing"),
     ])
 
 
@@ -386,13 +422,14 @@ def _counting() -> Task:
         Form("letters", ("How many letters are in the word '{word}'?", "How many letters does '{word}' have?",
                          "Count the letters in '{word}'."),
              ("The word '{word}' has {r} letters.", "'{word}' has {r} letters.", "There are {r} letters."),
-             word_draw, lambda p: len(p["word"]), lambda p: f"letters:{p['word']}", _num),
+             word_draw, lambda p: len(p["word"]), lambda p: f"letters:{p['word']}", _num, split="phrasing"),
         Form("letter_count", ("How many times does the letter '{letter}' appear in '{word}'?",
                               "How many '{letter}'s are in the word '{word}'?"),
              ("The letter '{letter}' appears {r} in '{word}'.", "'{word}' contains the letter '{letter}' {r}.",
               "It appears {r}."),
              letter_draw, lambda p: p["word"].count(p["letter"]),
-             lambda p: f"letter:{p['word']}:{p['letter']}", _num, lambda n: f"{n} time" + ("" if n == 1 else "s")),
+             lambda p: f"letter:{p['word']}:{p['letter']}", _num, lambda n: f"{n} time" + ("" if n == 1 else "s"),
+             split="phrasing"),
         Form("count_up", ("Count from {a} to {b}.", "List the numbers from {a} to {b}.",
                           "Please count from {a} up to {b}."),
              ("{r}.", "Here you go: {r}.", "Sure: {r}."),
@@ -408,56 +445,65 @@ _DATE_HI = _dt.date(2030, 12, 31).toordinal()
 
 
 def _dates() -> Task:
-    def day_draw(rng: random.Random) -> dict:
-        return {"date": _dt.date.fromordinal(rng.randint(_DATE_LO, _DATE_HI))}
-
     def between_draw(rng: random.Random) -> dict:
-        d1 = _dt.date.fromordinal(rng.randint(_DATE_LO, _DATE_HI - 60))
-        return {"d1": d1, "d2": d1 + _dt.timedelta(days=rng.randint(2, 60))}
+        # Two dates in the same month: the answer is the difference of the days of the month.
+        d1 = _dt.date.fromordinal(rng.randint(_DATE_LO, _DATE_HI))
+        d1 = d1.replace(day=rng.randint(1, 26))
+        last = (d1.replace(day=28) + _dt.timedelta(days=4)).replace(day=1) - _dt.timedelta(days=1)
+        return {"d1": d1, "d2": d1.replace(day=rng.randint(d1.day + 2, last.day))}
 
-    def month_draw(offsets: Sequence[int]) -> Callable[[random.Random], dict]:
+    def cycle_draw(slot: str, names: Sequence[str], offsets: Sequence[int] | None) -> Callable[[random.Random], dict]:
         def draw(rng: random.Random) -> dict:
-            return {"month": rng.choice(MONTHS), "k": rng.choice(offsets)}
+            p: dict[str, Any] = {slot: rng.choice(names)}
+            if offsets is not None:
+                p["k"] = rng.choice(offsets)
+            return p
         return draw
 
-    def month_draw1(rng: random.Random) -> dict:
-        return {"month": rng.choice(MONTHS)}
+    def shift(slot: str, names: Sequence[str], sign: int) -> Callable[[dict], str]:
+        return lambda p: names[(names.index(p[slot]) + sign * p.get("k", 1)) % len(names)]
 
-    def shift(p: dict, sign: int) -> str:
-        return MONTHS[(MONTHS.index(p["month"]) + sign * p.get("k", 1)) % 12]
+    def cycle_check(slot: str, names: Sequence[str]) -> Callable[[dict, Any, str], bool]:
+        return lambda params, expected, reply: _check_cycle_name(expected, params[slot], reply, names)
 
-    def weekday_check(params: dict, expected: Any, reply: str) -> bool:
-        return _check_weekday(expected, reply)
+    def cycle(sub: str, slot: str, names: Sequence[str], sign: int, offsets: Sequence[int] | None,
+              qs: tuple[str, ...], ans: tuple[str, ...]) -> Form:
+        def key(p: dict) -> str:
+            return f"{slot}:{'+' if sign > 0 else '-'}{p.get('k', 1)}:{p[slot]}"
 
-    def month_check(params: dict, expected: Any, reply: str) -> bool:
-        return _check_month(expected, params["month"], reply)
+        return Form(sub, qs, ans, cycle_draw(slot, names, offsets), shift(slot, names, sign), key,
+                    cycle_check(slot, names), split="phrasing")
 
+    later = range(2, 12)
+    days_later = range(2, 7)
     return Task("dates", [
-        Form("weekday", ("What day of the week is {date}?", "Which day of the week was {date}?",
-                         "On which weekday does {date} fall?"),
-             ("{date} is a {r}.", "It is a {r}.", "That day is a {r}."),
-             day_draw, lambda p: WEEKDAYS[p["date"].weekday()], lambda p: f"dow:{p['date'].isoformat()}",
-             weekday_check),
         Form("days_between", ("How many days are there between {d1} and {d2}?",
                               "How many days is it from {d1} to {d2}?"),
              ("From {d1} to {d2} is {r} days.", "The number of days is {r}.", "There are {r} days between them."),
              between_draw, lambda p: (p["d2"] - p["d1"]).days,
              lambda p: f"between:{p['d1'].isoformat()}:{p['d2'].isoformat()}", _num),
-        Form("month_after", ("What month comes after {month}?", "Which month follows {month}?",
-                             "What is the month after {month}?"),
-             ("The month after {month} is {r}.", "{r} comes after {month}.", "It is {r}."),
-             month_draw1, lambda p: shift(p, 1), lambda p: f"month:+1:{p['month']}", month_check),
-        Form("month_before", ("What month comes before {month}?", "Which month comes just before {month}?"),
-             ("The month before {month} is {r}.", "{r} comes before {month}.", "It is {r}."),
-             month_draw1, lambda p: shift(p, -1), lambda p: f"month:-1:{p['month']}", month_check),
-        Form("months_later", ("What month is {k} months after {month}?",),
-             ("{k} months after {month} comes {r}.", "It is {r}."),
-             month_draw(range(2, 12)), lambda p: shift(p, 1), lambda p: f"month:+{p['k']}:{p['month']}",
-             month_check),
-        Form("months_earlier", ("What month is {k} months before {month}?",),
-             ("{k} months before {month} comes {r}.", "It is {r}."),
-             month_draw(range(2, 12)), lambda p: shift(p, -1), lambda p: f"month:-{p['k']}:{p['month']}",
-             month_check),
+        cycle("month_after", "month", MONTHS, 1, None,
+              ("What month comes after {month}?", "Which month follows {month}?", "What is the month after {month}?"),
+              ("The month after {month} is {r}.", "{r} comes after {month}.", "It is {r}.")),
+        cycle("month_before", "month", MONTHS, -1, None,
+              ("What month comes before {month}?", "Which month comes just before {month}?",
+               "What is the month before {month}?"),
+              ("The month before {month} is {r}.", "{r} comes before {month}.", "It is {r}.")),
+        cycle("months_later", "month", MONTHS, 1, later,
+              ("What month is {k} months after {month}?", "Which month comes {k} months after {month}?"),
+              ("{k} months after {month} comes {r}.", "It is {r}.")),
+        cycle("months_earlier", "month", MONTHS, -1, later,
+              ("What month is {k} months before {month}?", "Which month was {k} months before {month}?"),
+              ("{k} months before {month} comes {r}.", "It is {r}.")),
+        cycle("day_after", "day", WEEKDAYS, 1, None,
+              ("What day comes after {day}?", "Which day follows {day}?", "What is the day after {day}?"),
+              ("The day after {day} is {r}.", "{r} comes after {day}.", "It is {r}.")),
+        cycle("day_before", "day", WEEKDAYS, -1, None,
+              ("What day comes before {day}?", "Which day comes just before {day}?", "What is the day before {day}?"),
+              ("The day before {day} is {r}.", "{r} comes before {day}.", "It is {r}.")),
+        cycle("days_later", "day", WEEKDAYS, 1, days_later,
+              ("What day is {k} days after {day}?", "Which day of the week is {k} days after {day}?"),
+              ("{k} days after {day} comes {r}.", "It is {r}.")),
     ])
 
 
@@ -465,8 +511,9 @@ def _units() -> Task:
     def draw(lo: int, hi: int, mult: int = 1, offset: int = 0) -> Callable[[random.Random], dict]:
         return lambda rng: {"x": offset + mult * rng.randint(lo, hi)}
 
-    def conv(sub: str, qs: tuple[str, ...], ans: tuple[str, ...], dr: Callable, fn: Callable[[int], int]) -> Form:
-        return Form(sub, qs, ans, dr, lambda p: fn(p["x"]), lambda p: f"conv:{sub}:{p['x']}", _num)
+    def conv(sub: str, qs: tuple[str, ...], ans: tuple[str, ...], dr: Callable, fn: Callable[[int], int],
+             split: str = "operands") -> Form:
+        return Form(sub, qs, ans, dr, lambda p: fn(p["x"]), lambda p: f"conv:{sub}:{p['x']}", _num, split=split)
 
     return Task("units", [
         conv("km_m", ("How many metres are in {x} km?", "Convert {x} km to metres.", "What is {x} kilometres in metres?"),
@@ -478,15 +525,15 @@ def _units() -> Task:
         conv("g_kg", ("How many kilograms are in {x} grams?", "Convert {x} g to kilograms."),
              ("{x} g is {r} kg.", "That is {r} kilograms."), draw(2, 100, 1000), lambda x: x // 1000),
         conv("h_min", ("How many minutes are in {x} hours?", "Convert {x} hours to minutes."),
-             ("{x} hours is {r} minutes.", "That is {r} minutes."), draw(2, 48), lambda x: x * 60),
+             ("{x} hours is {r} minutes.", "That is {r} minutes."), draw(2, 48), lambda x: x * 60, "phrasing"),
         conv("min_h", ("How many hours are in {x} minutes?", "Convert {x} minutes to hours."),
-             ("{x} minutes is {r} hours.", "That is {r} hours."), draw(2, 48, 60), lambda x: x // 60),
+             ("{x} minutes is {r} hours.", "That is {r} hours."), draw(2, 48, 60), lambda x: x // 60, "phrasing"),
         conv("min_s", ("How many seconds are in {x} minutes?", "Convert {x} minutes to seconds."),
-             ("{x} minutes is {r} seconds.", "That is {r} seconds."), draw(2, 60), lambda x: x * 60),
+             ("{x} minutes is {r} seconds.", "That is {r} seconds."), draw(2, 60), lambda x: x * 60, "phrasing"),
         conv("c_f", ("What is {x} °C in Fahrenheit?", "Convert {x} degrees Celsius to Fahrenheit."),
-             ("{x} °C is {r} °F.", "That is {r} degrees Fahrenheit."), draw(-8, 20, 5), lambda x: x * 9 // 5 + 32),
+             ("{x} °C is {r} °F.", "That is {r} degrees Fahrenheit."), draw(-8, 20, 5), lambda x: x * 9 // 5 + 32, "phrasing"),
         conv("f_c", ("What is {x} °F in Celsius?", "Convert {x} degrees Fahrenheit to Celsius."),
-             ("{x} °F is {r} °C.", "That is {r} degrees Celsius."), draw(-8, 12, 9, 32), lambda x: (x - 32) * 5 // 9),
+             ("{x} °F is {r} °C.", "That is {r} degrees Celsius."), draw(-8, 12, 9, 32), lambda x: (x - 32) * 5 // 9, "phrasing"),
     ])
 
 
@@ -565,13 +612,6 @@ def doc_pool() -> dict[str, tuple[str, str, bool]]:
     return {k: v for k, v in sorted(cands.items()) if counts[v[1]] == 1}
 
 
-@lru_cache(maxsize=1)
-def _doc_names_by_split() -> dict[str, tuple[str, ...]]:
-    names = sorted(doc_pool())
-    return {"train": tuple(n for n in names if not is_heldout(f"doc:{n}")),
-            "eval": tuple(n for n in names if is_heldout(f"doc:{n}"))}
-
-
 class _DocTask(Task):
     def __init__(self) -> None:
         super().__init__("docstring", [Form(
@@ -579,26 +619,21 @@ class _DocTask(Task):
                           "Explain `{f}` in one sentence."),
             ("{r}", "`{f}`: {r}"),
             lambda rng: {"f": rng.choice(sorted(doc_pool()))}, lambda p: doc_pool()[p["f"]][0],
-            lambda p: f"doc:{p['f']}", self._check_doc,
+            lambda p: f"doc:{p['f']}", self._check_doc, split="phrasing",
         )])
 
     @staticmethod
     def _check_doc(params: dict, expected: Any, reply: str) -> bool:
         return _check_phrase(doc_pool()[params["f"]][1], reply)
 
-    def parse(self, question: str) -> tuple[Form, dict[str, Any]] | None:
+    def templates(self, form: Form, params: dict[str, Any]) -> tuple[str, ...]:
+        # "What does `X` do?" reads oddly for a class: classes get the last two phrasings only.
+        entry = doc_pool().get(params["f"])
+        return form.questions[2:] if entry is not None and entry[2] else form.questions
+
+    def parse(self, question: str) -> tuple[Form, dict[str, Any], int] | None:
         parsed = super().parse(question)
         return parsed if parsed and parsed[1]["f"] in doc_pool() else None
-
-    def sample(self, rng: random.Random, split: str = "train") -> Problem:
-        _split_ok("", split)
-        form = self.forms[0]
-        params = {"f": rng.choice(_doc_names_by_split()[split])}
-        # "What does `X` do?" reads oddly for a class: classes get the last two phrasings only.
-        questions = form.questions[2:] if doc_pool()[params["f"]][2] else form.questions
-        q = _render(rng.choice(questions), params)
-        a = _render(rng.choice(form.answers), params, {"r": form.solve(params)})
-        return Problem(self.kind, form.sub, q, a, form.key(params))
 
 
 # -- greetings -----------------------------------------------------------------------------------------
@@ -677,7 +712,7 @@ class _GreetingTask(Task):
             a = "Hello! " + a
         return Problem(self.kind, cat, q, a, key)
 
-    def draw(self, rng: random.Random) -> Problem:
+    def draw(self, rng: random.Random, form: Form | None = None) -> Problem:
         return self.sample(rng, "eval" if rng.random() < HELDOUT_FRACTION else "train")
 
     def parse(self, question: str) -> None:

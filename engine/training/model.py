@@ -48,13 +48,17 @@ class ModelParams(nn.Module):
         return _key(name) in self.p or (name == "output.weight" and self.tied)
 
     # -- use -----------------------------------------------------------------------------------------
-    def build(self, n_ctx: int) -> Qwen35Model:
+    def build(self, n_ctx: int, gdn_chunk: int = 64, n_seq: int = 1) -> Qwen35Model:
         """A model over the current parameters (rebuilt every step: derived tensors such as ssm_a must
-        be recomputed from the parameters inside each step's autograd graph)."""
+        be recomputed from the parameters inside each step's autograd graph). Its passes hold `n_seq`
+        independent sequences of equal length, flattened one after the other."""
         m = Qwen35Model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
         for layer in m.layers + ([m.mtp.layer] if m.mtp is not None else []):
+            layer.mixer.n_seq = n_seq
             if isinstance(layer.mixer, GatedAttention):
                 layer.mixer.training = True
+            else:
+                layer.mixer.chunk = gdn_chunk
         return m
 
     def export_tensors(self) -> dict[str, np.ndarray]:

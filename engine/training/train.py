@@ -1,6 +1,7 @@
 """Train a small qwen35moe with a jointly trained MTP head, and export it as a GGUF.
 
     python -m engine.training.train --out resources/models/foretell-demo.gguf [--minutes 80] [--seed 0]
+        [--device cuda --seq-len 2048 --batch 1] [--dialogues N]
 
 The trunk loss is next-token cross-entropy; the MTP loss (spec §3.6) predicts token t+2 from the trunk's
 post-final-norm hidden at t and the embedding of token t+1, through the same `MTPHead` inference runs.
@@ -45,10 +46,11 @@ class TrainConfig:
     n_ff_shexp: int = 256
     seq_len: int = 256
     batch: int = 8
+    gdn_chunk: int = 64  # chunk of the parallel delta rule (longer chunks: fewer sequential steps on a GPU)
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1
-    mtp_weight: float = 0.3
+    mtp_weight: float = 0.5
     balance_weight: float = 0.01
     seed: int = 0
 
@@ -101,25 +103,30 @@ def pack(docs: Sequence[list[int]], seq_len: int, sep: int,
 
 def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(trunk CE, MTP CE, load-balance term) for one sequence of seq_len + 1 tokens; `weights` are the
-    tokens' weights as targets (see target_weights)."""
+    """(trunk CE, MTP CE, load-balance term) for a batch of sequences of seq_len + 1 tokens ([B, T+1], or
+    one sequence [T+1]) run in one pass; `weights` are the tokens' weights as targets (see target_weights)."""
     hp = params.hparams
-    model = params.build(n_ctx=seq.numel())
+    seq = seq.view(-1, seq.shape[-1])
+    B, T = seq.shape[0], seq.shape[1] - 1
+    model = params.build(n_ctx=B * T, gdn_chunk=cfg.gdn_chunk, n_seq=B)
     router_logits: list[torch.Tensor] = []
 
     def hook(name: str, il: int, t: torch.Tensor) -> None:
         if name == "ffn_moe_logits":
             router_logits.append(t)
 
-    x, y = seq[:-1], seq[1:]
-    wy = torch.ones(y.shape, device=y.device) if weights is None else weights[1:]
-    res = model.forward(x, model.new_cache(x.numel()), logit_rows="all", chunked=True, hook=hook)
-    ce = _weighted_ce(res.logits, y, wy)
+    x, y = seq[:, :-1], seq[:, 1:]
+    wy = torch.ones(y.shape, device=y.device) if weights is None else weights.view(B, -1)[:, 1:]
+    # The B sequences are flattened one after the other; their positions run on from one sequence to the
+    # next, which RoPE cannot see (attention scores depend on position differences within a sequence).
+    res = model.forward(x, model.new_cache(B * T), logit_rows="all", chunked=True, hook=hook)
+    ce = _weighted_ce(res.logits, y.reshape(-1), wy.reshape(-1))
     # MTP: the row for position p pairs token x_{p+1} with the trunk's hidden h_p and predicts x_{p+2}.
     head = model.mtp
     assert head is not None
-    mres = head.forward(x[1:], res.hidden[:-1], head.new_cache(x.numel()), logit_rows="all")
-    mtp_ce = _weighted_ce(mres.logits, y[1:], wy[1:])
+    hidden = res.hidden.view(B, T, -1)[:, :-1].reshape(B * (T - 1), -1)
+    mres = head.forward(x[:, 1:], hidden, head.new_cache(B * T), logit_rows="all")
+    mtp_ce = _weighted_ce(mres.logits, y[:, 1:].reshape(-1), wy[:, 1:].reshape(-1))
     bal = torch.zeros((), device=seq.device)
     for lg in router_logits:  # Switch: E · Σ_e (fraction routed to e) · (mean router prob of e)
         p = torch.softmax(lg, -1)
@@ -156,22 +163,17 @@ def train(data: tuple[torch.Tensor, torch.Tensor], params: ModelParams, cfg: Tra
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        rows = [rng.randrange(len(data[0])) for _ in range(cfg.batch)]
+        rows = torch.tensor([rng.randrange(len(data[0])) for _ in range(cfg.batch)], device=data[0].device)
         opt.zero_grad(set_to_none=True)
-        ce_sum = mtp_sum = 0.0
-        for r in rows:
-            ce, mtp_ce, bal = losses(params, data[0][r], cfg, data[1][r])
-            loss = (ce + cfg.mtp_weight * mtp_ce + cfg.balance_weight * bal) / cfg.batch
-            loss.backward()
-            ce_sum += float(ce.detach())
-            mtp_sum += float(mtp_ce.detach())
+        ce, mtp_ce, bal = losses(params, data[0][rows], cfg, data[1][rows])
+        (ce + cfg.mtp_weight * mtp_ce + cfg.balance_weight * bal).backward()
         torch.nn.utils.clip_grad_norm_(params.parameters(), 1.0)
         opt.step()
         step += 1
         tokens += cfg.batch * cfg.seq_len
         if step % 10 == 0 or step == 1:
             el = time.perf_counter() - t0
-            rec = {"step": step, "loss": ce_sum / cfg.batch, "mtp_loss": mtp_sum / cfg.batch, "lr": lr,
+            rec = {"step": step, "loss": float(ce.detach()), "mtp_loss": float(mtp_ce.detach()), "lr": lr,
                    "tokens": tokens, "tok_s": tokens / el, "elapsed_s": el}
             history.append(rec)
             log(f"step {step:5d}  loss {rec['loss']:.3f}  mtp {rec['mtp_loss']:.3f}  lr {lr:.2e}  "
@@ -197,19 +199,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the same code on either)")
+    ap.add_argument("--seq-len", type=int, default=TrainConfig.seq_len,
+                    help="tokens per training sequence (a GPU prefers few long ones: launches, not FLOPs, bound it)")
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch, help="sequences per optimizer step")
+    ap.add_argument("--gdn-chunk", type=int, default=TrainConfig.gdn_chunk, help="chunk of the parallel delta rule")
+    ap.add_argument("--dialogues", type=int, default=24_000, help="generated ChatML dialogues in the corpus")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: ample for training
     from engine.chat import CHATML_TEMPLATE
     from engine.tokenizer import PRE_TOKENIZER_PATTERNS, Tokenizer
     from engine.training import data as corpus
     from engine.training.bpe import train_bpe
 
-    cfg = TrainConfig(seed=args.seed)
+    cfg = TrainConfig(seed=args.seed, seq_len=args.seq_len, batch=args.batch, gdn_chunk=args.gdn_chunk)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     t0 = time.perf_counter()
-    docs = corpus.build_corpus(seed=cfg.seed)
+    docs = corpus.build_corpus(seed=cfg.seed, n_dialogues=args.dialogues)
     vocab = train_bpe(docs, args.vocab, pattern=PRE_TOKENIZER_PATTERNS["qwen35"], chat_template=CHATML_TEMPLATE)
     tok = Tokenizer.from_metadata(_vocab_metadata(vocab))
     ids = tok.encode_batch(docs, special=True)
@@ -223,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model: {n_params / 1e6:.1f}M parameters", flush=True)
     hist = train(data, params, cfg, seconds=args.minutes * 60, max_steps=args.max_steps,
                  log=lambda s: print(s, flush=True))
-    extra = {"config": asdict(cfg), "steps": hist[-1]["step"] if hist else 0,
+    extra = {"config": asdict(cfg), "device": args.device, "dialogues": args.dialogues,
+             "tokens_seen": hist[-1]["tokens"] if hist else 0, "steps": hist[-1]["step"] if hist else 0,
              "train_seconds": hist[-1]["elapsed_s"] if hist else 0.0, "final_loss": hist[-1]["loss"] if hist else None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     export(params, vocab, args.out, "foretell-demo", extra)
