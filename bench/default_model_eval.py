@@ -26,30 +26,37 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.chat import Message  # noqa: E402
-from engine.generate import Done, EngineConfig, GenerationConfig, Token, load  # noqa: E402
+from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load  # noqa: E402
 from engine.training.data import KINDS, EvalItem, eval_prompts, heldout_corpus  # noqa: E402
+from engine.training.train import target_weights  # noqa: E402
 
 
-def answer(eng, item: EvalItem, max_tokens: int, mtp: bool = True) -> tuple[str, str, int]:  # type: ignore[no-untyped-def]
-    """Greedy reply text, the Done reason and the number of generated tokens."""
+def answer(eng, item: EvalItem, max_tokens: int, mtp: bool = True,  # type: ignore[no-untyped-def]
+           spec: list | None = None) -> tuple[str, str, int]:
+    """Greedy reply text, the Done reason and the number of generated tokens. With MTP the drafts are one
+    token deep (greedy speculation is lossless, so the text is the same) and the final speculative stats
+    are appended to `spec`: their depth-1 acceptance is the head's top-1 agreement with the trunk."""
     parts: list[str] = []
     reason, n = "", 0
     msgs = [Message(m.role, m.content) for m in item.messages]
-    for ev in eng.generate(msgs, GenerationConfig(max_tokens=max_tokens, mtp=mtp), None):
+    for ev in eng.generate(msgs, GenerationConfig(max_tokens=max_tokens, mtp=mtp, draft=1), None):
         if isinstance(ev, Token):
             parts.append(ev.text)
             n += len(ev.ids)
         elif isinstance(ev, Done):
             reason = ev.reason
+        elif isinstance(ev, Stats) and ev.final and ev.speculative and spec is not None:
+            spec.append(ev.speculative)
     return "".join(parts), reason, n
 
 
 def accuracy(eng, items: list[EvalItem], max_tokens: int, mtp: bool = True) -> dict:  # type: ignore[no-untyped-def]
     records = []
     per_kind = {k: {"n": 0, "correct": 0} for k in KINDS}
+    spec: list[dict] = []
     t0 = time.perf_counter()
     for item in items:
-        reply, reason, n_tok = answer(eng, item, max_tokens, mtp)
+        reply, reason, n_tok = answer(eng, item, max_tokens, mtp, spec)
         ok = item.check(reply)
         per_kind[item.kind]["n"] += 1
         per_kind[item.kind]["correct"] += int(ok)
@@ -59,8 +66,12 @@ def accuracy(eng, items: list[EvalItem], max_tokens: int, mtp: bool = True) -> d
                         "tokens": n_tok})
     n = len(records)
     correct = sum(r["ok"] for r in records)
+    drafted = sum(x["drafted"] for x in spec)
+    accepted = sum(x["accepted"] for x in spec)
     return {
         "n": n, "correct": correct, "accuracy": correct / n if n else None,
+        "mtp_depth1": {"drafted": drafted, "accepted": accepted,
+                       "acceptance": accepted / drafted if drafted else None} if spec else None,
         "per_kind": {k: {**v, "accuracy": v["correct"] / v["n"] if v["n"] else None} for k, v in per_kind.items()},
         "seconds": time.perf_counter() - t0, "items": records,
     }
@@ -68,8 +79,11 @@ def accuracy(eng, items: list[EvalItem], max_tokens: int, mtp: bool = True) -> d
 
 @torch.no_grad()
 def perplexity(eng, docs: list[tuple[str, str]], max_tokens: int) -> dict:  # type: ignore[no-untyped-def]
-    """exp(mean next-token NLL) over each document's first `max_tokens` tokens (special tokens as such)."""
+    """exp(mean next-token NLL) over each document's first `max_tokens` tokens (special tokens as such).
+    Dialogues are scored twice: on every token ("dialogue") and on the assistant replies only
+    ("dialogue_replies", the tokens the model was trained to produce; questions are random by design)."""
     sums: dict[str, list[float]] = {}
+    im_start, im_end = (eng.tokenizer.encode(t, special=True, add_bos=False)[0] for t in ("<|im_start|>", "<|im_end|>"))
     for source, text in docs:
         ids = eng.tokenizer.encode(text, special=True, add_bos=False)[:min(max_tokens, eng.n_ctx)]
         if len(ids) < 2:
@@ -77,16 +91,22 @@ def perplexity(eng, docs: list[tuple[str, str]], max_tokens: int) -> dict:  # ty
         res = eng.model.forward(ids, eng.model.new_cache(len(ids)), logit_rows="all")
         logits = res.logits.float()
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device),
-                                                reduction="sum").item()
-        s = sums.setdefault(source, [0.0, 0, 0])
-        s[0] += nll
-        s[1] += len(ids) - 1
-        s[2] += 1
+                                                reduction="none")
+        scored = [(source, torch.ones_like(nll))]
+        if source == "dialogue":
+            w = torch.tensor(target_weights(ids, eng.tokenizer, im_start, im_end)[1:], device=nll.device)
+            scored.append(("dialogue_replies", w))
+        for name, w in scored:
+            s = sums.setdefault(name, [0.0, 0, 0])
+            s[0] += float((nll * w).sum())
+            s[1] += int(w.sum())
+            s[2] += 1
     out = {src: {"docs": d, "tokens": t, "nll_per_token": nll / t, "perplexity": math.exp(nll / t)}
            for src, (nll, t, d) in sorted(sums.items())}
-    nll = sum(v[0] for v in sums.values())
-    tok = sum(v[1] for v in sums.values())
-    out["all"] = {"docs": sum(v[2] for v in sums.values()), "tokens": tok,
+    whole = [v for k, v in sums.items() if k != "dialogue_replies"]  # each token once
+    nll = sum(v[0] for v in whole)
+    tok = sum(v[1] for v in whole)
+    out["all"] = {"docs": sum(v[2] for v in whole), "tokens": tok,
                   "nll_per_token": nll / tok if tok else None, "perplexity": math.exp(nll / tok) if tok else None}
     return out
 
@@ -160,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         for src, v in ppl.items():
             if v["tokens"]:
                 print(f"perplexity {src:<9} {v['perplexity']:.2f} ({v['tokens']} tokens)")
+    if acc["mtp_depth1"]:
+        print(f"MTP depth-1 acceptance (head top-1 = trunk) {acc['mtp_depth1']['acceptance']:.3f}")
     print(f"wrote {args.out}")
     return 0
 

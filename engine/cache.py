@@ -38,22 +38,25 @@ class Cache:
     """State of one sequence for the trunk (and, with `layers`, for the MTP block's own attention)."""
 
     def __init__(self, hp: HParams, n_ctx: int, device: torch.device | str = "cpu",
-                 layers: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32):
+                 layers: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32,
+                 devices: dict[int, torch.device] | None = None):
+        """`devices` overrides `device` per layer (a hybrid placement keeps each layer's state beside it)."""
         self.hp = hp
         self.n_ctx = n_ctx
         self.device = torch.device(device)
+        dev = {i: torch.device((devices or {}).get(i, self.device)) for i in range(hp.n_layer + 1)}
         self.pos = 0
         attn = hp.attention_layers if layers is None else tuple(i for i in layers)
         rec = hp.recurrent_layers if layers is None else ()
         try:
             self.kv: dict[int, KVLayer] = {
-                i: KVLayer(torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_k, dtype=dtype, device=self.device),
-                           torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_v, dtype=dtype, device=self.device))
+                i: KVLayer(torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_k, dtype=dtype, device=dev[i]),
+                           torch.zeros(n_ctx, hp.n_head_kv, hp.head_dim_v, dtype=dtype, device=dev[i]))
                 for i in attn
             }
             self.gdn: dict[int, GDNState] = {
-                i: GDNState(torch.zeros(hp.ssm_conv_kernel - 1, hp.ssm_conv_dim, device=self.device),
-                            torch.zeros(hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, device=self.device))
+                i: GDNState(torch.zeros(hp.ssm_conv_kernel - 1, hp.ssm_conv_dim, device=dev[i]),
+                            torch.zeros(hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, device=dev[i]))
                 for i in rec
             }
         except RuntimeError as e:  # allocation failure

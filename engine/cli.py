@@ -52,6 +52,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "kv_per_token": 4 * 2 * hp.n_head_kv * hp.head_dim_k * len(hp.attention_layers),
         },
     }
+    from engine.placement import ModelSizes, PlacementConfig, free_device_bytes, plan_placement
+
+    pcfg = PlacementConfig(args.device, args.gpu_layers, args.cpu_moe, args.expert_cache, miss_policy=args.miss_policy)
+    info["placement"] = plan_placement(ModelSizes.from_model(mf, min(args.ctx, hp.n_ctx_train)), pcfg,
+                                       free_device_bytes(args.device)).as_dict()
     if args.tensors:
         info["tensors"] = [
             {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}
@@ -88,6 +93,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
     print("  tensor types")
     for name, row in info["tensor_types"].items():
         print(f"    {name:<8} {row['tensors']:>5} tensors  {_count(row['elements']):>8}  {_size(row['bytes']):>10}")
+    print(f"  placement     {info['placement']['summary']}")
     for t in info.get("tensors", []):
         print(f"    {t['name']:<40} {t['type']:<7} {str(tuple(t['shape'])):<22} {_size(t['bytes'])}")
 
@@ -125,7 +131,9 @@ def _parse_ids(text: str) -> list[int]:
 def _engine(args: argparse.Namespace, n_ctx: int):
     from engine.generate import EngineConfig, load
 
-    return load(_model_arg(args.model), EngineConfig(n_ctx=n_ctx, device=args.device, n_threads=args.threads))
+    return load(_model_arg(args.model), EngineConfig(
+        n_ctx=n_ctx, device=args.device, n_threads=args.threads, gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe,
+        expert_cache=args.expert_cache, miss_policy=args.miss_policy))
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
@@ -195,6 +203,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     }
     if final.speculative:
         stats.update(final.speculative)
+    stats["placement"] = eng.plan.as_dict()
+    if final.expert_cache:
+        stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}
     if args.json:
         print(json.dumps({"tokens": tokens, "text": "".join(pieces), "accepted_draft": flags, "stats": stats}))
     else:
@@ -225,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--tensors", action="store_true", help="also list every tensor")
+    s.add_argument("--ctx", type=int, default=4096, help="context length the placement plan assumes")
+    _device_args(s)
     s.set_defaults(func=cmd_inspect)
     s = sub.add_parser("tokenize", help="token ids of a text file (no BOS added, special tokens parsed)")
     s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
@@ -269,9 +282,24 @@ def _draft_depth(value: str) -> str:
     raise argparse.ArgumentTypeError("draft depth must be 1-8 or 'auto'")
 
 
+def _gpu_layers(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError("GPU layers must be a number or 'auto'")
+
+
 def _device_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--device", default="cpu", choices=["cpu"], help="compute device")
+    s.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda[:N] (CPU/GPU hybrid)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    s.add_argument("--gpu-layers", type=_gpu_layers, default=None,
+                   help="trunk layers on the GPU (the last ones), or 'auto' (default: fit free VRAM)")
+    s.add_argument("--cpu-moe", action="store_true", help="keep routed experts on the CPU (hot ones cached on the GPU)")
+    s.add_argument("--expert-cache", default=None,
+                   help="GPU expert cache: experts per layer (64) or a total size (2048MiB); default: what is left")
+    s.add_argument("--miss-policy", default="load", choices=["load", "cpu"],
+                   help="expert-cache miss: load it to the GPU (default) or compute it on the CPU")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

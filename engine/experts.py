@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.expert_cache import ExpertCache
 from engine.quant import QTensor
 from engine.rowwise import Weight, round_activations
 
@@ -66,8 +67,14 @@ def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, w.transpose(1, 2)).squeeze(1)
 
 
-def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
-    """y[t] = Σ_s w[t,s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t,s], summed in slot order s."""
+def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights,
+                cache: ExpertCache | None = None) -> torch.Tensor:
+    """y[t] = Σ_s w[t,s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t,s], summed in slot order s.
+
+    Experts run where their bytes are: on x's device when resident there, on the CPU when they live on
+    the CPU (x's rows are moved, not the weights), or from `cache` slots on the accelerator for cached
+    experts. Each (token, slot) product is independent, so splitting the experts between devices does not
+    change which bits a device computes."""
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -80,39 +87,77 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         return _run_experts_float(x, idx, w, ew, order, experts, counts, tokens)
     xg = round_activations(x, ew.gate.qtype.name)
     xu = xg if ew.up.qtype == ew.gate.qtype else round_activations(x, ew.up.qtype.name)
-    per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
-    step = max(1, GROUP_ELEMENTS // per_expert)
     experts_l, counts_l = experts.tolist(), counts.tolist()
     starts = [0]
     for c in counts_l:
         starts.append(starts[-1] + c)
-    down_t = ew.down.qtype.name
-    for g0 in range(0, len(experts_l), step):
-        group = experts_l[g0:g0 + step]
-        wg, wu, wd = (gather_experts(t, group) for t in (ew.gate, ew.up, ew.down))
-        # Experts with one token (all of them in a decode step, most of them in a verify pass) run as
-        # one batched product over distinct weights; the rest one expert at a time over its tokens.
-        single = [j for j, c in enumerate(counts_l[g0:g0 + step]) if c == 1]
-        if single:
-            at = torch.tensor([starts[g0 + j] for j in single], dtype=torch.long, device=x.device)
-            tok = tokens[at]
-            if len(single) == len(group):  # no copy of the weights when the whole group is single
-                sg, su, sd = wg, wu, wd
-            else:
-                sel = torch.tensor(single, dtype=torch.long, device=x.device)
-                sg, su, sd = wg[sel], wu[sel], wd[sel]
-            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), sg)) * _bmm_t(xu[tok].unsqueeze(1), su)
-            out[order[at]] = _bmm_t(round_activations(h, down_t).unsqueeze(1), sd)
-        for j, e in enumerate(group):
-            a, b = starts[g0 + j], starts[g0 + j + 1]
-            c = b - a
-            if c == 1:
-                continue
-            tok = tokens[a:b]
-            h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg[j].expand(c, -1, -1))) * \
-                _bmm_t(xu[tok].unsqueeze(1), wu[j].expand(c, -1, -1))
-            out[order[a:b]] = _bmm_t(round_activations(h, down_t).unsqueeze(1), wd[j].expand(c, -1, -1))
+    per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
+    run = _Grouped(xg, xu, tokens, order, starts, counts_l, ew.down.qtype.name, out,
+                   max(1, GROUP_ELEMENTS // per_expert))
+    host = ew.gate.raw.device
+    pos = {e: j for j, e in enumerate(experts_l)}
+    if cache is None:
+        run(list(range(len(experts_l))), lambda sel: tuple(gather_experts(t, [experts_l[j] for j in sel])
+                                                           for t in (ew.gate, ew.up, ew.down)), host)
+        return _reduce_slots(out.view(n, k, -1), w)
+    hits, misses = cache.lookup(experts_l)
+    if cache.miss_policy == "load":  # wait for the copies, then everything runs on the accelerator
+        hits.update(cache.load(misses, set(experts_l)))
+    on_cpu = [pos[e] for e in experts_l if e not in hits]
+    cached = [pos[e] for e in experts_l if e in hits]
+    if cached:
+        run(cached, lambda sel: tuple(q.dequantize().view(len(sel), *shape) for q, (_, shape) in
+                                      zip(cache.weights([hits[experts_l[j]] for j in sel]), cache.meta)),
+            cache.device)
+    if on_cpu:
+        run(on_cpu, lambda sel: tuple(gather_experts(t, [experts_l[j] for j in sel])
+                                      for t in (ew.gate, ew.up, ew.down)), host)
+        if cache.miss_policy == "cpu":  # computed on the CPU this time; cached for the next passes
+            cache.load([experts_l[j] for j in on_cpu], set(experts_l))
     return _reduce_slots(out.view(n, k, -1), w)
+
+
+class _Grouped:
+    """Runs a subset of a pass's experts (positions into its sorted expert list) on one device."""
+
+    def __init__(self, xg: torch.Tensor, xu: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor,
+                 starts: list[int], counts: list[int], down_t: str, out: torch.Tensor, step: int):
+        self.xg, self.xu, self.tokens, self.order, self.step = xg, xu, tokens, order, step
+        self.starts, self.counts, self.down_t, self.out = starts, counts, down_t, out
+
+    def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
+        out, starts, counts = self.out, self.starts, self.counts
+        moved = dev != out.device
+        xg = self.xg.to(dev) if moved else self.xg
+        xu = xg if self.xu is self.xg else (self.xu.to(dev) if moved else self.xu)
+        tokens = self.tokens.to(dev) if moved else self.tokens
+        for g0 in range(0, len(positions), self.step):
+            group = positions[g0:g0 + self.step]
+            wg, wu, wd = gather(group)
+            # Experts with one token (all of them in a decode step, most of them in a verify pass) run as
+            # one batched product over distinct weights; the rest one expert at a time over its tokens.
+            single = [j for j, p in enumerate(group) if counts[p] == 1]
+            if single:
+                at = torch.tensor([starts[group[j]] for j in single], dtype=torch.long, device=dev)
+                tok = tokens[at]
+                if len(single) == len(group):  # no copy of the weights when the whole group is single
+                    sg, su, sd = wg, wu, wd
+                else:
+                    sel = torch.tensor(single, dtype=torch.long, device=dev)
+                    sg, su, sd = wg[sel], wu[sel], wd[sel]
+                h = F.silu(_bmm_t(xg[tok].unsqueeze(1), sg)) * _bmm_t(xu[tok].unsqueeze(1), su)
+                y = _bmm_t(round_activations(h, self.down_t).unsqueeze(1), sd)
+                out[self.order[at.to(out.device)]] = y.to(out.device) if moved else y
+            for j, p in enumerate(group):
+                a, b = starts[p], starts[p + 1]
+                c = b - a
+                if c == 1:
+                    continue
+                tok = tokens[a:b]
+                h = F.silu(_bmm_t(xg[tok].unsqueeze(1), wg[j].expand(c, -1, -1))) * \
+                    _bmm_t(xu[tok].unsqueeze(1), wu[j].expand(c, -1, -1))
+                y = _bmm_t(round_activations(h, self.down_t).unsqueeze(1), wd[j].expand(c, -1, -1))
+                out[self.order[a:b]] = y.to(out.device) if moved else y
 
 
 def _reduce_slots(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from engine.chat import ChatFormat, Message
 from engine.errors import EngineError
 from engine.modelfile import ModelFile, default_model_path, open_model
 from engine.models.qwen35 import Qwen35Model
+from engine.placement import ModelSizes, PlacementConfig, Plan, free_device_bytes, plan_placement
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
 from engine.tokenizer import Tokenizer
@@ -30,8 +31,17 @@ PREFILL_CHUNK = 256
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int = 4096
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu" or "cuda[:i]": then the hybrid placement below applies
     n_threads: int | None = None  # None: torch's default (all cores)
+    gpu_layers: int | None = None  # trunk layers on the GPU; None = auto-fit to free VRAM
+    cpu_moe: bool = False  # routed experts stay on the CPU (hot ones cached on the GPU)
+    expert_cache: str | None = None  # "N" experts per layer or "N MiB" in all; None = what is left
+    miss_policy: str = "load"  # expert-cache miss: "load" to the GPU, or compute on the "cpu"
+    plan: Plan | None = None  # a ready plan instead of the above (tests: a CUDA plan run on CPU stand-ins)
+
+    def placement(self) -> PlacementConfig:
+        return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,
+                               miss_policy=self.miss_policy)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class Stats:
     final: bool = False
     mtp: bool = False
     speculative: dict | None = None  # SpecStats.as_dict(): drafted, accepted, by depth, histogram, times
+    expert_cache: dict[int, dict] | None = None  # GPU expert cache per layer: hits, misses, evictions, bytes, occupancy
     expert_usage: dict[int, list[int]] | None = None  # MoE: tokens routed to each expert, per layer (cumulative)
 
 
@@ -90,7 +101,10 @@ class Engine:
         self.hp = mf.hparams
         self.tokenizer = Tokenizer.from_metadata(mf.metadata)
         self.chat = ChatFormat(mf.get("tokenizer.chat_template"), self.tokenizer)
-        self.model = Qwen35Model(mf, config.device, n_ctx=config.n_ctx)
+        n_ctx = min(config.n_ctx, mf.hparams.n_ctx_train)
+        self.plan = config.plan or plan_placement(ModelSizes.from_model(mf, n_ctx), config.placement(),
+                                                  free_device_bytes(config.device))
+        self.model = Qwen35Model(mf, n_ctx=config.n_ctx, plan=self.plan)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
@@ -180,6 +194,8 @@ class Engine:
                 elapsed_s=now - t0, cache_bytes=self.cache.nbytes, state_bytes=self.cache.state_nbytes,
                 final=final, mtp=use_mtp, speculative=spec.as_dict() if use_mtp else None,
                 expert_usage={il: c.tolist() for il, c in self.model.routing.counts.items()} or None,
+                expert_cache={il: {**c.stats.as_dict(), "capacity": c.capacity, "occupancy": len(c.lru)}
+                              for il, c in self.model.expert_caches.items()} or None,
             )
 
         x = sampler.sample(logits, run.history)

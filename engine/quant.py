@@ -220,8 +220,7 @@ def _spread_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _k_q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(b[:, 2:].view(torch.int8))
-    out.mul_(_f16(b, 0))
+    torch.mul(b[:, 2:].view(torch.int8), _f16(b, 0), out=out)  # int8 → float32 then × d, in one op
 
 
 def _k_q4_0(b: torch.Tensor, out: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ prefill rely on this to be token-identical to plain decoding.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from engine.quant import TILE_ELEMENTS, QTensor
@@ -21,6 +23,11 @@ _Q8_K_ACT = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS"
              "IQ3_S", "IQ4_XS"}
 
 
+# The last input rounded per weight type, with the thread that rounded it: q/k/v, GDN qkv/z/β/α, router,
+# shared and routed experts all multiply the same normed x, so each type's rounding runs once per layer.
+_ROUNDED: dict[str, tuple[int, torch.Tensor, int, torch.Tensor]] = {}
+
+
 def round_activations(x: torch.Tensor, weight_type: str) -> torch.Tensor:
     """x as llama.cpp's CPU backend sees it when multiplying by a `weight_type` matrix.
 
@@ -29,6 +36,17 @@ def round_activations(x: torch.Tensor, weight_type: str) -> torch.Tensor:
     rounds them to F16/BF16 for half-precision weights. The integer dot product it then runs equals
     a float dot of these rounded values, so rounding x here reproduces its numbers (spec §8).
     """
+    me = threading.get_ident()
+    hit = _ROUNDED.get(weight_type)
+    if hit is not None and hit[0] == me and hit[1] is x and hit[2] == x._version:
+        return hit[3]
+    y = _round(x, weight_type)
+    if not x.requires_grad:
+        _ROUNDED[weight_type] = (me, x, x._version, y)
+    return y
+
+
+def _round(x: torch.Tensor, weight_type: str) -> torch.Tensor:
     if weight_type in _Q8_0_ACT:
         b = x.reshape(-1, 32)
         d = b.abs().amax(-1, keepdim=True) / 127.0
@@ -80,9 +98,10 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
     k, n_out = w.n_cols, w.n_rows
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {k}")
-    x2 = x.reshape(-1, k).float()
+    xf = x.float()  # x itself when already float32, so the rounding memo can recognise it
     if ggml_activations:
-        x2 = round_activations(x2, w.qtype.name)
+        xf = round_activations(xf, w.qtype.name)
+    x2 = xf.reshape(-1, k)
     if w.qtype.name == "F32" and w.raw.device == x2.device:
         return _rowwise(x2, w.raw.view(torch.float32).view(n_out, k)).reshape(*x.shape[:-1], n_out)
     step = tile_rows(w)

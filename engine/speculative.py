@@ -138,7 +138,8 @@ class SpecStats:
         return {
             "drafted": self.drafted, "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
-            "acceptance_by_depth": self.acceptance_by_depth(), "mean_accepted_length": self.mean_accepted(),
+            "acceptance_by_depth": self.acceptance_by_depth(), "tried_by_depth": list(self.tried_at),
+            "accepted_by_depth": list(self.accepted_at), "mean_accepted_length": self.mean_accepted(),
             "accepted_length_histogram": list(self.accept_hist), "verify_steps": self.steps,
             "plain_steps": self.plain_steps,
             "time_s": {"draft": self.draft_s, "verify": self.verify_s, "commit": self.commit_s,

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache import Cache, CapturedStates, GDNState, KVLayer
+from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, route, run_experts
 from engine.modelfile import HParams
+from engine.placement import Plan
 from engine.quant import QTensor
 from engine.rowwise import Weight, rowwise_matmul, take_rows
 
@@ -95,6 +97,10 @@ def _dense(src: WeightSource, name: str, device: torch.device) -> torch.Tensor:
 
 def _vec(src: WeightSource, name: str, device: torch.device) -> torch.Tensor:
     return _dense(src, name, device).reshape(-1)
+
+
+def _where(w: Weight) -> torch.device:
+    return w.raw.device if isinstance(w, QTensor) else w.device
 
 
 @dataclass
@@ -335,8 +341,9 @@ class MoEWeights:
 
 
 class MoE:
-    def __init__(self, hp: HParams, w: MoEWeights, layer: int, stats: RoutingStats | None = None):
-        self.hp, self.w, self.il, self.stats = hp, w, layer, stats
+    def __init__(self, hp: HParams, w: MoEWeights, layer: int, stats: RoutingStats | None = None,
+                 cache: ExpertCache | None = None):
+        self.hp, self.w, self.il, self.stats, self.cache = hp, w, layer, stats, cache
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
         hp, w, il = self.hp, self.w, self.il
@@ -346,7 +353,7 @@ class MoE:
         cb("ffn_moe_weights_norm", il, weights)
         if self.stats is not None:
             self.stats.add(il, idx, hp.n_expert)
-        y = run_experts(x, idx, weights, w.experts)
+        y = run_experts(x, idx, weights, w.experts, self.cache)
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None:
             sh = F.silu(rowwise_matmul(x, w.shared_gate)) * rowwise_matmul(x, w.shared_up)
@@ -374,8 +381,9 @@ class DenseFFN:
 
 class DecoderLayer:
     def __init__(self, il: int, attn_norm: torch.Tensor, post_norm: torch.Tensor,
-                 mixer: GatedAttention | GatedDeltaNet, ffn: MoE | DenseFFN, eps: float):
+                 mixer: GatedAttention | GatedDeltaNet, ffn: MoE | DenseFFN, eps: float, device: torch.device):
         self.il, self.attn_norm, self.post_norm, self.mixer, self.ffn, self.eps = il, attn_norm, post_norm, mixer, ffn, eps
+        self.device = device
 
     def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor], cb: Hook,
                  capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
@@ -407,67 +415,102 @@ class ForwardResult:
 class Qwen35Model:
     """The trunk (and, when present, the MTP block) of a qwen35 / qwen35moe GGUF."""
 
-    def __init__(self, mf: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None):
+    def __init__(self, mf: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
+                 plan: Plan | None = None):
+        """Weights on `device`, or where `plan` puts them (engine.placement): trunk layers on the plan's
+        accelerator or the CPU, routed experts resident, on the CPU, or on the CPU with a GPU cache."""
         self.mf = mf  # a ModelFile, or the trainer's parameters
         self.hp = hp = mf.hparams
-        self.device = torch.device(device)
+        self.plan = plan
+        cpu = torch.device("cpu")
+        if plan is None:
+            acc = torch.device(device)
+            self.layer_devices = [acc] * hp.n_layer
+            out_dev = mtp_dev = acc
+        else:
+            acc = torch.device(plan.device)
+            self.layer_devices = [acc if on else cpu for on in plan.layer_on_gpu]
+            out_dev = acc if plan.output_on_gpu else cpu
+            mtp_dev = acc if plan.mtp_on_gpu else cpu
+        self.accelerator = acc
+        self.device = out_dev  # final norm, LM head, logits
+        self.mtp_device = mtp_dev
         self.routing = RoutingStats()
-        dev = self.device
-        self.tok_embd = mf.tensor("token_embd.weight")
-        self.output = mf.tensor("output.weight") if mf.has_tensor("output.weight") else self.tok_embd
-        self.output_norm = _vec(mf, "output_norm.weight", dev)
-        self.layers = [self._layer(i) for i in range(hp.n_layer)]
+        self.expert_caches: dict[int, ExpertCache] = {}
+        self.tok_embd = mf.tensor("token_embd.weight")  # row lookups: stays where the file is
+        self.output = (mf.tensor("output.weight") if mf.has_tensor("output.weight") else self.tok_embd).to(out_dev)
+        self.output_norm = _vec(mf, "output_norm.weight", out_dev)
         self.n_ctx_max = n_ctx or hp.n_ctx_train
-        cos, sin = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
-        self.rope = (cos.to(dev), sin.to(dev))
+        self._rope_cpu = rope_tables(self.n_ctx_max, hp.n_rot, hp.rope_base)
+        self._ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers = [self._layer(i, self.layer_devices[i]) for i in range(hp.n_layer)]
         self.mtp = MTPHead(self) if hp.has_mtp else None
 
-    def _ffn(self, p: str, il: int) -> MoE | DenseFFN:
-        mf, hp, dev = self.mf, self.hp, self.device
+    def rope(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables on `dev` (one copy per device in use)."""
+        r = self._ropes.get(dev)
+        if r is None:
+            r = self._ropes[dev] = (self._rope_cpu[0].to(dev), self._rope_cpu[1].to(dev))
+        return r
+
+    def _t(self, name: str, dev: torch.device) -> Weight:
+        """A weight on `dev`, still in its stored format (a trained parameter already there is kept)."""
+        return self.mf.tensor(name).to(dev)
+
+    def _ffn(self, p: str, il: int, dev: torch.device) -> MoE | DenseFFN:
+        mf, hp, t = self.mf, self.hp, self._t
         if not hp.is_moe:
-            return DenseFFN(DenseWeights(mf.tensor(p + "ffn_gate.weight"), mf.tensor(p + "ffn_up.weight"),
-                                         mf.tensor(p + "ffn_down.weight")))
-        experts = ExpertWeights(mf.tensor(p + "ffn_gate_exps.weight"), mf.tensor(p + "ffn_up_exps.weight"),
-                                mf.tensor(p + "ffn_down_exps.weight"))
+            return DenseFFN(DenseWeights(t(p + "ffn_gate.weight", dev), t(p + "ffn_up.weight", dev),
+                                         t(p + "ffn_down.weight", dev)))
+        plan = self.plan
+        on_cpu = plan is not None and il < hp.n_layer and not plan.experts_on_gpu[il]
+        edev = torch.device("cpu") if on_cpu else dev
+        experts = ExpertWeights(t(p + "ffn_gate_exps.weight", edev), t(p + "ffn_up_exps.weight", edev),
+                                t(p + "ffn_down_exps.weight", edev))
+        cache = None
+        if on_cpu and plan is not None and plan.cache_experts[il] > 0 and isinstance(experts.gate, QTensor):
+            cache = self.expert_caches[il] = ExpertCache(experts.gate, experts.up, experts.down,  # type: ignore[arg-type]
+                                                         plan.cache_experts[il], self.accelerator, plan.miss_policy)
         shared = hp.n_ff_shexp > 0
         sgi = None
         if shared:  # stored as (d,) or (1, d): one scalar gate per token either way
-            t = mf.tensor(p + "ffn_gate_inp_shexp.weight")
-            sgi = QTensor(t.raw, t.qtype, (1, t.n_cols)) if isinstance(t, QTensor) else t.reshape(1, -1)
+            w = t(p + "ffn_gate_inp_shexp.weight", dev)
+            sgi = QTensor(w.raw, w.qtype, (1, w.n_cols)) if isinstance(w, QTensor) else w.reshape(1, -1)
         return MoE(hp, MoEWeights(
-            mf.tensor(p + "ffn_gate_inp.weight"), experts, sgi,
-            mf.tensor(p + "ffn_gate_shexp.weight") if shared else None,
-            mf.tensor(p + "ffn_up_shexp.weight") if shared else None,
-            mf.tensor(p + "ffn_down_shexp.weight") if shared else None,
-        ), il, self.routing)
+            t(p + "ffn_gate_inp.weight", dev), experts, sgi,
+            t(p + "ffn_gate_shexp.weight", dev) if shared else None,
+            t(p + "ffn_up_shexp.weight", dev) if shared else None,
+            t(p + "ffn_down_shexp.weight", dev) if shared else None,
+        ), il, self.routing, cache)
 
-    def _attention(self, p: str, il: int) -> GatedAttention:
-        mf = self.mf
+    def _attention(self, p: str, il: int, dev: torch.device) -> GatedAttention:
+        mf, t = self.mf, self._t
         return GatedAttention(self.hp, AttentionWeights(
-            mf.tensor(p + "attn_q.weight"), mf.tensor(p + "attn_k.weight"), mf.tensor(p + "attn_v.weight"),
-            mf.tensor(p + "attn_output.weight"), _vec(mf, p + "attn_q_norm.weight", self.device),
-            _vec(mf, p + "attn_k_norm.weight", self.device)), il)
+            t(p + "attn_q.weight", dev), t(p + "attn_k.weight", dev), t(p + "attn_v.weight", dev),
+            t(p + "attn_output.weight", dev), _vec(mf, p + "attn_q_norm.weight", dev),
+            _vec(mf, p + "attn_k_norm.weight", dev)), il)
 
-    def _layer(self, il: int) -> DecoderLayer:
-        mf, hp, dev = self.mf, self.hp, self.device
+    def _layer(self, il: int, dev: torch.device) -> DecoderLayer:
+        mf, hp, t = self.mf, self.hp, self._t
         p = f"blk.{il}."
         if il < hp.n_layer and hp.recurrent[il]:
             mixer: GatedAttention | GatedDeltaNet = GatedDeltaNet(hp, GDNWeights(
-                mf.tensor(p + "attn_qkv.weight"), mf.tensor(p + "attn_gate.weight"),
-                mf.tensor(p + "ssm_beta.weight"), mf.tensor(p + "ssm_alpha.weight"),
+                t(p + "attn_qkv.weight", dev), t(p + "attn_gate.weight", dev),
+                t(p + "ssm_beta.weight", dev), t(p + "ssm_alpha.weight", dev),
                 _vec(mf, p + "ssm_a", dev), _vec(mf, p + "ssm_dt.bias", dev),
                 _dense(mf, p + "ssm_conv1d.weight", dev),
-                _vec(mf, p + "ssm_norm.weight", dev), mf.tensor(p + "ssm_out.weight")), il)
+                _vec(mf, p + "ssm_norm.weight", dev), t(p + "ssm_out.weight", dev)), il)
         else:
-            mixer = self._attention(p, il)
+            mixer = self._attention(p, il, dev)
         return DecoderLayer(il, _vec(mf, p + "attn_norm.weight", dev), _vec(mf, p + "post_attention_norm.weight", dev),
-                            mixer, self._ffn(p, il), hp.rms_eps)
+                            mixer, self._ffn(p, il, dev), hp.rms_eps, dev)
 
     def new_cache(self, n_ctx: int) -> Cache:
-        return Cache(self.hp, min(n_ctx, self.n_ctx_max), self.device)
+        return Cache(self.hp, min(n_ctx, self.n_ctx_max), self.device,
+                     devices={i: d for i, d in enumerate(self.layer_devices)})
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return take_rows(self.tok_embd, tokens, device=self.device)
+        return take_rows(self.tok_embd, tokens, device=self.layer_devices[0] if self.layers else self.device)
 
     def forward(self, tokens: torch.Tensor | list[int], cache: Cache, *, logit_rows: str = "last",
                 capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:
@@ -486,9 +529,11 @@ class Qwen35Model:
         cb("inp_embd", -1, x)
         cap = CapturedStates({}, {}) if capture else None
         for layer in self.layers:
-            x = layer(x, cache, pos, self.rope, cb, cap, chunked)
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = layer(x, cache, pos, self.rope(layer.device), cb, cap, chunked)
         cache.pos = pos + n
-        h = rms_norm(x, self.output_norm, self.hp.rms_eps)
+        h = rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps)
         cb("result_norm", -1, h)
         logits = None
         if logit_rows != "none":
@@ -510,8 +555,8 @@ class MTPHead:
     """
 
     def __init__(self, model: Qwen35Model):
-        mf, hp, dev = model.mf, model.hp, model.device
-        self.hp, self.model = hp, model
+        mf, hp, dev = model.mf, model.hp, model.mtp_device
+        self.hp, self.model, self.device = hp, model, dev
         self.il = L = hp.n_layer
         p = f"blk.{L}.nextn."
         self.eh_proj = mf.tensor(p + "eh_proj.weight")
@@ -520,12 +565,13 @@ class MTPHead:
         self.head_norm = _vec(mf, p + "shared_head_norm.weight", dev) if mf.has_tensor(p + "shared_head_norm.weight") \
             else model.output_norm
         self.embed = mf.tensor(p + "embed_tokens.weight") if mf.has_tensor(p + "embed_tokens.weight") else model.tok_embd
-        self.head = mf.tensor(p + "shared_head_head.weight") if mf.has_tensor(p + "shared_head_head.weight") \
-            else model.output
-        self.layer = model._layer(L)
+        self.eh_proj = self.eh_proj.to(dev)
+        self.head = mf.tensor(p + "shared_head_head.weight").to(dev) if mf.has_tensor(p + "shared_head_head.weight") \
+            else model.output  # the trunk's LM head, wherever it is
+        self.layer = model._layer(L, dev)
 
     def new_cache(self, n_ctx: int) -> Cache:
-        return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.model.device, layers=(self.il,))
+        return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.device, layers=(self.il,))
 
     def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, *,
                 logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
@@ -536,15 +582,16 @@ class MTPHead:
         n, pos, eps = ids.numel(), cache.pos, self.hp.rms_eps
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
-        e = rms_norm(take_rows(self.embed, ids, device=self.model.device), self.enorm, eps)
-        h = rms_norm(hidden, self.hnorm, eps)
+        e = rms_norm(take_rows(self.embed, ids, device=self.device), self.enorm, eps)
+        h = rms_norm(hidden.to(self.device), self.hnorm, eps)
         x = rowwise_matmul(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)
-        x = self.layer(x, cache, pos, self.model.rope, cb, None, False)
+        x = self.layer(x, cache, pos, self.model.rope(self.device), cb, None, False)
         cache.pos = pos + n
         out = rms_norm(x, self.head_norm, eps)
         cb("mtp_result_norm", self.il, out)
         logits = None
         if logit_rows != "none":
-            logits = rowwise_matmul(out if logit_rows == "all" else out[-1:], self.head)
+            rows = out if logit_rows == "all" else out[-1:]
+            logits = rowwise_matmul(rows.to(_where(self.head)), self.head)
         return ForwardResult(out, logits, None)

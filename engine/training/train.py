@@ -51,6 +51,9 @@ class TrainConfig:
     warmup: int = 100
     weight_decay: float = 0.1
     mtp_weight: float = 0.5
+    # Chained drafting feeds the head its own output as the next hidden: train that too, at these weights
+    # for draft depths 2, 3, … (relative to depth 1), with teacher-forced tokens.
+    mtp_chain: tuple[float, ...] = (0.6, 0.4)
     balance_weight: float = 0.01
     seed: int = 0
 
@@ -103,7 +106,7 @@ def pack(docs: Sequence[list[int]], seq_len: int, sep: int,
 
 def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(trunk CE, MTP CE, load-balance term) for a batch of sequences of seq_len + 1 tokens ([B, T+1], or
+    """(trunk CE, MTP CE summed over draft depths, load-balance term) for a batch of sequences of seq_len + 1 tokens ([B, T+1], or
     one sequence [T+1]) run in one pass; `weights` are the tokens' weights as targets (see target_weights)."""
     hp = params.hparams
     seq = seq.view(-1, seq.shape[-1])
@@ -124,9 +127,17 @@ def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
     # MTP: the row for position p pairs token x_{p+1} with the trunk's hidden h_p and predicts x_{p+2}.
     head = model.mtp
     assert head is not None
-    hidden = res.hidden.view(B, T, -1)[:, :-1].reshape(B * (T - 1), -1)
-    mres = head.forward(x[:, 1:], hidden, head.new_cache(B * T), logit_rows="all")
-    mtp_ce = _weighted_ce(mres.logits, y[:, 1:].reshape(-1), wy[:, 1:].reshape(-1))
+    # Depth j (chained): row p pairs token x_{p+j} with the head's depth-(j−1) output for row p, predicts x_{p+j+1}.
+    hidden = res.hidden.view(B, T, -1)[:, :-1]
+    mtp_ce = torch.zeros((), device=seq.device)
+    for j, wj in enumerate((1.0,) + tuple(cfg.mtp_chain), start=1):
+        if T - j < 2:
+            break
+        mres = head.forward(x[:, j:], hidden[:, :T - j].reshape(B * (T - j), -1), head.new_cache(B * T),
+                            logit_rows="all")
+        ce_j = _weighted_ce(mres.logits, y[:, j:].reshape(-1), wy[:, j:].reshape(-1))
+        mtp_ce = mtp_ce + wj * ce_j
+        hidden = mres.hidden.view(B, T - j, -1)
     bal = torch.zeros((), device=seq.device)
     for lg in router_logits:  # Switch: E · Σ_e (fraction routed to e) · (mean router prob of e)
         p = torch.softmax(lg, -1)
