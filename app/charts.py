@@ -1,4 +1,4 @@
-"""Live metrics dock: decode speed, speculation, memory and expert usage (pyqtgraph).
+"""Live metrics dock: decode speed, speculation, memory, expert cache and expert usage (pyqtgraph).
 
 Following pyqtgraph's scrolling-plot example: the worker only emits small Stats objects; they land in
 fixed-size ring buffers on the GUI thread, and a 100 ms QTimer redraws by `setData` on existing items.
@@ -16,6 +16,7 @@ from engine.generate import Stats
 from engine.metrics import SystemMonitor
 
 HISTORY = 600  # points per series: one minute at the 100 ms tick
+HEAT_STEPS = 120  # columns of the per-layer cache hit-rate map
 
 
 class Ring:
@@ -48,6 +49,10 @@ class MetricsDock(QWidget):
         self.tok_s, self.acceptance, self.mean_len = Ring(), Ring(), Ring()
         self.mem, self.cpu = Ring(), Ring()
         self.usage: np.ndarray | None = None
+        self.hit_rate, self.occupancy = Ring(), Ring()
+        self.layer_hits: np.ndarray | None = None  # [HEAT_STEPS, layers] windowed hit rate per layer, a ring
+        self.layer_hits_n = 0
+        self._cache_last: dict[int, tuple[int, int]] = {}
         self.by_depth: list[float] = []
         self.mtp_off_reference: float | None = None
         self.dirty = False
@@ -75,12 +80,17 @@ class MetricsDock(QWidget):
         self.p_mem = self._plot("VRAM used (GiB)" if self.monitor.has_gpu else "Process RAM (GiB) / CPU %")
         self.c_mem = self.p_mem.plot(pen=pg.mkPen("#756bb1", width=2))
         self.c_cpu = self.p_mem.plot(pen=pg.mkPen("#bbb", width=1))
+        self.p_cache = self._plot("Expert cache: hit rate / occupancy")
+        self.c_hit = self.p_cache.plot(pen=pg.mkPen("#d62728", width=2), name="hit rate")
+        self.c_occ = self.p_cache.plot(pen=pg.mkPen("#9467bd", width=1), name="occupancy")
+        self.p_cache.setYRange(0, 1)
+        self.p_cache.setVisible(False)  # shown once a GPU expert cache reports
         self.p_usage = self._plot("Expert usage per layer")
         self.heat = pg.ImageItem()
         self.p_usage.addItem(self.heat)
         self.p_usage.setLabel("left", "layer")
         self.p_usage.setLabel("bottom", "expert")
-        for i, p in enumerate((self.p_speed, self.p_spec, self.p_depth, self.p_mem, self.p_usage)):
+        for i, p in enumerate((self.p_speed, self.p_spec, self.p_depth, self.p_mem, self.p_cache, self.p_usage)):
             grid.addWidget(p, i, 0)
 
         self.timer = QTimer(self)
@@ -111,11 +121,37 @@ class MetricsDock(QWidget):
             self.acceptance.push(t, sp["acceptance"])
             self.mean_len.push(t, sp["mean_accepted_length"])
             self.by_depth = sp["acceptance_by_depth"]
-        if st.expert_usage:
+        if st.expert_cache:
+            self._push_cache(t, st.expert_cache)
+        elif st.expert_usage:
             layers = sorted(st.expert_usage)
             self.usage = np.array([st.expert_usage[i] for i in layers], dtype=np.float64)
         self.last = st
         self.dirty = True
+
+    def _push_cache(self, t: float, caches: dict[int, dict]) -> None:
+        """Hit rate since the previous Stats (overall and per layer), and how full the caches are."""
+        layers = sorted(caches)
+        per_layer = np.zeros(len(layers))
+        dh_all = dm_all = 0
+        for j, il in enumerate(layers):
+            c = caches[il]
+            h0, m0 = self._cache_last.get(il, (0, 0))
+            if c["hits"] < h0 or c["misses"] < m0:  # counters restarted (a new model)
+                h0 = m0 = 0
+            dh, dm = c["hits"] - h0, c["misses"] - m0
+            self._cache_last[il] = (c["hits"], c["misses"])
+            per_layer[j] = dh / (dh + dm) if dh + dm else np.nan
+            dh_all, dm_all = dh_all + dh, dm_all + dm
+        if dh_all + dm_all:
+            self.hit_rate.push(t, dh_all / (dh_all + dm_all))
+        cap = sum(c["capacity"] for c in caches.values())
+        self.occupancy.push(t, sum(c["occupancy"] for c in caches.values()) / cap if cap else 0.0)
+        if self.layer_hits is None or self.layer_hits.shape[1] != len(layers):
+            self.layer_hits = np.full((HEAT_STEPS, len(layers)), np.nan)
+            self.layer_hits_n = 0
+        self.layer_hits[self.layer_hits_n % HEAT_STEPS] = per_layer
+        self.layer_hits_n += 1
 
     @Slot()
     def refresh(self) -> None:
@@ -139,7 +175,17 @@ class MetricsDock(QWidget):
         self.c_len.setData(*self.mean_len.data())
         if self.by_depth:
             self.bars.setOpts(height=np.array(self.by_depth[:8], dtype=float))
-        if self.usage is not None:
+        if self.layer_hits is not None:  # GPU expert cache: per-layer hit rate over time
+            if self.p_cache.isHidden():
+                self.p_cache.setVisible(True)
+                self.p_usage.setTitle("Expert-cache hit rate per layer (over time)")
+                self.p_usage.setLabel("bottom", "update")
+            self.c_hit.setData(*self.hit_rate.data())
+            self.c_occ.setData(*self.occupancy.data())
+            n = self.layer_hits_n
+            ring = self.layer_hits if n <= HEAT_STEPS else np.roll(self.layer_hits, -(n % HEAT_STEPS), axis=0)
+            self.heat.setImage(np.nan_to_num(ring[:min(n, HEAT_STEPS)], nan=0.0), levels=(0.0, 1.0))
+        elif self.usage is not None:
             rows = self.usage / np.maximum(self.usage.sum(axis=1, keepdims=True), 1.0)
             self.heat.setImage(rows.T, autoLevels=True)
         st = getattr(self, "last", None)

@@ -1,18 +1,20 @@
 """User settings: a dataclass persisted with QSettings, mapped onto the engine's configs.
 
-Model-level settings (context length) apply on the next load; generation settings (MTP, draft depth,
-sampling, system prompt) apply to the next reply. Bad stored values fall back to defaults instead of
-breaking start-up.
+Model-level settings (context length, device, GPU layers, experts on CPU, expert cache) apply on the next
+load; generation settings (MTP, draft depth, sampling, system prompt) apply to the next reply. Bad stored
+values fall back to defaults instead of breaking start-up.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from PySide6.QtCore import QSettings, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QPlainTextEdit, QSpinBox,
-                               QWidget)
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel,
+                               QPlainTextEdit, QSlider, QSpinBox, QWidget)
 
 from engine.generate import EngineConfig, GenerationConfig
+from engine.metrics import cuda_status
 from engine.sampling import SamplingConfig
 
 MAX_RECENT = 10
@@ -32,10 +34,18 @@ class AppSettings:
     max_tokens: int = 1024
     system_prompt: str = ""
     theme: str = "system"  # system | light | dark
+    device: str = "cpu"  # cpu | cuda
+    gpu_layers: int = -1  # −1: auto (as many as fit in free VRAM)
+    cpu_moe: bool = False
+    expert_cache: str = "auto"  # auto | N experts per layer | N MiB
     recent_models: list[str] = field(default_factory=list)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(n_ctx=self.context)
+        cuda = self.device == "cuda" and cuda_status()[0]
+        if not cuda:
+            return EngineConfig(n_ctx=self.context)
+        return EngineConfig(n_ctx=self.context, device="cuda", gpu_layers=None if self.gpu_layers < 0 else self.gpu_layers,
+                            cpu_moe=self.cpu_moe, expert_cache=None if self.expert_cache == "auto" else self.expert_cache)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
@@ -71,6 +81,8 @@ def load_settings(qs: QSettings) -> AppSettings:
         out.draft = "auto"
     if out.theme not in ("system", "light", "dark"):
         out.theme = "system"
+    if out.device not in ("cpu", "cuda"):
+        out.device = "cpu"
     return out
 
 
@@ -104,13 +116,38 @@ class SettingsPanel(QWidget):
         self.system_prompt.setMaximumHeight(90)
         self.theme = QComboBox()
         self.theme.addItems(["system", "light", "dark"])
+        # GPU placement (next load). Without CUDA the controls stay visible but disabled, with the reason.
+        self.device = QComboBox()
+        self.device.addItems(["cpu", "cuda"])
+        self.gpu_layers = QSlider(Qt.Orientation.Horizontal)
+        self.gpu_layers.setRange(-1, 128)
+        self.gpu_layers_label = QLabel()
+        gl = QWidget()
+        gl_lay = QHBoxLayout(gl)
+        gl_lay.setContentsMargins(0, 0, 0, 0)
+        gl_lay.addWidget(self.gpu_layers)
+        gl_lay.addWidget(self.gpu_layers_label)
+        self.cpu_moe = QCheckBox("Keep routed experts on the CPU")
+        self.expert_cache = QComboBox()
+        self.expert_cache.setEditable(True)
+        self.expert_cache.addItems(["auto", "0", "16", "32", "64", "128", "1024MiB", "4096MiB"])
+        ok, why = cuda_status()
+        self.gpu_reason = QLabel("" if ok else f"GPU controls disabled: {why}")
+        self.gpu_reason.setWordWrap(True)
+        self.gpu_reason.setAccessibleName("GPU status")
+        for w in (self.device, self.gpu_layers, self.cpu_moe, self.expert_cache):
+            w.setEnabled(ok)
         rows = [("MTP", self.mtp, "MTP speculative decoding"), ("Draft depth", self.draft, "Draft depth"),
                 ("Temperature", self.temperature, "Temperature (0 = greedy)"), ("Top-k", self.top_k, "Top-k"),
                 ("Top-p", self.top_p, "Top-p"), ("Min-p", self.min_p, "Min-p"),
                 ("Repetition penalty", self.repeat_penalty, "Repetition penalty"),
                 ("Seed (−1 random)", self.seed, "Seed"), ("Context (next load)", self.context, "Context length"),
                 ("Max reply tokens", self.max_tokens, "Maximum reply tokens"),
-                ("System prompt", self.system_prompt, "System prompt"), ("Theme", self.theme, "Theme")]
+                ("System prompt", self.system_prompt, "System prompt"), ("Theme", self.theme, "Theme"),
+                ("Device (next load)", self.device, "Compute device"), ("GPU layers", gl, "GPU layers"),
+                ("Experts", self.cpu_moe, "Experts on CPU"), ("Expert cache", self.expert_cache,
+                                                              "Expert cache size (experts per layer or MiB)"),
+                ("", self.gpu_reason, "GPU status")]
         for label, w, name in rows:
             w.setAccessibleName(name)
             form.addRow(label, w)
@@ -123,6 +160,10 @@ class SettingsPanel(QWidget):
         self.draft.currentTextChanged.connect(self._emit)
         self.theme.currentTextChanged.connect(self._emit)
         self.system_prompt.textChanged.connect(self._emit)
+        self.device.currentTextChanged.connect(self._emit)
+        self.gpu_layers.valueChanged.connect(self._emit)
+        self.cpu_moe.toggled.connect(self._emit)
+        self.expert_cache.currentTextChanged.connect(self._emit)
 
     def _set(self, s: AppSettings) -> None:
         self.mtp.setChecked(s.mtp)
@@ -137,6 +178,14 @@ class SettingsPanel(QWidget):
         self.max_tokens.setValue(s.max_tokens)
         self.system_prompt.setPlainText(s.system_prompt)
         self.theme.setCurrentText(s.theme)
+        self.device.setCurrentText(s.device)
+        self.gpu_layers.setValue(s.gpu_layers)
+        self._gpu_label(s.gpu_layers)
+        self.cpu_moe.setChecked(s.cpu_moe)
+        self.expert_cache.setCurrentText(s.expert_cache)
+
+    def _gpu_label(self, v: int) -> None:
+        self.gpu_layers_label.setText("auto" if v < 0 else str(v))
 
     def _emit(self, *_: object) -> None:
         self.settings = replace(
@@ -145,7 +194,10 @@ class SettingsPanel(QWidget):
             min_p=self.min_p.value(), repeat_penalty=self.repeat_penalty.value(), seed=self.seed.value(),
             context=self.context.value(), max_tokens=self.max_tokens.value(),
             system_prompt=self.system_prompt.toPlainText(), theme=self.theme.currentText(),
+            device=self.device.currentText(), gpu_layers=self.gpu_layers.value(), cpu_moe=self.cpu_moe.isChecked(),
+            expert_cache=self.expert_cache.currentText().strip() or "auto",
         )
+        self._gpu_label(self.settings.gpu_layers)
         self.changed.emit(self.settings)
 
 

@@ -180,7 +180,7 @@ class MainWindow(QMainWindow):
         lines = [f"<b>{info['name']}</b>", f"{info['architecture']} · {info['layers']} layers ({info['layer_pattern']})",
                  f"{info['params_total'] / 1e6:.1f}M parameters, {info['params_active'] / 1e6:.1f}M active · {moe}",
                  f"context {info['context']} (trained {info['context_train']}) · MTP {'yes' if info['mtp'] else 'no'}",
-                 f"quant mix: {mix}", "Placement: everything on the CPU (no CUDA device)."]
+                 f"quant mix: {mix}", f"Placement: {info['placement']}."]
         lines += [f"<i>{n}</i>" for n in info["notices"]]
         self.info.setText("<br>".join(lines))
         self.setWindowTitle(f"Foretell — {info['name']}")

@@ -30,6 +30,7 @@ def model_info(eng: Engine) -> dict[str, Any]:
         "params_total": pc.total, "params_active": pc.active,
         "quant_mix": {k: v["bytes"] for k, v in mf.type_histogram().items()},
         "notices": list(eng.notices),
+        "placement": eng.plan.summary(),
     }
 
 

@@ -54,3 +54,15 @@ class SystemMonitor:
                 pass
         return SystemSample(int(self._proc.memory_info().rss), int(vm.total - vm.available), int(vm.total),
                             float(self._proc.cpu_percent(None)), used, total, torch_bytes)
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(CUDA usable, why not): what the app's GPU controls and the CLI's --device cuda depend on."""
+    import torch
+
+    if torch.version.cuda is None:
+        return False, (f"this build of torch ({torch.__version__}) has no CUDA support; install a CUDA build of "
+                       "torch to use an NVIDIA GPU")
+    if not torch.cuda.is_available():
+        return False, "no usable NVIDIA GPU or driver was found"
+    return True, ""

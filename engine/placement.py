@@ -244,8 +244,10 @@ def free_device_bytes(device: str) -> int | None:
 
     if not device.startswith("cuda"):
         return None
-    if not torch.cuda.is_available():
-        raise EngineError("--device cuda was asked for but no CUDA GPU is usable here "
-                          "(this build of torch has no CUDA, or no driver/GPU was found)")
+    from engine.metrics import cuda_status
+
+    ok, why = cuda_status()
+    if not ok:
+        raise EngineError(f"the device 'cuda' was asked for, but {why}")
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)

@@ -33,3 +33,26 @@ def test_charts_receive_engine_stats(qtbot) -> None:
     assert img is not None and img.shape == (TINY_MOE.n_expert, TINY_MOE.n_layer + 1)  # trunk + MTP layer
     assert "tok/s" in dock.summary.text() and "drafts" in dock.summary.text()
     qtbot.waitUntil(lambda: dock.mem.n >= 2, timeout=2000)  # the 100 ms timer samples memory
+
+
+def test_expert_cache_charts_from_a_hybrid_run(qtbot) -> None:
+    """A CUDA plan run with the CPU standing in for the GPU: its cache stats reach the dock."""
+    import dataclasses
+
+    from engine.modelfile import open_model
+    from engine.placement import ModelSizes, PlacementConfig, plan_placement
+
+    mf = open_model(fixture_path(TINY_MOE))
+    plan = plan_placement(ModelSizes.from_model(mf, 256), PlacementConfig(
+        device="cuda", gpu_layers=TINY_MOE.n_layer, cpu_moe=True, expert_cache="3"), None)
+    eng = load(fixture_path(TINY_MOE), EngineConfig(n_ctx=256, plan=dataclasses.replace(plan, device="cpu")))
+    eng.tokenizer.eog_ids = frozenset()
+    dock = MetricsDock()
+    qtbot.addWidget(dock)
+    for ev in eng.generate([1, 2, 3], GenerationConfig(max_tokens=30, draft=2, stats_interval_s=0.0)):
+        if isinstance(ev, Stats):
+            dock.push_stats(ev)
+    qtbot.waitUntil(lambda: not dock.p_cache.isHidden() and dock.c_hit.getData()[1] is not None, timeout=2000)
+    hits = dock.c_hit.getData()[1]
+    assert np.all((hits >= 0) & (hits <= 1)) and 0 < dock.occupancy.v[dock.occupancy.n - 1] <= 1
+    assert dock.heat.image.shape[1] == TINY_MOE.n_layer and "hit rate per layer" in dock.p_usage.plotItem.titleLabel.text

@@ -53,6 +53,21 @@ def test_losses_are_finite_and_reach_every_parameter() -> None:
     assert missing == []
 
 
+def test_chained_mtp_loss_adds_one_term_per_depth() -> None:
+    """--mtp-chain trains depth j on the head's own depth-(j-1) output, as chained drafting feeds it."""
+    from dataclasses import replace
+
+    params = _params()
+    seq = torch.randint(0, 380, (TINY.seq_len + 1,), generator=torch.Generator().manual_seed(1))
+    _, d1, _ = losses(params, seq, TINY)
+    _, chained, _ = losses(params, seq, replace(TINY, mtp_chain=(0.6, 0.4)))
+    _, d2_only, _ = losses(params, seq, replace(TINY, mtp_chain=(1.0,)))
+    d2 = d2_only - d1
+    assert float(d2) > 0 and float(chained) > float(d1) + 0.6 * float(d2) - 1e-4  # depth 3 adds a positive term
+    chained.backward()
+    assert params.tensor("blk.4.nextn.eh_proj.weight").grad.abs().sum() > 0
+
+
 def test_target_weights_learn_only_assistant_replies() -> None:
     from engine.chat import ChatFormat, Message
     from engine.tokenizer import Tokenizer
