@@ -5,7 +5,6 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.foretell-installed
-DEMO   := build/demo-fixture.gguf
 
 .PHONY: setup run test bench clean
 
@@ -18,11 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e ".[test]"
 	touch $(STAMP)
 
-# Until the desktop app and the embedded model land, `make run` inspects a tiny fixture model.
+# The desktop app on the embedded default model (resources/models/).
 run: setup
-	mkdir -p build
-	test -f $(DEMO) || $(PY) -m tests.fixtures $(DEMO)
-	$(VENV)/bin/foretell-cli inspect $(DEMO)
+	$(VENV)/bin/foretell
 
 test: setup
 	$(PY) -m pytest -q
@@ -30,6 +27,9 @@ test: setup
 bench: setup
 	$(PY) bench/quant.py
 	$(PY) bench/tokenizer.py
+	$(PY) bench/default_model_eval.py --threads 1
+	$(PY) bench/mtp.py
+	$(PY) bench/report.py
 
 clean:
 	rm -rf $(VENV) build

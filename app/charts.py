@@ -65,14 +65,17 @@ class MetricsDock(QWidget):
         grid = QGridLayout()
         lay.addLayout(grid)
         self.p_speed = self._plot("Decode tok/s")
-        self.c_speed = self.p_speed.plot(pen=pg.mkPen("#2b8cbe", width=2))
+        self.c_speed = self.p_speed.plot(pen=pg.mkPen("#2b8cbe", width=2), symbol="o", symbolSize=4,
+                                         symbolBrush="#2b8cbe", symbolPen=None)  # a short reply is one point
         self.ref_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine),
                                         label="MTP off", labelOpts={"position": 0.05})
         self.ref_line.setVisible(False)
         self.p_speed.addItem(self.ref_line)
         self.p_spec = self._plot("Draft acceptance / mean accepted length")
-        self.c_acc = self.p_spec.plot(pen=pg.mkPen("#31a354", width=2), name="acceptance")
-        self.c_len = self.p_spec.plot(pen=pg.mkPen("#e6550d", width=2), name="mean accepted length")
+        self.c_acc = self.p_spec.plot(pen=pg.mkPen("#31a354", width=2), name="acceptance", symbol="o", symbolSize=4,
+                                      symbolBrush="#31a354", symbolPen=None)
+        self.c_len = self.p_spec.plot(pen=pg.mkPen("#e6550d", width=2), name="mean accepted length", symbol="o",
+                                      symbolSize=4, symbolBrush="#e6550d", symbolPen=None)
         self.p_depth = self._plot("Acceptance by draft depth")
         self.bars = pg.BarGraphItem(x=np.arange(1, 9), height=np.zeros(8), width=0.6, brush="#31a354")
         self.p_depth.addItem(self.bars)
@@ -97,6 +100,17 @@ class MetricsDock(QWidget):
         self.timer.setInterval(100)
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
+
+    def set_dark(self, dark: bool) -> None:
+        """Chart colours for the app's theme (pyqtgraph draws its own background and axes)."""
+        bg, fg = ("#1e1f22", "#d0d0d0") if dark else ("#ffffff", "#404040")
+        for p in (self.p_speed, self.p_spec, self.p_depth, self.p_mem, self.p_cache, self.p_usage):
+            p.setBackground(bg)
+            for side in ("left", "bottom"):
+                ax = p.getAxis(side)
+                ax.setPen(fg)
+                ax.setTextPen(fg)
+            p.plotItem.titleLabel.setText(p.plotItem.titleLabel.text, color=fg)
 
     def _plot(self, title: str) -> pg.PlotWidget:
         w = pg.PlotWidget(title=title)

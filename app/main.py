@@ -61,11 +61,14 @@ def _smoke(app, win, prompt: str, screenshot: str | None, timeout: float) -> int
     if not wait(lambda: win.generating, "starting") or not wait(lambda: not win.generating, "generating"):
         return 3
     reply = win.chat.last_reply()
-    for _ in range(20):
+    end = time.monotonic() + 0.4  # a few ticks of the 100 ms chart timer, so the screenshot shows the charts
+    while time.monotonic() < end:
         app.processEvents()
+        time.sleep(0.01)
     if screenshot:
         win.grab().save(screenshot)
     print(f"smoke test: {len(reply)} characters of reply; stats: {win.last_stats}")
+    print(f"smoke test reply: {reply[:500]!r}")
     ok = bool(reply.strip()) and not win.errors
     win.close()
     return 0 if ok else 4

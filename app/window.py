@@ -376,12 +376,15 @@ class MainWindow(QMainWindow):
                                 (QPalette.ColorRole.Button, "#2d2f33"), (QPalette.ColorRole.ButtonText, "#e6e6e6"),
                                 (QPalette.ColorRole.Highlight, "#3d6fb6"), (QPalette.ColorRole.Link, "#7fb2ff")):
                 pal.setColor(role, QColor(color))
+            for role in (QPalette.ColorRole.WindowText, QPalette.ColorRole.Text, QPalette.ColorRole.ButtonText):
+                pal.setColor(QPalette.ColorGroup.Disabled, role, QColor("#6f7277"))  # disabled must look disabled
         elif app is not None:
             pal = app.style().standardPalette()
         if app is not None:
             app.setPalette(pal)
         self.chat.dark = dark
         self.chat.render()
+        self.metrics.set_dark(dark)
 
     def _update_buttons(self) -> None:
         ready = self.model_info is not None

@@ -8,10 +8,11 @@ Two workloads:
   (`engine.training.data.eval_prompts`, the chat turns it was trained for; replies end at EOS as in the
   app, at most 64 tokens);
 * the mid-size synthetic MoE (random weights: acceptance ≈ 0, so it shows the overhead of drafting and
-  auto's fallback), fixed random prompts, EOS ignored, `--tokens` tokens each.
+  auto's fallback), `--random-prompts` fixed random prompts, EOS ignored, `--random-tokens` tokens each,
+  settings off / K=1 / auto (a decode step of this model is ~50× the embedded model's).
 Each setting's speed is all decoded tokens over all decode time (everything after the first token, so
-prefill is excluded), summed over the prompts; settings alternate prompt by prompt over `--rounds`
-rounds so a noisy machine affects them alike, and the best round counts. Greedy decoding throughout.
+prefill is excluded), summed over the prompts; settings alternate prompt by prompt, in an order rotated
+from prompt to prompt, over `--rounds` rounds so a noisy machine affects them alike; the best round counts. Greedy decoding throughout.
 """
 from __future__ import annotations
 
@@ -72,16 +73,19 @@ def summarise(stats: list[Stats]) -> dict:
     return out
 
 
-def bench_model(eng, prompts: list, n: int, rounds: int) -> dict:  # type: ignore[no-untyped-def]
+def bench_model(eng, prompts: list, n: int, rounds: int,  # type: ignore[no-untyped-def]
+                settings: list[tuple[str, bool, int | None]]) -> dict:
     per_round: list[dict[str, list[Stats]]] = []
     for _ in range(rounds):
-        rows: dict[str, list[Stats]] = {name: [] for name, _, _ in SETTINGS}
-        for prompt in prompts:
-            for name, mtp, draft in SETTINGS:
+        rows: dict[str, list[Stats]] = {name: [] for name, _, _ in settings}
+        for i, prompt in enumerate(prompts):
+            # rotate the order prompt by prompt, so no setting always runs first or after the same one
+            r = (i + len(per_round)) % len(settings)
+            for name, mtp, draft in settings[r:] + settings[:r]:
                 rows[name].append(run_once(eng, prompt, n, mtp, draft))
         per_round.append(rows)
     out = {}
-    for name, _, _ in SETTINGS:
+    for name, _, _ in settings:
         summaries = [summarise(r[name]) for r in per_round]
         best = max(summaries, key=lambda s: s["decode_tok_s"])
         best["decode_tok_s_by_round"] = [s["decode_tok_s"] for s in summaries]
@@ -100,7 +104,9 @@ def main() -> None:
     ap.add_argument("--model", action="append", help="GGUF path (repeatable; default: the mid-size "
                     "synthetic MoE and the embedded model)")
     ap.add_argument("--prompts", type=int, default=48, help="evaluation prompts for the embedded model")
-    ap.add_argument("--tokens", type=int, default=64, help="max new tokens per prompt")
+    ap.add_argument("--tokens", type=int, default=64, help="max new tokens per prompt (embedded model)")
+    ap.add_argument("--random-prompts", type=int, default=3, help="prompts for random-weight models")
+    ap.add_argument("--random-tokens", type=int, default=24, help="new tokens per prompt for random-weight models")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench/results/mtp.json"))
@@ -110,21 +116,24 @@ def main() -> None:
     from engine.modelfile import default_model_path
     from engine.training.data import eval_prompts
 
-    models = [Path(m) for m in args.model] if args.model else [cached("mid", ROOT / "build/bench"),
-                                                               default_model_path()]
+    models = [Path(m) for m in args.model] if args.model else [default_model_path(),
+                                                               cached("mid", ROOT / "build/bench")]
     results = {}
     for path in models:
         eng = load(path, EngineConfig(n_ctx=1024, n_threads=args.threads))
         if path.resolve() == default_model_path().resolve():  # the embedded model: chat prompts
             items = eval_prompts(240)[:args.prompts]
             prompts = [[Message(m.role, m.content) for m in it.messages] for it in items]
-            workload = f"first {len(prompts)} held-out evaluation prompts, replies end at EOS"
+            workload = f"first {len(prompts)} held-out evaluation prompts, replies end at EOS (≤ {args.tokens} tokens)"
+            n, settings = args.tokens, SETTINGS
         else:  # random weights: fixed random prompts, full-length runs
             eng.tokenizer.eog_ids = frozenset()
-            prompts = [np.random.default_rng(i).integers(0, 250, 32).tolist() for i in range(4)]
-            workload = f"{len(prompts)} random 32-token prompts, EOS ignored"
+            prompts = [np.random.default_rng(i).integers(0, 250, 32).tolist() for i in range(args.random_prompts)]
+            n = args.random_tokens
+            workload = f"{len(prompts)} random 32-token prompts, {n} new tokens each, EOS ignored"
+            settings = [x for x in SETTINGS if x[0] in ("off", "k1", "auto")]
         print(f"{path.name}: {workload}", flush=True)
-        results[path.name] = {"workload": workload, "settings": bench_model(eng, prompts, args.tokens, args.rounds)}
+        results[path.name] = {"workload": workload, "settings": bench_model(eng, prompts, n, args.rounds, settings)}
     result = {
         "command": " ".join(["python", "bench/mtp.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -63,26 +63,98 @@ def _verify(d: dict) -> list[str]:
 
 def _mtp(d: dict) -> list[str]:
     out = ["## MTP speculative decoding (`bench/mtp.py`)", "",
-           f"Command: `{d['command']}` ({d['date']}), {d['decode_tokens']} greedy tokens per run.", ""]
-    for model, rows in d["models"].items():
-        out += [f"**{model}**", "", "| setting | decode tok/s | × MTP off | acceptance | mean accepted length |",
-                "|---|---|---|---|---|"]
-        for name, r in rows.items():
-            acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "–"
+           f"Command: `{d['command']}` ({d['date']}), greedy, at most {d['max_new_tokens']} new tokens per prompt, "
+           f"{d['machine']['threads']} thread(s), best of {d['rounds']} rounds.", ""]
+    for model, m in d["models"].items():
+        out += [f"**{model}** — {m['workload']}", "",
+                "| setting | decode tok/s | × MTP off | acceptance | by depth | mean accepted length |",
+                "|---|---|---|---|---|---|"]
+        for name, r in m["settings"].items():
+            acc = f"{r['acceptance']:.3f}" if "acceptance" in r else "–"
+            depth = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth", [])) or "–"
             mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
-            out.append(f"| {name} | {r['decode_tok_s']:.2f} | {r['speedup_over_off']:.2f} | {acc} | {mal} |")
+            out.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['speedup_over_off']:.2f} | {acc} | {depth} | {mal} |")
         out.append("")
     return out
 
 
+def default_model_figures(ev: dict, mtp: dict | None) -> list[str]:
+    """The model card's measured figures (resources/models/README.md), from the committed JSON."""
+    a, p = ev["accuracy"], ev["perplexity"]
+    out = [f"From `bench/results/default_model.json` (`{ev['command']}`, {ev['date']}), greedy decoding, "
+           f"{a['n']} held-out prompts:", "",
+           f"- **accuracy {a['correct']}/{a['n']} = {a['accuracy']:.1%}**; per kind: "
+           + ", ".join(f"{k} {v['correct']}/{v['n']}" for k, v in a["per_kind"].items() if v["n"]),
+           f"- MTP head top-1 agreement with the trunk (greedy acceptance of 1-token drafts over these replies): "
+           f"**{a['mtp_depth1']['acceptance']:.3f}** ({a['mtp_depth1']['accepted']}/{a['mtp_depth1']['drafted']})",
+           "- held-out perplexity: " + ", ".join(
+               f"{k.replace('_', ' ')} {v['perplexity']:.2f} ({v['tokens']} tokens)" for k, v in p.items()),
+           f"- load time (`engine.load(None)`, {ev['machine']['threads']} thread): {ev['load_s']:.2f} s; "
+           f"file {ev['model']['bytes'] / 2**20:.1f} MiB"]
+    out += _model_facts(ev["model"]["file"])
+    emb = None if mtp is None else next((m for k, m in mtp["models"].items() if k == ev["model"]["file"]), None)
+    if emb is not None:
+        st = emb["settings"]
+        best = max((k for k in st if k != "off"), key=lambda k: st[k]["decode_tok_s"])
+        out.append(f"- decode speed (`bench/results/mtp.json`, {mtp['machine']['threads']} CPU thread): MTP off "
+                   f"{st['off']['decode_tok_s']:.1f} tok/s; best setting {best} {st[best]['decode_tok_s']:.1f} tok/s "
+                   f"(×{st[best]['speedup_over_off']:.2f}); acceptance by depth at K=4: "
+                   + " / ".join(f"{x:.2f}" for x in st["k4"]["acceptance_by_depth"]))
+    return out
+
+
+def _model_facts(file: str) -> list[str]:
+    """Parameter counts from the GGUF itself and the training run from its committed log."""
+    import re
+
+    from engine.modelfile import open_model
+
+    path = ROOT / "resources" / "models" / file
+    if not path.exists():
+        return []
+    mf = open_model(path)
+    pc = mf.param_counts
+    out = [f"- parameters: {pc.total / 1e6:.2f} M in all, {pc.mtp / 1e6:.2f} M in the MTP block, "
+           f"{pc.active / 1e6:.2f} M active per token; types: "
+           + ", ".join(f"{k} {v['tensors']} tensors" for k, v in mf.type_histogram().items())]
+    log = path.with_suffix(".train.log")
+    if log.exists():
+        lines = log.read_text().splitlines()
+        corpus = next((ln for ln in lines if ln.startswith("corpus:")), "")
+        steps = [re.match(r"step\s+(\d+)\s+loss ([\d.]+)\s+mtp ([\d.]+).*?(\d+) tok/s\s+([\d.]+) min", ln)
+                 for ln in lines if ln.startswith("step")]
+        steps = [m for m in steps if m]
+        if steps:
+            last = steps[-1]
+            out.append(f"- training run (`{log.name}`): {corpus.removeprefix('corpus: ')}; {last.group(1)} steps in "
+                       f"{last.group(5)} min at {int(last.group(4)):,} tokens/s; last logged loss {last.group(2)}, "
+                       f"MTP loss {last.group(3)}")
+    return out
+
+
+def _card(ev: dict, mtp: dict | None) -> None:
+    card = ROOT / "resources" / "models" / "README.md"
+    text = card.read_text()
+    begin, end = "<!-- figures:begin (bench/report.py) -->", "<!-- figures:end -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
+        card.write_text(head + begin + "\n" + "\n".join(default_model_figures(ev, mtp)) + "\n" + end + tail)
+
+
 def main() -> None:
     lines = ["# Benchmarks", "", "Generated by `python bench/report.py` from `bench/results/*.json`.", ""]
-    for name, fn in (("decode", _decode), ("verify", _verify), ("mtp", _mtp), ("quant", _quant),
+    for name, fn in (("default_model", lambda d: ["## Embedded default model (`bench/default_model_eval.py`)", ""]
+                      + default_model_figures(d, _load("mtp")) + [""]),
+                     ("decode", _decode), ("verify", _verify), ("mtp", _mtp), ("quant", _quant),
                      ("tokenizer", _tokenizer)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(lines))
+    ev = _load("default_model")
+    if ev is not None:
+        _card(ev, _load("mtp"))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from engine.modelfile import ModelFile, default_model_path, open_model
 from engine.models.qwen35 import Qwen35Model
 from engine.placement import ModelSizes, PlacementConfig, Plan, free_device_bytes, plan_placement
 from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
+from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
 from engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[float, str], None]
@@ -112,6 +112,7 @@ class Engine:
         self.notices: list[str] = [] if self.drafter is not None else [
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
         self._seq: list[int] = []  # tokens whose effect is in `cache`
+        self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
         self._last_logits: torch.Tensor | None = None
 
     # -- prompt handling ---------------------------------------------------------------------------
@@ -174,7 +175,8 @@ class Engine:
         use_mtp = gen.mtp and self.drafter is not None
         spec = SpecStats()
         reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
-        depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible) if use_mtp else None
+        depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible,
+                                memory=self._auto_memory) if use_mtp else None
         logits, n_prefilled = self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")
@@ -232,6 +234,8 @@ class Engine:
             tail = run.stopper.flush(run.detok.flush())
             if tail:
                 yield Token([], tail)
+        if depth is not None:
+            depth.remember()
         yield stats(final=True)
         msg = f"the context of {self.n_ctx} tokens is full" if run.reason == "context_full" else ""
         yield Done(run.reason or "max_tokens", msg)

@@ -147,6 +147,19 @@ class SpecStats:
         }
 
 
+@dataclass
+class AutoMemory:
+    """What `auto` learned on earlier replies of the same engine: step costs and acceptance by depth
+    (halved at every new reply, so it follows a change of topic). Chat replies are short; without it
+    every reply would spend its first steps measuring again."""
+
+    t_decode: float | None = None
+    t_verify: dict[int, float] = field(default_factory=dict)
+    t_draft: float | None = None
+    accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+
+
 class DepthController:
     """Chooses the draft depth each step: fixed, or `auto` from running acceptance and measured costs.
 
@@ -162,7 +175,7 @@ class DepthController:
     FIXED_DRAFT = 0.15
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
-                 reproducible: bool = False):
+                 reproducible: bool = False, memory: AutoMemory | None = None):
         if depth is not None and not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"draft depth must be 1..{MAX_DEPTH} or auto")
         self.fixed = depth
@@ -175,7 +188,26 @@ class DepthController:
         self.t_draft: float | None = self.FIXED_DRAFT if reproducible else None
         if reproducible:
             self.t_verify = {n: 1.0 + self.FIXED_VERIFY_SLOPE * (n - 1) for n in range(2, MAX_DEPTH + 2)}
+        # Seeded sampling must not depend on earlier replies either: no memory then.
+        self.memory = None if reproducible or depth is not None else memory
+        if self.memory is not None:
+            m = self.memory
+            self.t_decode, self.t_verify, self.t_draft = m.t_decode, dict(m.t_verify), m.t_draft
+            self._prior_acc = [a / 2 for a in m.accepted_at]
+            self._prior_tried = [t / 2 for t in m.tried_at]
+        else:
+            self._prior_acc = [0.0] * MAX_DEPTH
+            self._prior_tried = [0.0] * MAX_DEPTH
         self._since_probe = 0
+
+    def remember(self) -> None:
+        """Fold this reply's costs and acceptance into the engine's memory (call when the reply ends)."""
+        if self.memory is None:
+            return
+        m = self.memory
+        m.t_decode, m.t_verify, m.t_draft = self.t_decode, dict(self.t_verify), self.t_draft
+        m.accepted_at = [p + a for p, a in zip(self._prior_acc, self.stats.accepted_at)]
+        m.tried_at = [p + t for p, t in zip(self._prior_tried, self.stats.tried_at)]
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -200,7 +232,8 @@ class DepthController:
             return 0  # measure plain decoding first
         if self.t_draft is None or 2 not in self.t_verify:
             return min(1, room)  # then one draft step, to measure verify and draft costs
-        alpha = [(a + 1) / (t + 2) for a, t in zip(self.stats.accepted_at, self.stats.tried_at)]
+        alpha = [(a + pa + 1) / (t + pt + 2) for a, t, pa, pt in
+                 zip(self.stats.accepted_at, self.stats.tried_at, self._prior_acc, self._prior_tried)]
         best_k, best = 0, 1.0 / self.t_decode
         expect, prod = 1.0, 1.0
         for k in range(1, min(MAX_DEPTH, room) + 1):

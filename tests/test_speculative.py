@@ -228,3 +228,25 @@ def test_engine_sampling_with_mtp_runs_and_is_seeded() -> None:
     eng.reset()
     b, _, _, _ = _gen(eng, [1, 2, 3], max_tokens=30, mtp=True, draft=2, sampling=cfg)
     assert a == b and len(a) == 30 and fa.speculative["drafted"] > 0
+
+
+def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    mem = AutoMemory()
+    s1 = SpecStats()
+    c1 = DepthController(None, s1, memory=mem)
+    assert c1.choose(100) == 0  # nothing known yet: measure plain decoding first
+    c1.observe_decode(0.010)
+    assert c1.choose(100) == 1  # then one draft step
+    c1.observe_verify(2, 0.012, 1, 0.002)
+    for _ in range(20):
+        s1.record(1, 1)  # depth-1 drafts always accepted
+    c1.remember()
+    assert mem.t_decode == 0.010 and mem.tried_at[0] == 20
+    c2 = DepthController(None, SpecStats(), memory=mem)  # the next reply starts from what was learned
+    assert c2.choose(100) >= 1
+    fixed = DepthController(3, SpecStats(), memory=mem)
+    assert fixed.memory is None and fixed.choose(100) == 3
+    seeded = DepthController(None, SpecStats(), memory=mem, reproducible=True)
+    assert seeded.memory is None  # seeded sampling never depends on earlier replies

@@ -98,12 +98,15 @@ def test_settings_persist_and_apply(qtbot, tmp_path: Path) -> None:
 
 def test_smoke_test_subprocess(tmp_path: Path) -> None:
     shot = tmp_path / "shot.png"
-    r = subprocess.run([sys.executable, "-m", "app.main", str(fixture_path(TINY_MOE)), "--smoke-test",
-                        "--data-dir", str(tmp_path / "data"), "--screenshot", str(shot), "--prompt", "Hi"],
+    # No model argument: the embedded default model, which answers (greedy, the default settings).
+    r = subprocess.run([sys.executable, "-m", "app.main", "--smoke-test", "--data-dir", str(tmp_path / "data"),
+                        "--screenshot", str(shot), "--prompt", "What is 12 plus 30?"],
                        capture_output=True, text=True, timeout=300,
                        env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert shot.exists() and shot.stat().st_size > 10_000
+    reply = r.stdout.split("smoke test reply:", 1)[1]
+    assert "42" in reply, r.stdout[-1000:]
     r2 = subprocess.run([sys.executable, "-m", "app.main", str(tmp_path / "missing.gguf"), "--smoke-test",
                          "--data-dir", str(tmp_path / "data2"), "--timeout", "30"],
                         capture_output=True, text=True, timeout=120,
