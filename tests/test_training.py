@@ -62,8 +62,8 @@ def test_chained_mtp_loss_adds_one_term_per_depth() -> None:
     _, d1, _ = losses(params, seq, TINY)
     _, chained, _ = losses(params, seq, replace(TINY, mtp_chain=(0.6, 0.4)))
     _, d2_only, _ = losses(params, seq, replace(TINY, mtp_chain=(1.0,)))
-    d2 = d2_only - d1
-    assert float(d2) > 0 and float(chained) > float(d1) + 0.6 * float(d2) - 1e-4  # depth 3 adds a positive term
+    d1, d2 = d1.detach(), (d2_only - d1).detach()
+    assert float(d2) > 0 and float(chained.detach()) > float(d1) + 0.6 * float(d2) - 1e-4  # depth 3 adds a positive term
     chained.backward()
     assert params.tensor("blk.4.nextn.eh_proj.weight").grad.abs().sum() > 0
 
