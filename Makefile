@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.foretell-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench package clean
 
 setup: $(STAMP)
 
@@ -31,5 +31,9 @@ bench: setup
 	$(PY) bench/mtp.py
 	$(PY) bench/report.py
 
+# The Linux packages (.deb and portable .tar.gz) in dist/: see packaging/README.md.
+package: setup
+	PYTHON=$(PY) bash packaging/build.sh
+
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) build dist

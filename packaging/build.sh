@@ -5,9 +5,11 @@
 #   3. portable tarball of the same folder                            dist/foretell-VERSION-linux-MACHINE.tar.gz
 # Environment (all optional):
 #   PYTHON           interpreter with the project and its `packaging` extra installed (default: .venv/bin/python)
-#   FORETELL_MODEL   GGUF to embed (default: the newest resources/models/*.gguf)
-#   DEB_COMPRESSION  dpkg-deb compressor: zstd (default: smallest and fastest here, see README), gzip, xz, none
+#   FORETELL_MODEL   GGUF to embed (default: the app's embedded model, engine.modelfile.default_model_path())
+#   DEB_COMPRESSION  dpkg-deb compressor: zstd (default: fastest), xz (smallest, slowest: for releases), gzip, none;
+#                    measured in bench/results/packaging.json (deb_compressors), see packaging/README.md
 #   FORETELL_DIST    output folder for the packages (default: dist/)
+#   FORETELL_CLEAN   1: remove the previous build (PyInstaller's cache in build/packaging/) first
 # See packaging/README.md for what it makes, sizes and timings.
 set -euo pipefail
 
@@ -24,8 +26,8 @@ START=$SECONDS
 
 # --- prerequisites -----------------------------------------------------------------------------------
 [[ "$(uname -s)" == Linux ]] || die "this script builds Linux packages; for Windows/macOS see packaging/README.md"
-for tool in dpkg dpkg-deb tar gzip readelf objdump ldd ldconfig strip; do
-    command -v "$tool" >/dev/null || die "'$tool' is missing (Debian: apt-get install dpkg binutils tar gzip libc-bin)"
+for tool in dpkg dpkg-deb tar gzip readelf objdump ldd ldconfig strip flock; do
+    command -v "$tool" >/dev/null || die "'$tool' is missing (Debian: apt-get install dpkg binutils tar gzip libc-bin util-linux)"
 done
 case "$DEB_COMPRESSION" in  # dpkg-deb compresses with its own libraries: no extra tool needed
     zstd|gzip|xz|none) ;;
@@ -43,8 +45,18 @@ if torch.version.cuda or torch.version.hip:
 EOF
 
 if [[ -z "${FORETELL_MODEL:-}" ]]; then
-    FORETELL_MODEL="$(ls -t "$ROOT"/resources/models/*.gguf 2>/dev/null | head -n 1 || true)"
-    [[ -n "$FORETELL_MODEL" ]] || die "no embedded model: resources/models/*.gguf is empty; set FORETELL_MODEL=path/to/model.gguf"
+    # The same file the app opens from a checkout (engine.modelfile.default_model_path: the last
+    # resources/models/*.gguf by name), so the package ships what the tests ran against.
+    FORETELL_MODEL="$("$PYTHON" - <<'PY'
+import sys
+from engine.errors import EngineError
+from engine.modelfile import default_model_path
+try:
+    print(default_model_path())
+except EngineError as e:
+    sys.exit(f"build.sh: {e}")
+PY
+)" || die "no embedded model to ship: resources/models/*.gguf is missing; set FORETELL_MODEL=path/to/model.gguf"
 fi
 [[ -f "$FORETELL_MODEL" ]] || die "FORETELL_MODEL=$FORETELL_MODEL is not a file"
 FORETELL_MODEL="$(cd "$(dirname "$FORETELL_MODEL")" && pwd)/$(basename "$FORETELL_MODEL")"
@@ -60,6 +72,13 @@ step "foretell $VERSION ($ARCH), model $FORETELL_MODEL, python $PYTHON"
 
 # --- 1. the frozen app ---------------------------------------------------------------------------------
 mkdir -p "$WORK" "$DIST"
+# One build at a time per checkout: two builds (say, the slow test and bench/packaging.py) share $WORK.
+exec 9>"$WORK/.lock"
+flock -n 9 || { step "waiting for another build.sh in this checkout to finish"; flock 9; }
+if [[ "${FORETELL_CLEAN:-0}" == 1 ]]; then  # build as from a fresh clone: no PyInstaller cache
+    step "FORETELL_CLEAN=1: removing the previous build in $WORK"
+    rm -rf "$WORK/pyinstaller" "$WORK/app" "$WORK/deb-root"
+fi
 APP="$WORK/app/foretell"
 step "PyInstaller (log: $WORK/pyinstaller.log)"
 if ! "$PYTHON" -m PyInstaller --noconfirm --log-level WARN --distpath "$WORK/app" --workpath "$WORK/pyinstaller" \
