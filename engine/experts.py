@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.expert_cache import ExpertCache
+from engine import q8dot
 from engine.quant import QTensor
 from engine.rowwise import Weight, round_activations
 
@@ -85,36 +86,76 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         if x.device.type != "cpu":
             return _run_experts_dense(x, idx, w, ew)
         return _run_experts_float(x, idx, w, ew, order, experts, counts, tokens)
-    xg = round_activations(x, ew.gate.qtype.name)
-    xu = xg if ew.up.qtype == ew.gate.qtype else round_activations(x, ew.up.qtype.name)
+    q8 = all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
+    if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
+        local = torch.repeat_interleave(torch.arange(experts.numel()), counts)
+        gate_up, down = (q8dot.select(p, experts) for p in q8dot.expert_planes(ew.gate, ew.up, ew.down))
+        out[order] = q8dot.experts(q8dot.quantize_rows(x), tokens, local, counts.tolist(), gate_up, down)
+        return _reduce_slots(out.view(n, k, -1), w)
     experts_l, counts_l = experts.tolist(), counts.tolist()
     starts = [0]
     for c in counts_l:
         starts.append(starts[-1] + c)
-    per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
-    run = _Grouped(xg, xu, tokens, order, starts, counts_l, ew.down.qtype.name, out,
-                   max(1, GROUP_ELEMENTS // per_expert))
+    run = _Q8Grouped(x, tokens, order, starts, counts_l, out) if q8 else _float_grouped(x, ew, tokens, order, starts,
+                                                                                        counts_l, out)
     host = ew.gate.raw.device
     pos = {e: j for j, e in enumerate(experts_l)}
+
+    def from_host(sel: list[int]):  # type: ignore[no-untyped-def]
+        if q8:
+            at = torch.tensor([experts_l[j] for j in sel], dtype=torch.long)
+            return tuple(q8dot.select(p, at) for p in q8dot.expert_planes(ew.gate, ew.up, ew.down))
+        return tuple(gather_experts(t, [experts_l[j] for j in sel]) for t in (ew.gate, ew.up, ew.down))
+
+    def from_slots(sel: list[int]):  # type: ignore[no-untyped-def]
+        g, u, d = (q8dot.unpack(q.raw, (len(sel), *shape)) if slots else q.dequantize().view(len(sel), *shape)
+                   for q, (_, shape) in zip(cache.weights([hits[experts_l[j]] for j in sel]), cache.meta))
+        if slots:
+            return q8dot.Planes(torch.cat([g.qs, u.qs], 1), torch.cat([g.d, u.d], 1)), d
+        return g, u, d
+
     if cache is None:
-        run(list(range(len(experts_l))), lambda sel: tuple(gather_experts(t, [experts_l[j] for j in sel])
-                                                           for t in (ew.gate, ew.up, ew.down)), host)
+        run(list(range(len(experts_l))), from_host, host)
         return _reduce_slots(out.view(n, k, -1), w)
     hits, misses = cache.lookup(experts_l)
     if cache.miss_policy == "load":  # wait for the copies, then everything runs on the accelerator
         hits.update(cache.load(misses, set(experts_l)))
     on_cpu = [pos[e] for e in experts_l if e not in hits]
     cached = [pos[e] for e in experts_l if e in hits]
+    slots = cache.device.type == "cpu" and q8  # CPU stand-ins for an accelerator: the same integer path
     if cached:
-        run(cached, lambda sel: tuple(q.dequantize().view(len(sel), *shape) for q, (_, shape) in
-                                      zip(cache.weights([hits[experts_l[j]] for j in sel]), cache.meta)),
-            cache.device)
+        crun = run if slots else _float_grouped(x, ew, tokens, order, starts, counts_l, out)
+        crun(cached, from_slots, cache.device)
     if on_cpu:
-        run(on_cpu, lambda sel: tuple(gather_experts(t, [experts_l[j] for j in sel])
-                                      for t in (ew.gate, ew.up, ew.down)), host)
+        run(on_cpu, from_host, host)
         if cache.miss_policy == "cpu":  # computed on the CPU this time; cached for the next passes
             cache.load([experts_l[j] for j in on_cpu], set(experts_l))
     return _reduce_slots(out.view(n, k, -1), w)
+
+
+def _float_grouped(x: torch.Tensor, ew: ExpertWeights, tokens: torch.Tensor, order: torch.Tensor, starts: list[int],
+                   counts: list[int], out: torch.Tensor) -> _Grouped:
+    xg = round_activations(x, ew.gate.qtype.name)
+    xu = xg if ew.up.qtype == ew.gate.qtype else round_activations(x, ew.up.qtype.name)
+    per_expert = ew.gate.n_rows // ew.gate.shape[0] * ew.gate.n_cols
+    return _Grouped(xg, xu, tokens, order, starts, counts, ew.down.qtype.name, out,
+                    max(1, GROUP_ELEMENTS // per_expert))
+
+
+class _Q8Grouped:
+    """Runs a subset of a pass's experts on the CPU in integers (engine.q8dot), from their int8 planes."""
+
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, starts: list[int],
+                 counts: list[int], out: torch.Tensor):
+        self.xr, self.tokens, self.order, self.starts, self.counts, self.out = \
+            q8dot.quantize_rows(x), tokens, order, starts, counts, out
+
+    def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
+        pairs = torch.cat([torch.arange(self.starts[p], self.starts[p + 1]) for p in positions])
+        counts = [self.counts[p] for p in positions]
+        local = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(counts))
+        gate_up, down = gather(positions)
+        self.out[self.order[pairs]] = q8dot.experts(self.xr, self.tokens[pairs], local, counts, gate_up, down)
 
 
 class _Grouped:

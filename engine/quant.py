@@ -513,7 +513,7 @@ class QTensor:
     a device copy after `.to()`); `shape` is the logical torch shape, reversed(ne).
     """
 
-    __slots__ = ("qtype", "shape", "raw")
+    __slots__ = ("qtype", "shape", "raw", "planes", "fused")
 
     def __init__(self, data: np.ndarray | torch.Tensor, qtype: QT | int, shape: tuple[int, ...]) -> None:
         self.qtype: QT = check_supported(qtype)
@@ -521,6 +521,8 @@ class QTensor:
         if not self.shape or min(self.shape) < 0:
             raise ModelFormatError(f"invalid tensor shape {self.shape}")
         self.raw: torch.Tensor = _as_byte_rows(data, self.n_rows, row_nbytes(self.qtype, self.shape[-1]))
+        self.planes = None  # engine.q8dot's int8 copy of a Q8_0 tensor's quants, made on first use
+        self.fused: dict | None = None  # engine.q8dot: this and other weights stacked, by the others' ids
 
     @property
     def n_rows(self) -> int:

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from engine import q8dot
 from engine.quant import TILE_ELEMENTS, QTensor
 
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -99,6 +100,8 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {k}")
     xf = x.float()  # x itself when already float32, so the rounding memo can recognise it
+    if ggml_activations and q8dot.usable(w, xf):
+        return q8dot.matmul(xf, w)
     if ggml_activations:
         xf = round_activations(xf, w.qtype.name)
     x2 = xf.reshape(-1, k)
@@ -112,6 +115,13 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
         r1 = min(n_out, r0 + step)
         y[:, r0:r1] = _rowwise(x2, w.dequantize(slice(r0, r1), device=x2.device))
     return y.reshape(*x.shape[:-1], n_out)
+
+
+def project(x: torch.Tensor, ws: tuple[Weight, ...]) -> list[torch.Tensor]:
+    """Several weights applied to the same x: one fused integer product when they are all Q8_0 on the CPU."""
+    if len(ws) > 1 and all(q8dot.usable(w, x) for w in ws) and len({w.n_cols for w in ws}) == 1:  # type: ignore[union-attr]
+        return q8dot.matmul_many(x.float(), ws)  # type: ignore[arg-type]
+    return [rowwise_matmul(x, w) for w in ws]
 
 
 def take_rows(w: Weight, idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

@@ -15,8 +15,9 @@ from engine.modelfile import open_model
 from engine.models.qwen35 import Qwen35Model
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 
-SPECS = [TINY_MOE, TINY_DENSE, KQUANT_MOE]
-IDS = ["moe-f32", "dense-f32", "moe-q4k"]
+Q8_MOE = FixtureSpec(qtype="Q8_0")  # Q8_0 takes the integer path (engine.q8dot)
+SPECS = [TINY_MOE, TINY_DENSE, KQUANT_MOE, Q8_MOE]
+IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q8"]
 
 
 def _model(spec: FixtureSpec) -> Qwen35Model:
@@ -56,6 +57,24 @@ def test_prefill_chunks_are_bit_identical(spec: FixtureSpec) -> None:
         cache = m.new_cache(1100)
         got = torch.cat([m.forward(toks[s:s + size], cache, logit_rows="all").logits for s in range(0, 512, size)])
         assert torch.equal(got, ref), size
+
+
+@pytest.mark.parametrize("dense_macs", [0, 1 << 40], ids=["expert-loop", "dense-experts"])
+def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int) -> None:
+    """The integer path picks a layout by size (block-diagonal or per-block GEMMs, all selected experts at
+    once or a loop over experts); every layout must give the per-token bits."""
+    import engine.q8dot as q8
+
+    m = _model(Q8_MOE)
+    toks = _toks(Q8_MOE, 40, seed=6)
+    ref = _per_token(m, toks)
+    monkeypatch.setattr(q8, "DENSE_EXPERT_MACS", dense_macs)
+    for rows in (0, 1 << 20):  # per-block GEMMs for every pass, or block-diagonal for every pass
+        monkeypatch.setattr(q8, "_BLOCKDIAG_ROWS", rows)
+        for size in (1, 3, 40):
+            cache = m.new_cache(64)
+            got = torch.cat([m.forward(toks[s:s + size], cache, logit_rows="all").logits for s in range(0, 40, size)])
+            assert torch.equal(got, ref), (dense_macs, rows, size)
 
 
 @pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE], ids=["f32", "q4k"])

@@ -165,7 +165,8 @@ def _logits(m: Qwen35Model, toks: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE, TINY_DENSE], ids=["moe-f32", "moe-q4k", "dense-f32"])
+@pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE, TINY_DENSE, dataclasses.replace(TINY_MOE, qtype="Q8_0")],
+                         ids=["moe-f32", "moe-q4k", "dense-f32", "moe-q8"])
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_outputs_identical_between_placements(spec: FixtureSpec, name: str) -> None:
     toks = np.random.default_rng(3).integers(0, spec.n_vocab - 3, 40).tolist()

@@ -22,7 +22,7 @@ from engine.experts import ExpertWeights, RoutingStats, route, run_experts
 from engine.modelfile import HParams
 from engine.placement import Plan
 from engine.quant import QTensor
-from engine.rowwise import Weight, rowwise_matmul, take_rows
+from engine.rowwise import Weight, project, rowwise_matmul, take_rows
 
 Hook = Callable[[str, int, torch.Tensor], None]
 
@@ -124,10 +124,11 @@ class GatedAttention:
                  cb: Hook) -> torch.Tensor:
         hp, w, il = self.hp, self.w, self.il
         n, D, Dv = x.shape[0], hp.head_dim_k, hp.head_dim_v
-        qg = rowwise_matmul(x, w.q).view(n, hp.n_head, 2 * D)
+        qg, k, v = project(x, (w.q, w.k, w.v))
+        qg = qg.reshape(n, hp.n_head, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(n, hp.n_head * D)
-        k = rowwise_matmul(x, w.k).view(n, hp.n_head_kv, D)
-        v = rowwise_matmul(x, w.v).view(n, hp.n_head_kv, Dv)
+        k = k.reshape(n, hp.n_head_kv, D)
+        v = v.reshape(n, hp.n_head_kv, Dv)
         q = rms_norm(q, w.q_norm, hp.rms_eps)
         k = rms_norm(k, w.k_norm, hp.rms_eps)
         cos, sin = rope[0][pos:pos + n], rope[1][pos:pos + n]
@@ -185,10 +186,7 @@ class GatedDeltaNet:
         hp, w, il = self.hp, self.w, self.il
         n = x.shape[0]
         Hk, Hv, dk, dv, K = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, hp.ssm_conv_kernel
-        mixed = rowwise_matmul(x, w.qkv)  # [n, C]
-        z = rowwise_matmul(x, w.gate)
-        b = rowwise_matmul(x, w.beta)
-        a = rowwise_matmul(x, w.alpha)
+        mixed, z, b, a = project(x, (w.qkv, w.gate, w.beta, w.alpha))  # mixed: [n, C]
         if self.n_seq > 1:
             return self._independent_sequences(mixed, z, b, a, cb)
         # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
@@ -356,7 +354,8 @@ class MoE:
         y = run_experts(x, idx, weights, w.experts, self.cache)
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None:
-            sh = F.silu(rowwise_matmul(x, w.shared_gate)) * rowwise_matmul(x, w.shared_up)
+            sg, su = project(x, (w.shared_gate, w.shared_up))
+            sh = F.silu(sg) * su
             sh = rowwise_matmul(sh, w.shared_down) * pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
             cb("ffn_shexp", il, sh)
             y = y + sh
@@ -375,7 +374,8 @@ class DenseFFN:
         self.w = w
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
-        h = F.silu(rowwise_matmul(x, self.w.gate)) * rowwise_matmul(x, self.w.up)
+        g, u = project(x, (self.w.gate, self.w.up))
+        h = F.silu(g) * u
         return rowwise_matmul(h, self.w.down)
 
 

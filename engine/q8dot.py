@@ -1,0 +1,209 @@
+"""Q8_0 products in integers, the way llama.cpp's CPU backend computes them.
+
+ggml multiplies a Q8_0 weight by activations it first quantizes to Q8_0 (blocks of 32, scale amax/127
+stored as f16): per block an exact integer dot product, scaled by d_w·d_x, summed over the blocks. We do
+the same with `torch._int_mm` (int8 × int8 → int32) on an int8 copy of the weight's quants, instead of
+dequantizing every weight to float32 on every pass: on the embedded model that dequantization was ~60 % of
+a decode step. The int8 weight plane (1 byte per weight, plus the scales as float32) is made once per
+tensor, as llama.cpp's CPU "repack" buffers are; the weights stay quantized.
+
+Per-block sums need the blocks kept apart. A row x is laid out block-diagonally ([nb, in], block b of x in
+row b, zeros elsewhere) so one integer GEMM yields all nb block sums [M, nb, out]; for many rows we run one
+GEMM per block instead (no wasted multiplies). Integer sums are exact, so every layout, grouping or chunking
+gives the same int32 values, and the float epilogue — (sum · d_w) · d_x, then the sum over blocks, the same
+element-wise ops whatever the shape — makes row i of a multi-token pass bit-identical to a one-token pass.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.quant import QTensor
+
+BLOCK = 32
+_BYTES = 34  # block_q8_0: f16 scale, then 32 int8 quants
+# Above this many rows the block-diagonal GEMM's wasted multiplies (nb× the work) cost more than nb calls.
+_BLOCKDIAG_ROWS = 32
+# Rows per chunk of a product are bounded so the [rows, nb, out] epilogue temporaries stay a few MB.
+_EPILOGUE_ELEMENTS = 1 << 21
+# Expert passes up to this many multiply-adds run as one dense GEMM over all selected experts; larger
+# ones (prefill) loop over the experts. Both give the same bits.
+DENSE_EXPERT_MACS = 1 << 25
+
+
+@dataclass(frozen=True)
+class Planes:
+    """A Q8_0 matrix (or a stack of them) split into int8 quants and float32 scales."""
+
+    qs: torch.Tensor  # int8 [..., rows, cols]
+    d: torch.Tensor  # float32 [..., rows, cols / 32]
+
+
+@dataclass(frozen=True)
+class Q8Rows:
+    """Activation rows quantized to Q8_0: quants int8 [M, nb, 32], scales float32 [M, nb] (f16-rounded)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+
+def usable(w: object, x: torch.Tensor) -> bool:
+    """Whether `x @ w.T` can take the integer path: a Q8_0 weight and activations on the CPU."""
+    return isinstance(w, QTensor) and w.qtype == QT.Q8_0 and w.raw.device.type == "cpu" and x.device.type == "cpu"
+
+
+def unpack(raw: torch.Tensor, shape: tuple[int, ...]) -> Planes:
+    """Planes of Q8_0 blocks stored as uint8 [rows, bytes_per_row], for the logical `shape`."""
+    cols = shape[-1]
+    b = raw.reshape(-1, cols // BLOCK, _BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
+    qs = b[..., 2:].contiguous().view(torch.int8)
+    return Planes(qs.reshape(*shape[:-1], cols), d.reshape(*shape[:-1], cols // BLOCK))
+
+
+def planes(w: QTensor) -> Planes:
+    """The weight's planes, made on first use and kept with the tensor."""
+    p = w.planes
+    if p is None:
+        p = w.planes = unpack(w.raw, w.shape)
+    return p
+
+
+# The last two inputs quantized, with the thread that did it (a MoE layer alternates x and the experts' h).
+_MEMO: list[tuple[int, torch.Tensor, int, Q8Rows]] = []
+
+
+def quantize_rows(x: torch.Tensor) -> Q8Rows:
+    """x [..., K] float32 (as rows [M, K]) as ggml's quantize_row_q8_0 makes it; the last input's result is reused, since q/k/v,
+    the GDN projections, router, shared and routed experts all multiply the same normed x."""
+    me = threading.get_ident()
+    for hit in list(_MEMO):
+        if hit[0] == me and hit[1] is x and hit[2] == x._version:
+            return hit[3]
+    b = x.reshape(-1, x.shape[-1] // BLOCK, BLOCK)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    r = Q8Rows(torch.round(b * inv.unsqueeze(-1)).to(torch.int8), d.half().float())
+    _MEMO[:] = _MEMO[-1:] + [(me, x, x._version, r)]
+    return r
+
+
+_EYE: dict[int, torch.Tensor] = {}
+
+
+def _blockdiag(q: torch.Tensor) -> torch.Tensor:
+    """int8 [M, nb, 32] → [M·nb, nb·32]: row (m, b) holds block b of row m, zeros elsewhere."""
+    m, nb, _ = q.shape
+    eye = _EYE.get(nb)
+    if eye is None:
+        eye = _EYE[nb] = torch.eye(nb, dtype=torch.int8).view(1, nb, nb, 1)
+    return (q.unsqueeze(1) * eye).view(m * nb, nb * BLOCK)
+
+
+def _block_sums(q: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Exact per-block dot products int32 [M, nb, out] of rows q [M, nb, 32] with weight quants [out, K]."""
+    m, nb, _ = q.shape
+    if m <= _BLOCKDIAG_ROWS:
+        return torch._int_mm(_blockdiag(q), qs.t()).view(m, nb, -1)
+    return torch.stack([torch._int_mm(q[:, b].contiguous(), qs[:, b * BLOCK:(b + 1) * BLOCK].t())
+                        for b in range(nb)], dim=1)
+
+
+def _epilogue(s: torch.Tensor, dw_t: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+    """Σ_b (s_b · d_w,b) · d_x,b for s int32 [M, nb, out], dw_t [nb, out] or [M, nb, out], dx [M, nb]."""
+    y = s.float().mul_(dw_t)
+    return y.mul_(dx.unsqueeze(-1)).sum(1)
+
+
+def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """y = x @ W.T for float32 x [..., in] and a Q8_0 weight W [out, in] on the CPU."""
+    p = planes(w)
+    k, n_out = w.n_cols, w.n_rows
+    xr = quantize_rows(x)
+    qs, dw_t = p.qs.view(n_out, k), p.d.view(n_out, -1).t()
+    nb = k // BLOCK
+    step = max(1, _EPILOGUE_ELEMENTS // (nb * n_out))
+    m = xr.q.shape[0]
+    if m <= step:
+        y = _epilogue(_block_sums(xr.q, qs), dw_t, xr.d)
+    else:
+        y = torch.cat([_epilogue(_block_sums(xr.q[i:i + step], qs), dw_t, xr.d[i:i + step])
+                       for i in range(0, m, step)])
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def matmul_many(x: torch.Tensor, ws: tuple[QTensor, ...]) -> list[torch.Tensor]:
+    """[x @ W.T for W in ws] as one product over the weights' rows stacked (one GEMM instead of several:
+    each product's ops cost more than its arithmetic on small models). Same bits as separate products."""
+    # Kept with the first weight (the set belongs to one layer, so it lives and dies with it).
+    key = tuple(id(w) for w in ws[1:])
+    fused = ws[0].fused = ws[0].fused or {}
+    w = fused.get(key)
+    if w is None:
+        raw = torch.cat([w.raw.reshape(w.n_rows, -1) for w in ws])
+        w = fused[key] = QTensor(raw, QT.Q8_0, (raw.shape[0], ws[0].n_cols))
+    y = matmul(x, w)
+    return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
+
+
+def expert_planes(gate: QTensor, up: QTensor, down: QTensor) -> tuple[Planes, Planes]:
+    """Planes of stacked experts: gate and up interleaved per expert ([E, 2F, d]: one GEMM computes both) and
+    down ([E, d, F]); made once, kept with the gate tensor."""
+    fused = gate.fused = gate.fused or {}
+    key = (id(up), id(down))
+    hit = fused.get(key)
+    if hit is None:
+        g, u = unpack(gate.raw, gate.shape), unpack(up.raw, up.shape)
+        hit = fused[key] = (Planes(torch.cat([g.qs, u.qs], 1), torch.cat([g.d, u.d], 1)), planes(down))
+    return hit
+
+
+def select(p: Planes, at: torch.Tensor) -> Planes:
+    return Planes(p.qs.index_select(0, at), p.d.index_select(0, at))
+
+
+def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[int],
+            gate_up: Planes, down: Planes) -> torch.Tensor:
+    """Outputs [P, d] of (token, expert) pairs sorted by expert: pair p runs expert `local[p]` (an index
+    into the selected experts' planes: [S, 2F, d] gate rows then up rows, and [S, d, F] down) on row
+    `tokens[p]` of the quantized input. `counts` are the pairs per selected expert, in order."""
+    s_n, f2, k = gate_up.qs.shape
+    f = f2 // 2
+    t_n, nb = xr.q.shape[0], xr.q.shape[1]
+    if t_n * nb * k * s_n * f2 <= DENSE_EXPERT_MACS:  # every token × every selected expert in one GEMM
+        s = torch._int_mm(_blockdiag(xr.q), gate_up.qs.view(s_n * f2, k).t()).view(t_n, nb, s_n * f2)
+        gu = _epilogue(s, gate_up.d.view(s_n * f2, nb).t(), xr.d).view(t_n, s_n, f2)[tokens, local]
+    else:
+        gu = torch.empty(tokens.shape[0], f2)
+        for e, a, b in _spans(counts):
+            at = tokens[a:b]
+            gu[a:b] = _epilogue(_block_sums(xr.q[at], gate_up.qs[e]), gate_up.d[e].t(), xr.d[at])
+    h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+    hr = quantize_rows(h)
+    d_out, nbf = down.qs.shape[1], f // BLOCK
+    p_n = tokens.shape[0]
+    if p_n * nbf * s_n * f * d_out <= DENSE_EXPERT_MACS:  # block-diagonal over (expert, block)
+        xd = torch.zeros(p_n, nbf, s_n, nbf, BLOCK, dtype=torch.int8)
+        b_idx = _ARANGE[:nbf]
+        xd[_ARANGE[:p_n].unsqueeze(1), b_idx, local.unsqueeze(1), b_idx] = hr.q
+        w_cat = down.qs.transpose(1, 2).reshape(s_n * f, d_out)
+        s = torch._int_mm(xd.view(p_n * nbf, s_n * f), w_cat).view(p_n, nbf, d_out)
+        return _epilogue(s, down.d[local].transpose(1, 2), hr.d)
+    y = torch.empty(p_n, d_out)
+    for e, a, b in _spans(counts):
+        y[a:b] = _epilogue(_block_sums(hr.q[a:b], down.qs[e]), down.d[e].t(), hr.d[a:b])
+    return y
+
+
+_ARANGE = torch.arange(1 << 16)
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
+    out, a = [], 0
+    for e, c in enumerate(counts):
+        out.append((e, a, a + c))
+        a += c
+    return out

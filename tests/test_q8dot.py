@@ -1,0 +1,67 @@
+"""engine.q8dot: Q8_0 products in integers against llama.cpp's formula and the dequantizing path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine import q8dot
+from engine.quant import QTensor
+from engine.rowwise import rowwise_matmul
+from tests.test_quant import random_tensor
+
+
+def _weight(out: int, k: int, seed: int = 0) -> QTensor:
+    return QTensor(random_tensor(QT.Q8_0, (out, k), seed=seed, wide=False), QT.Q8_0, (out, k))
+
+
+def _ggml_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """ggml_vec_dot_q8_0_q8_0 in float64: per block an integer dot, times d_w · d_x, summed over blocks."""
+    xr = q8dot.quantize_rows(x.clone())
+    p = q8dot.unpack(w.raw, w.shape)
+    isum = torch.einsum("mbj,obj->mob", xr.q.double(), p.qs.view(w.n_rows, -1, 32).double())
+    return (isum * p.d.double().unsqueeze(0) * xr.d.double().unsqueeze(1)).sum(-1)
+
+
+@pytest.mark.parametrize("m", [1, 4, 33, 100], ids=lambda m: f"{m}rows")
+def test_matmul_equals_llama_cpp_formula(m: int) -> None:
+    w = _weight(40, 256)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    y = q8dot.matmul(x, w)
+    ref = _ggml_reference(x, w)
+    # integer sums are exact; only the float32 scaling and the sum over 8 blocks round
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_activation_quantization_matches_ggml_q8_0() -> None:
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    xr = q8dot.quantize_rows(x)
+    blocks = xr.q.float() * xr.d.unsqueeze(-1)
+    # gguf-py's quantize/dequantize of Q8_0 is the same rounding (f16 scale amax/127, q = round(x / d))
+    import gguf.quants as gq
+    ref = gq.dequantize(gq.quantize(x.numpy(), QT.Q8_0), QT.Q8_0)
+    np.testing.assert_allclose(blocks.reshape(3, 128).numpy(), ref, rtol=0, atol=1e-6)
+
+
+def test_rowwise_matmul_takes_the_integer_path_and_stays_close_to_float() -> None:
+    w = _weight(24, 64, seed=3)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    assert q8dot.usable(w, x) and w.planes is None
+    y = rowwise_matmul(x, w)
+    planes = w.planes
+    assert planes is not None and planes.qs.dtype == torch.int8  # made once, kept with the tensor
+    rowwise_matmul(x, w)
+    assert w.planes is planes
+    xr = q8dot.quantize_rows(x)
+    ref = (xr.q.float() * xr.d.unsqueeze(-1)).reshape(5, 64) @ w.dequantize().T
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    # rows computed in a batch carry exactly the bits of one-row products
+    assert torch.equal(y, torch.cat([rowwise_matmul(x[i:i + 1].clone(), w) for i in range(5)]))
+
+
+def test_integer_path_only_for_q8_0_on_cpu() -> None:
+    x = torch.randn(1, 256)
+    assert not q8dot.usable(QTensor(random_tensor(QT.Q4_K, (2, 256), seed=0), QT.Q4_K, (2, 256)), x)
+    assert not q8dot.usable(torch.randn(2, 256), x)
+    assert q8dot.usable(_weight(2, 256), x)
