@@ -164,7 +164,7 @@ class DepthController:
     """Chooses the draft depth each step: fixed, or `auto` from running acceptance and measured costs.
 
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
-    acceptance at depth j, Laplace-smoothed) and C(K) = verify(K+1) + K·draft, against plain decoding
+    acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
     (K = 0, E = 1). When depth 0 wins it still probes depth 1 every `probe_every` steps so acceptance can
     recover; with acceptance ≈ 0 that costs a few percent at most.
     """
@@ -232,8 +232,13 @@ class DepthController:
             return 0  # measure plain decoding first
         if self.t_draft is None or 2 not in self.t_verify:
             return min(1, room)  # then one draft step, to measure verify and draft costs
-        alpha = [(a + pa + 1) / (t + pt + 2) for a, t, pa, pt in
-                 zip(self.stats.accepted_at, self.stats.tried_at, self._prior_acc, self._prior_tried)]
+        # Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
+        # two drafts: an untried depth is first assumed as good as the one before, so auto explores it, and
+        # a few observations overrule the assumption.
+        alpha, prev = [], 0.5
+        for a, t, pa, pt in zip(self.stats.accepted_at, self.stats.tried_at, self._prior_acc, self._prior_tried):
+            prev = (a + pa + 2 * prev) / (t + pt + 2)
+            alpha.append(prev)
         best_k, best = 0, 1.0 / self.t_decode
         expect, prod = 1.0, 1.0
         for k in range(1, min(MAX_DEPTH, room) + 1):
@@ -251,12 +256,12 @@ class DepthController:
         return best_k
 
     def _extrapolate(self, n: int) -> float:
-        """Verify cost for an unmeasured size: linear through the measured sizes (and decode at n = 1)."""
-        pts = sorted(self.t_verify.items())
-        (n0, t0) = (1, self.t_decode or 0.0) if len(pts) == 1 else pts[-2]
-        n1, t1 = pts[-1]
-        slope = max((t1 - t0) / max(n1 - n0, 1), 0.0)
-        return t1 + slope * (n - n1)
+        """Verify cost for an unmeasured size: that of the largest measured size below it. Optimistic on
+        purpose — a multi-token pass costs a fixed overhead plus little per token, and a straight line through
+        decode and the first verify overrates bigger passes so much that auto never tried them; a size that
+        looks worth it is tried once and then costed by its own measurement."""
+        below = [t for m, t in self.t_verify.items() if m < n]
+        return max(below) if below else (self.t_decode or 0.0)
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,

@@ -105,10 +105,12 @@ def pack(docs: Sequence[list[int]], seq_len: int, sep: int,
     return torch.stack([t[r] for r in rows]), torch.stack([w[r] for r in rows])
 
 
-def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
-           weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig, weights: torch.Tensor | None = None, *,
+           trunk_loss: bool = True, per_depth: bool = False) -> tuple[torch.Tensor, ...]:
     """(trunk CE, MTP CE summed over draft depths, load-balance term) for a batch of sequences of seq_len + 1 tokens ([B, T+1], or
-    one sequence [T+1]) run in one pass; `weights` are the tokens' weights as targets (see target_weights)."""
+    one sequence [T+1]) run in one pass; `weights` are the tokens' weights as targets (see target_weights).
+    trunk_loss=False skips the trunk's logits (tuning the head alone: CE is then 0); per_depth=True appends
+    the list of the MTP CE of each depth."""
     hp = params.hparams
     seq = seq.view(-1, seq.shape[-1])
     B, T = seq.shape[0], seq.shape[1] - 1
@@ -123,14 +125,15 @@ def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
     wy = torch.ones(y.shape, device=y.device) if weights is None else weights.view(B, -1)[:, 1:]
     # The B sequences are flattened one after the other; their positions run on from one sequence to the
     # next, which RoPE cannot see (attention scores depend on position differences within a sequence).
-    res = model.forward(x, model.new_cache(B * T), logit_rows="all", chunked=True, hook=hook)
-    ce = _weighted_ce(res.logits, y.reshape(-1), wy.reshape(-1))
+    res = model.forward(x, model.new_cache(B * T), logit_rows="all" if trunk_loss else "none", chunked=True, hook=hook)
+    ce = _weighted_ce(res.logits, y.reshape(-1), wy.reshape(-1)) if trunk_loss else torch.zeros((), device=seq.device)
     # MTP: the row for position p pairs token x_{p+1} with the trunk's hidden h_p and predicts x_{p+2}.
     head = model.mtp
     assert head is not None
     # Depth j (chained): row p pairs token x_{p+j} with the head's depth-(j−1) output for row p, predicts x_{p+j+1}.
     hidden = res.hidden.view(B, T, -1)[:, :-1]
     mtp_ce = torch.zeros((), device=seq.device)
+    depths: list[torch.Tensor] = []
     for j, wj in enumerate((1.0,) + tuple(cfg.mtp_chain), start=1):
         if T - j < 2:
             break
@@ -138,6 +141,7 @@ def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
                             logit_rows="all")
         ce_j = _weighted_ce(mres.logits, y[:, j:].reshape(-1), wy[:, j:].reshape(-1))
         mtp_ce = mtp_ce + wj * ce_j
+        depths.append(ce_j.detach())
         hidden = mres.hidden.view(B, T - j, -1)
     bal = torch.zeros((), device=seq.device)
     for lg in router_logits:  # Switch: E · Σ_e (fraction routed to e) · (mean router prob of e)
@@ -146,6 +150,8 @@ def losses(params: ModelParams, seq: torch.Tensor, cfg: TrainConfig,
             0, p.topk(hp.n_expert_used, -1).indices.reshape(-1),
             torch.ones(p.shape[0] * hp.n_expert_used, device=lg.device))
         bal = bal + hp.n_expert * (frac / frac.sum() * p.mean(0)).sum()
+    if per_depth:
+        return ce, mtp_ce, bal / max(len(router_logits), 1), depths
     return ce, mtp_ce, bal / max(len(router_logits), 1)
 
 
