@@ -3,8 +3,9 @@
     python bench/q8dot.py [--threads 1] [--rounds 5] [--prompts 16] [--out bench/results/q8dot.json]
 
 Two measurements, each alternating the two paths round by round (best round counts):
-* one product `rowwise_matmul(x, W)` per weight shape of the embedded model (and one 2048 × 2048 matrix) and
-  row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk);
+* one product per weight shape of the embedded model (and wider matrices) and row count M (1 = a decode
+  step, 2–8 = verify passes, 64 = a prefill chunk): `q8dot.matmul` against `rowwise_matmul` with the integer
+  path off; `engine_integer` says which one the engine uses for that shape (`q8dot.MAX_COLS`);
 * decode of the embedded model answering the first `--prompts` held-out evaluation prompts (greedy, MTP
   off, replies end at EOS, ≤ 64 tokens): tokens over decode time, as in bench/mtp.py.
 The "float" path is the same code with the integer path switched off (`engine.q8dot.usable` → False).
@@ -36,7 +37,8 @@ from engine.rowwise import rowwise_matmul  # noqa: E402
 from engine.training.data import eval_prompts  # noqa: E402
 
 SHAPES = [(8192, 256, "LM head"), (512, 256, "attention q / GDN qkv"), (256, 256, "shared expert, out"),
-          (256, 128, "expert down"), (2048, 2048, "a larger model's projection")]
+          (256, 128, "expert down"), (256, 512, "MTP eh_proj"), (1024, 1024, "wider model"),
+          (2048, 2048, "wider model")]
 ROWS = [1, 2, 4, 8, 64]
 _INTEGER = q8dot.usable
 
@@ -62,13 +64,13 @@ def bench_products(rounds: int) -> list[dict]:
             x = torch.randn(m, k)
             reps = max(3, int(2e7 / (n * k * max(m, 4))))
             best = {True: float("inf"), False: float("inf")}
+            _path(False)
             for _ in range(rounds):
-                for integer in (True, False):
-                    _path(integer)
-                    best[integer] = min(best[integer], _time(lambda: rowwise_matmul(x.clone(), w), reps))
+                best[True] = min(best[True], _time(lambda: q8dot.matmul(x.clone(), w), reps))
+                best[False] = min(best[False], _time(lambda: rowwise_matmul(x.clone(), w), reps))
             _path(True)
             out.append({"shape": [n, k], "weight": what, "rows": m, "integer_s": best[True], "float_s": best[False],
-                        "speedup": best[False] / best[True]})
+                        "speedup": best[False] / best[True], "engine_integer": q8dot.usable(w, x)})
             print(f"  {n:5d}×{k:<5d} M={m:<3d} integer {best[True] * 1e6:8.1f} µs  float {best[False] * 1e6:8.1f} µs"
                   f"  ×{best[False] / best[True]:.2f}", flush=True)
     return out

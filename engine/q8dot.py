@@ -50,9 +50,17 @@ class Q8Rows:
     d: torch.Tensor
 
 
+# Widest rows the integer path takes. Its block layouts cost nb = cols/32 times the multiplies (block-diagonal)
+# or nb GEMMs; measured (bench/results/q8dot.json) it beats dequantize-then-float up to 512 columns and loses
+# from 2048 on (×0.5 at 4 rows). The choice depends on the weight alone, never on the number of rows, so a
+# weight's rows get the same bits in every pass.
+MAX_COLS = 512
+
+
 def usable(w: object, x: torch.Tensor) -> bool:
-    """Whether `x @ w.T` can take the integer path: a Q8_0 weight and activations on the CPU."""
-    return isinstance(w, QTensor) and w.qtype == QT.Q8_0 and w.raw.device.type == "cpu" and x.device.type == "cpu"
+    """Whether `x @ w.T` takes the integer path: a Q8_0 weight of at most MAX_COLS columns, on the CPU."""
+    return (isinstance(w, QTensor) and w.qtype == QT.Q8_0 and w.n_cols <= MAX_COLS and w.raw.device.type == "cpu"
+            and x.device.type == "cpu")
 
 
 def unpack(raw: torch.Tensor, shape: tuple[int, ...]) -> Planes:

@@ -65,3 +65,6 @@ def test_integer_path_only_for_q8_0_on_cpu() -> None:
     assert not q8dot.usable(QTensor(random_tensor(QT.Q4_K, (2, 256), seed=0), QT.Q4_K, (2, 256)), x)
     assert not q8dot.usable(torch.randn(2, 256), x)
     assert q8dot.usable(_weight(2, 256), x)
+    # wide rows stay on the float path (the integer layouts lose there), whatever the number of rows
+    wide = _weight(2, 2 * q8dot.MAX_COLS)
+    assert not q8dot.usable(wide, torch.randn(1, wide.n_cols)) and not q8dot.usable(wide, torch.randn(9, wide.n_cols))
