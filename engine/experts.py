@@ -89,7 +89,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     q8 = all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
     if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
         local = torch.repeat_interleave(torch.arange(experts.numel()), counts)
-        gate_up, down = (q8dot.select(p, experts) for p in q8dot.expert_planes(ew.gate, ew.up, ew.down))
+        gate_up, down = q8dot.select(*q8dot.expert_planes(ew.gate, ew.up, ew.down), experts)
         out[order] = q8dot.experts(q8dot.quantize_rows(x), tokens, local, counts.tolist(), gate_up, down)
         return _reduce_slots(out.view(n, k, -1), w)
     experts_l, counts_l = experts.tolist(), counts.tolist()
@@ -104,14 +104,14 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     def from_host(sel: list[int]):  # type: ignore[no-untyped-def]
         if q8:
             at = torch.tensor([experts_l[j] for j in sel], dtype=torch.long)
-            return tuple(q8dot.select(p, at) for p in q8dot.expert_planes(ew.gate, ew.up, ew.down))
+            return q8dot.select(*q8dot.expert_planes(ew.gate, ew.up, ew.down), at)
         return tuple(gather_experts(t, [experts_l[j] for j in sel]) for t in (ew.gate, ew.up, ew.down))
 
     def from_slots(sel: list[int]):  # type: ignore[no-untyped-def]
         g, u, d = (q8dot.unpack(q.raw, (len(sel), *shape)) if slots else q.dequantize().view(len(sel), *shape)
                    for q, (_, shape) in zip(cache.weights([hits[experts_l[j]] for j in sel]), cache.meta))
         if slots:
-            return q8dot.Planes(torch.cat([g.qs, u.qs], 1), torch.cat([g.d, u.d], 1)), d
+            return q8dot.stack_experts(g, u, d)
         return g, u, d
 
     if cache is None:

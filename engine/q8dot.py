@@ -111,12 +111,13 @@ def _blockdiag(q: torch.Tensor) -> torch.Tensor:
     return (q.unsqueeze(1) * eye).view(m * nb, nb * BLOCK)
 
 
-def _block_sums(q: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """Exact per-block dot products int32 [M, nb, out] of rows q [M, nb, 32] with weight quants [out, K]."""
+def _block_sums(q: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """Exact per-block dot products int32 [M, nb, out] of rows q [M, nb, 32] with weight quants w_t [K, out]
+    (a transposed view of the [out, K] plane, or an expert's down plane stored that way)."""
     m, nb, _ = q.shape
     if m <= _BLOCKDIAG_ROWS:
-        return torch._int_mm(_blockdiag(q), qs.t()).view(m, nb, -1)
-    return torch.stack([torch._int_mm(q[:, b].contiguous(), qs[:, b * BLOCK:(b + 1) * BLOCK].t())
+        return torch._int_mm(_blockdiag(q), w_t).view(m, nb, -1)
+    return torch.stack([torch._int_mm(q[:, b].contiguous(), w_t[b * BLOCK:(b + 1) * BLOCK])
                         for b in range(nb)], dim=1)
 
 
@@ -136,9 +137,9 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     step = max(1, _EPILOGUE_ELEMENTS // (nb * n_out))
     m = xr.q.shape[0]
     if m <= step:
-        y = _epilogue(_block_sums(xr.q, qs), dw_t, xr.d)
+        y = _epilogue(_block_sums(xr.q, qs.t()), dw_t, xr.d)
     else:
-        y = torch.cat([_epilogue(_block_sums(xr.q[i:i + step], qs), dw_t, xr.d[i:i + step])
+        y = torch.cat([_epilogue(_block_sums(xr.q[i:i + step], qs.t()), dw_t, xr.d[i:i + step])
                        for i in range(0, m, step)])
     return y.reshape(*x.shape[:-1], n_out)
 
@@ -158,52 +159,74 @@ def matmul_many(x: torch.Tensor, ws: tuple[QTensor, ...]) -> list[torch.Tensor]:
 
 
 def expert_planes(gate: QTensor, up: QTensor, down: QTensor) -> tuple[Planes, Planes]:
-    """Planes of stacked experts: gate and up interleaved per expert ([E, 2F, d]: one GEMM computes both) and
-    down ([E, d, F]); made once, kept with the gate tensor."""
+    """Planes of stacked experts in the layout `experts` multiplies them in; made once, kept with the gate tensor."""
     fused = gate.fused = gate.fused or {}
     key = (id(up), id(down))
     hit = fused.get(key)
     if hit is None:
-        g, u = unpack(gate.raw, gate.shape), unpack(up.raw, up.shape)
-        hit = fused[key] = (Planes(torch.cat([g.qs, u.qs], 1), torch.cat([g.d, u.d], 1)), planes(down))
+        hit = fused[key] = stack_experts(unpack(gate.raw, gate.shape), unpack(up.raw, up.shape),
+                                         unpack(down.raw, down.shape))
     return hit
 
 
-def select(p: Planes, at: torch.Tensor) -> Planes:
-    return Planes(p.qs.index_select(0, at), p.d.index_select(0, at))
+def stack_experts(g: Planes, u: Planes, d: Planes) -> tuple[Planes, Planes]:
+    """Expert planes as `experts` takes them. Gate and up stacked: quants [E, 2F, d], scales [E, d/32, 2F] (one
+    GEMM computes both). Down block-major: quants [F/32, E, 32, d] (block b of every expert's input is one
+    contiguous [E·32, d] slab, so the per-block products need no copy), scales [E, F/32, d]."""
+    gu = Planes(torch.cat([g.qs, u.qs], 1), torch.cat([g.d, u.d], 1).transpose(1, 2).contiguous())
+    e_n, d_out, f = d.qs.shape
+    qs = d.qs.view(e_n, d_out, f // BLOCK, BLOCK).permute(2, 0, 3, 1).contiguous()
+    return gu, Planes(qs, d.d.transpose(1, 2).contiguous())
+
+
+def select(gate_up: Planes, down: Planes, at: torch.Tensor) -> tuple[Planes, Planes]:
+    """The planes of experts `at` (in that order)."""
+    return (Planes(gate_up.qs.index_select(0, at), gate_up.d.index_select(0, at)),
+            Planes(down.qs.index_select(1, at), down.d.index_select(0, at)))
+
+
+# Down projections up to this many multiply-adds in block-diagonal form run as one GEMM; larger ones as one GEMM
+# per input block (measured: from ~8 pairs on, the F/32 calls cost less than the block-diagonal's F/32× work).
+_DOWN_BLOCKDIAG_MACS = 1 << 22
 
 
 def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[int],
             gate_up: Planes, down: Planes) -> torch.Tensor:
     """Outputs [P, d] of (token, expert) pairs sorted by expert: pair p runs expert `local[p]` (an index
-    into the selected experts' planes: [S, 2F, d] gate rows then up rows, and [S, d, F] down) on row
-    `tokens[p]` of the quantized input. `counts` are the pairs per selected expert, in order."""
+    into the given experts' planes, laid out by `stack_experts`) on row `tokens[p]` of the quantized input.
+    `counts` are the pairs per expert, in order. Every layout gives the same exact integer sums."""
     s_n, f2, k = gate_up.qs.shape
     f = f2 // 2
     t_n, nb = xr.q.shape[0], xr.q.shape[1]
-    if t_n * nb * k * s_n * f2 <= DENSE_EXPERT_MACS:  # every token × every selected expert in one GEMM
-        s = torch._int_mm(_blockdiag(xr.q), gate_up.qs.view(s_n * f2, k).t()).view(t_n, nb, s_n * f2)
-        gu = _epilogue(s, gate_up.d.view(s_n * f2, nb).t(), xr.d).view(t_n, s_n, f2)[tokens, local]
+    p_n = tokens.shape[0]
+    if t_n * nb * k * s_n * f2 <= DENSE_EXPERT_MACS:  # every token × every given expert in one GEMM
+        s = torch._int_mm(_blockdiag(xr.q), gate_up.qs.view(s_n * f2, k).t()).view(t_n, nb, s_n, f2)
+        gu = _epilogue(s[tokens, :, local], gate_up.d[local], xr.d[tokens])  # only the pairs' sums are scaled
     else:
-        gu = torch.empty(tokens.shape[0], f2)
+        gu = torch.empty(p_n, f2)
         for e, a, b in _spans(counts):
             at = tokens[a:b]
-            gu[a:b] = _epilogue(_block_sums(xr.q[at], gate_up.qs[e]), gate_up.d[e].t(), xr.d[at])
+            gu[a:b] = _epilogue(_block_sums(xr.q[at], gate_up.qs[e].t()), gate_up.d[e], xr.d[at])
     h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
     hr = quantize_rows(h)
-    d_out, nbf = down.qs.shape[1], f // BLOCK
-    p_n = tokens.shape[0]
-    if p_n * nbf * s_n * f * d_out <= DENSE_EXPERT_MACS:  # block-diagonal over (expert, block)
-        xd = torch.zeros(p_n, nbf, s_n, nbf, BLOCK, dtype=torch.int8)
+    nbf, d_out = down.qs.shape[0], down.qs.shape[3]
+    pairs = _ARANGE[:p_n]
+    if p_n * nbf * s_n * f * d_out <= _DOWN_BLOCKDIAG_MACS:  # block-diagonal over (block, expert)
+        xd = torch.zeros(p_n, nbf, nbf, s_n, BLOCK, dtype=torch.int8)
         b_idx = _ARANGE[:nbf]
-        xd[_ARANGE[:p_n].unsqueeze(1), b_idx, local.unsqueeze(1), b_idx] = hr.q
-        w_cat = down.qs.transpose(1, 2).reshape(s_n * f, d_out)
-        s = torch._int_mm(xd.view(p_n * nbf, s_n * f), w_cat).view(p_n, nbf, d_out)
-        return _epilogue(s, down.d[local].transpose(1, 2), hr.d)
-    y = torch.empty(p_n, d_out)
-    for e, a, b in _spans(counts):
-        y[a:b] = _epilogue(_block_sums(hr.q[a:b], down.qs[e]), down.d[e].t(), hr.d[a:b])
-    return y
+        xd[pairs.unsqueeze(1), b_idx, b_idx, local.unsqueeze(1)] = hr.q
+        s = torch._int_mm(xd.view(p_n * nbf, f * s_n), down.qs.view(f * s_n, d_out)).view(p_n, nbf, d_out)
+    elif p_n * s_n * f * d_out <= DENSE_EXPERT_MACS:  # one GEMM per block, block-diagonal over experts
+        xd = torch.zeros(nbf, p_n, s_n, BLOCK, dtype=torch.int8)
+        xd[:, pairs, local] = hr.q.transpose(0, 1)
+        s = torch.stack([torch._int_mm(xd[b].view(p_n, s_n * BLOCK), down.qs[b].view(s_n * BLOCK, d_out))
+                         for b in range(nbf)], dim=1)
+    else:
+        y = torch.empty(p_n, d_out)
+        for e, a, b in _spans(counts):
+            y[a:b] = _epilogue(_block_sums(hr.q[a:b], down.qs[:, e].reshape(f, d_out)), down.d[e], hr.d[a:b])
+        return y
+    return _epilogue(s, down.d[local], hr.d)
 
 
 _ARANGE = torch.arange(1 << 16)

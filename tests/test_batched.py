@@ -59,8 +59,9 @@ def test_prefill_chunks_are_bit_identical(spec: FixtureSpec) -> None:
         assert torch.equal(got, ref), size
 
 
-@pytest.mark.parametrize("dense_macs", [0, 1 << 40], ids=["expert-loop", "dense-experts"])
-def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int) -> None:
+@pytest.mark.parametrize("dense_macs,down_blockdiag_macs", [(0, 0), (1 << 40, 1 << 40), (1 << 40, 0)],
+                         ids=["expert-loop", "dense-experts", "dense-experts-per-block-down"])
+def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int, down_blockdiag_macs: int) -> None:
     """The integer path picks a layout by size (block-diagonal or per-block GEMMs, all selected experts at
     once or a loop over experts); every layout must give the per-token bits."""
     import engine.q8dot as q8
@@ -69,6 +70,7 @@ def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs:
     toks = _toks(Q8_MOE, 40, seed=6)
     ref = _per_token(m, toks)
     monkeypatch.setattr(q8, "DENSE_EXPERT_MACS", dense_macs)
+    monkeypatch.setattr(q8, "_DOWN_BLOCKDIAG_MACS", down_blockdiag_macs)
     for rows in (0, 1 << 20):  # per-block GEMMs for every pass, or block-diagonal for every pass
         monkeypatch.setattr(q8, "_BLOCKDIAG_ROWS", rows)
         for size in (1, 3, 40):

@@ -258,26 +258,31 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
                           il: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S: [H, d_k, d_v].
 
-    β = σ(b) and g = ssm_a · softplus(α + dt_bias) are computed per token too (batch invariance).
-    Returns (β, g, o).
+    β = σ(b), g = ssm_a · softplus(α + dt_bias) and e^g are computed for all tokens at once on rows padded to
+    full SIMD width (`pointwise`: the same bits for one token or many); the loop body is five kernels on
+    views, each the same product whatever the number of tokens. With `capture`, every token's state is
+    written straight into the captured stack (no copy of S per token). Returns (β, g, o).
     """
     n = q.shape[0]
-    o = torch.empty_like(v)
-    beta, g = torch.empty_like(b), torch.empty_like(a)
+    beta = pointwise(torch.sigmoid, b)
+    g = w.a * pointwise(F.softplus, a + w.dt_bias)
+    decay = pointwise(torch.exp, g)[:, :, None, None]  # [n, H, 1, 1]
+    kr, kc, qr = k.unsqueeze(2), k.unsqueeze(3), q.unsqueeze(2)  # [n, H, 1, d_k], [n, H, d_k, 1], [n, H, 1, d_k]
+    vr, br = v.unsqueeze(2), beta[:, :, None, None]  # [n, H, 1, d_v], [n, H, 1, 1]
+    o = torch.empty_like(vr)
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
+    cur = S
     for t in range(n):
-        beta[t] = torch.sigmoid(b[t])
-        g[t] = w.a * F.softplus(a[t] + w.dt_bias)
-        S.mul_(torch.exp(g[t])[:, None, None])
-        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
-        e = (v[t] - kv_mem) * beta[t][:, None]
-        S.add_(k[t][:, :, None] * e[:, None, :])
-        o[t] = torch.einsum("hkv,hk->hv", S, q[t])
-        if states is not None:
-            states[t] = S
-    if capture is not None:
+        nxt = states[t] if states is not None else cur
+        torch.mul(cur, decay[t], out=nxt)
+        e = (vr[t] - torch.bmm(kr[t], nxt)) * br[t]
+        nxt.baddbmm_(kc[t], e)
+        torch.bmm(qr[t], nxt, out=o[t])
+        cur = nxt
+    if states is not None:
+        S.copy_(cur)
         capture[il] = states
-    return beta, g, o
+    return beta, g, o.squeeze(2)
 
 
 def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
