@@ -272,7 +272,7 @@ class Engine:
         spec.verify_s += t2 - t1
         spec.commit_s += t4 - t3
         if depth is not None:
-            depth.observe_verify(len(seq), t2 - t1, len(draft.tokens), t1 - t0)
+            depth.observe_verify(len(seq), t2 - t1, len(draft.tokens), t1 - t0 - draft.catch_up_s)
         return emitted[kept - 1][0]
 
 

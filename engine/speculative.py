@@ -11,6 +11,7 @@ length: rollback costs no recomputation.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,7 +29,7 @@ CATCH_UP_CHUNK = 256
 class Draft:
     tokens: list[int]
     probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
-    seconds: float = 0.0
+    catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
 
 
 class MTPDrafter:
@@ -64,14 +65,19 @@ class MTPDrafter:
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty)."""
+        out = Draft([], [])
         toks = self.pending_tokens + [x]
         hid = torch.stack(self.pending_hidden + [self.last_hidden])
         self.pending_tokens, self.pending_hidden = [], []
-        res = None
-        for s in range(0, len(toks), CATCH_UP_CHUNK):
-            res = self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache)
+        if len(toks) > MAX_DEPTH + 2:  # a prompt (or a turn decoded without drafting): caught up on its own and
+            t0 = time.perf_counter()  # timed apart, so auto's draft cost stays the cost of a step's drafts
+            for s in range(0, len(toks) - 1, CATCH_UP_CHUNK):
+                e = min(s + CATCH_UP_CHUNK, len(toks) - 1)
+                self.head.forward(toks[s:e], hid[s:e], self.cache, logit_rows="none")
+            toks, hid = toks[-1:], hid[-1:]
+            out.catch_up_s = time.perf_counter() - t0
+        res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
         self._committed = self.cache.pos
-        out = Draft([], [])
         hist = list(history)
         for i in range(depth):
             logits = res.logits[-1]
@@ -173,6 +179,7 @@ class DepthController:
     # verify of n tokens ≈ 1 + 0.45·(n − 1) decode steps, a draft ≈ 0.15 (measured on the mid-size MoE).
     FIXED_VERIFY_SLOPE = 0.45
     FIXED_DRAFT = 0.15
+    FIRST_DECODES = 2  # plain steps measured before the first draft (the first one alone runs cold)
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
                  reproducible: bool = False, memory: AutoMemory | None = None):
@@ -199,6 +206,7 @@ class DepthController:
             self._prior_acc = [0.0] * MAX_DEPTH
             self._prior_tried = [0.0] * MAX_DEPTH
         self._since_probe = 0
+        self._decodes = 0
 
     def remember(self) -> None:
         """Fold this reply's costs and acceptance into the engine's memory (call when the reply ends)."""
@@ -214,7 +222,12 @@ class DepthController:
         return new if old is None else (1 - a) * old + a * new
 
     def observe_decode(self, seconds: float) -> None:
-        if not self.reproducible:
+        if self.reproducible:
+            return
+        self._decodes += 1
+        if self._decodes <= self.FIRST_DECODES:  # the first step after a prefill runs cold: take the fastest
+            self.t_decode = seconds if self._decodes == 1 or self.t_decode is None else min(self.t_decode, seconds)
+        else:
             self.t_decode = self._ema(self.t_decode, seconds)
 
     def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float) -> None:
@@ -228,7 +241,8 @@ class DepthController:
         """Depth for the next step, given `room` free positions in the context after the next token."""
         if self.fixed is not None:
             return max(0, min(self.fixed, room))
-        if self.t_decode is None:
+        if self.t_decode is None or (self.memory is None or self.memory.t_decode is None) and \
+                0 < self._decodes < self.FIRST_DECODES:
             return 0  # measure plain decoding first
         if self.t_draft is None or 2 not in self.t_verify:
             return min(1, room)  # then one draft step, to measure verify and draft costs

@@ -237,6 +237,8 @@ def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
     s1 = SpecStats()
     c1 = DepthController(None, s1, memory=mem)
     assert c1.choose(100) == 0  # nothing known yet: measure plain decoding first
+    c1.observe_decode(0.014)  # the first step after the prefill runs cold
+    assert c1.choose(100) == 0  # so a second one is measured, and the faster counts
     c1.observe_decode(0.010)
     assert c1.choose(100) == 1  # then one draft step
     c1.observe_verify(2, 0.012, 1, 0.002)
