@@ -202,10 +202,9 @@ class _Grouped:
 
 
 def _reduce_slots(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    acc = y[:, 0] * w[:, 0:1]
-    for s in range(1, y.shape[1]):  # fixed slot order: identical sums whatever the grouping was
-        acc = acc + y[:, s] * w[:, s:s + 1]
-    return acc
+    """Σ_s w[:, s] · y[:, s] over the top-k slots [N, k, d], one sum over the slot dim (a reduction across
+    rows of d values: each element's k terms added in slot order, whatever N and the grouping were)."""
+    return (y * w.unsqueeze(-1)).sum(1)
 
 
 def _run_experts_float(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights,

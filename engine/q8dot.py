@@ -73,10 +73,13 @@ def unpack(raw: torch.Tensor, shape: tuple[int, ...]) -> Planes:
 
 
 def planes(w: QTensor) -> Planes:
-    """The weight's planes, made on first use and kept with the tensor."""
+    """The weight's planes as `matmul` takes them, made on first use and kept with the tensor: quants
+    [rows, cols] and the scales transposed, [cols/32, rows] contiguous (the epilogue multiplies [M, nb, rows]
+    sums by them: 2× faster than through a transposed view)."""
     p = w.planes
     if p is None:
-        p = w.planes = unpack(w.raw, w.shape)
+        u = unpack(w.raw, w.shape)
+        p = w.planes = Planes(u.qs.view(w.n_rows, w.n_cols), u.d.view(w.n_rows, -1).t().contiguous())
     return p
 
 
@@ -92,9 +95,9 @@ def quantize_rows(x: torch.Tensor) -> Q8Rows:
         if hit[0] == me and hit[1] is x and hit[2] == x._version:
             return hit[3]
     b = x.reshape(-1, x.shape[-1] // BLOCK, BLOCK)
-    d = b.abs().amax(-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    r = Q8Rows(torch.round(b * inv.unsqueeze(-1)).to(torch.int8), d.half().float())
+    d = b.abs().amax(-1).div_(127.0)
+    inv = d.reciprocal().nan_to_num_(posinf=0.0)  # ggml: id = d ? 1/d : 0
+    r = Q8Rows(torch.mul(b, inv.unsqueeze(-1)).round_().to(torch.int8), d.half().float())
     _MEMO[:] = _MEMO[-1:] + [(me, x, x._version, r)]
     return r
 
@@ -132,7 +135,7 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     p = planes(w)
     k, n_out = w.n_cols, w.n_rows
     xr = quantize_rows(x)
-    qs, dw_t = p.qs.view(n_out, k), p.d.view(n_out, -1).t()
+    qs, dw_t = p.qs, p.d
     nb = k // BLOCK
     step = max(1, _EPILOGUE_ELEMENTS // (nb * n_out))
     m = xr.q.shape[0]

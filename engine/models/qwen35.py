@@ -150,13 +150,13 @@ class GatedAttention:
         out = torch.empty(n, hp.n_head * Dv, dtype=x.dtype, device=x.device)
         # One query at a time over exactly the keys it sees: the same ops whether the pass has 1 or N
         # tokens (a masked batch would change reduction lengths and so the rounding).
-        for i in range(n):
+        keys = kv.k[:pos + n].permute(1, 2, 0)  # [H_kv, D, t]
+        vals = kv.v[:pos + n].transpose(0, 1)  # [H_kv, t, Dv]
+        rows = zip(q.reshape(n, hp.n_head_kv, group, D).unbind(0), out.view(n, hp.n_head_kv, group, Dv).unbind(0))
+        for i, (qi, oi) in enumerate(rows):
             t = pos + i + 1
-            qi = q[i].view(hp.n_head_kv, group, D)
-            keys = kv.k[:t].permute(1, 2, 0)  # [H_kv, D, t]
-            vals = kv.v[:t].transpose(0, 1)  # [H_kv, t, Dv]
-            probs = torch.softmax(torch.bmm(qi, keys) * self.scale, dim=-1)
-            out[i] = torch.bmm(probs, vals).reshape(-1)
+            probs = torch.softmax(torch.bmm(qi, keys[:, :, :t]) * self.scale, dim=-1)
+            torch.bmm(probs, vals[:, :t], out=oi)
         cb("attn_out", il, out)
         out = out * torch.sigmoid(gate)
         return rowwise_matmul(out, w.o)
@@ -266,18 +266,19 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
     n = q.shape[0]
     beta = pointwise(torch.sigmoid, b)
     g = w.a * pointwise(F.softplus, a + w.dt_bias)
-    decay = pointwise(torch.exp, g)[:, :, None, None]  # [n, H, 1, 1]
-    kr, kc, qr = k.unsqueeze(2), k.unsqueeze(3), q.unsqueeze(2)  # [n, H, 1, d_k], [n, H, d_k, 1], [n, H, 1, d_k]
-    vr, br = v.unsqueeze(2), beta[:, :, None, None]  # [n, H, 1, d_v], [n, H, 1, 1]
-    o = torch.empty_like(vr)
+    o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
+    # Per-token views made in one call each: [H, 1, 1] decay, [H, 1, d_k] k and q rows, [H, d_k, 1] k column,
+    # [H, 1, d_v] v, [H, 1, 1] β, and the output and state slots.
+    steps = zip(pointwise(torch.exp, g)[:, :, None, None].unbind(0), k.unsqueeze(2).unbind(0),
+                k.unsqueeze(3).unbind(0), q.unsqueeze(2).unbind(0), v.unsqueeze(2).unbind(0),
+                beta[:, :, None, None].unbind(0), o.unbind(0), states.unbind(0) if states is not None else [S] * n)
     cur = S
-    for t in range(n):
-        nxt = states[t] if states is not None else cur
-        torch.mul(cur, decay[t], out=nxt)
-        e = (vr[t] - torch.bmm(kr[t], nxt)) * br[t]
-        nxt.baddbmm_(kc[t], e)
-        torch.bmm(qr[t], nxt, out=o[t])
+    for decay, kr, kc, qr, vr, br, ot, nxt in steps:
+        torch.mul(cur, decay, out=nxt)
+        e = (vr - torch.bmm(kr, nxt)) * br
+        nxt.baddbmm_(kc, e)
+        torch.bmm(qr, nxt, out=ot)
         cur = nxt
     if states is not None:
         S.copy_(cur)
