@@ -1,6 +1,7 @@
 """Cost of a multi-token pass (speculative verify, prefill) relative to one decode step, mid-size MoE.
 
     python bench/verify.py [--threads 2] [--reps 3] [--out bench/results/verify.json]
+    python bench/verify.py --model default --threads 1   # the embedded model → bench/results/verify_default.json
 
 For N = 2, 4, 8: one grouped pass over N tokens (as a verify: GDN states captured per position) vs N
 single-token steps, both divided by the time of one decode step, in the same run. Also prefill of 512
@@ -29,7 +30,8 @@ import engine.experts as experts_mod  # noqa: E402
 import engine.models.qwen35 as model_mod  # noqa: E402
 from engine.modelfile import open_model  # noqa: E402
 from engine.models.qwen35 import Qwen35Model  # noqa: E402
-from engine.rowwise import rowwise_matmul  # noqa: E402
+from engine import q8dot  # noqa: E402
+from engine.rowwise import project, rowwise_matmul  # noqa: E402
 
 _bytes_read = [0]
 
@@ -37,6 +39,20 @@ _bytes_read = [0]
 def _counting(x, w, ggml_activations=True):  # type: ignore[no-untyped-def]
     _bytes_read[0] += w.nbytes
     return rowwise_matmul(x, w, ggml_activations)
+
+
+def _counting_project(x, ws):  # type: ignore[no-untyped-def]
+    _bytes_read[0] += sum(w.nbytes for w in ws)
+    return project(x, ws)
+
+
+_select = q8dot.select
+
+
+def _counting_select(gate_up, down, at):  # type: ignore[no-untyped-def]
+    g, d = _select(gate_up, down, at)  # the integer path reads the selected experts' int8 planes
+    _bytes_read[0] += sum(t.nbytes for t in (g.qs, g.d, d.qs, d.d))
+    return g, d
 
 
 _gather = experts_mod.gather_experts
@@ -63,17 +79,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loop-tokens", type=int, default=24, help="tokens timed for the per-token prefill rate")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/verify.json"))
+    ap.add_argument("--model", default="mid", help="'mid' (the synthetic mid-size MoE), 'default' (the embedded "
+                    "model) or a GGUF path")
+    ap.add_argument("--out", help="default: bench/results/verify.json for 'mid', verify_default.json for 'default'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_mod.rowwise_matmul = _counting
+    model_mod.project = _counting_project
     experts_mod.gather_experts = _counting_gather
+    q8dot.select = _counting_select
 
-    path = cached("mid", ROOT / "build/bench")
-    m = Qwen35Model(open_model(path), n_ctx=1200)
+    from engine.modelfile import default_model_path
+    path = cached("mid", ROOT / "build/bench") if args.model == "mid" else \
+        default_model_path() if args.model == "default" else Path(args.model)
+    out = args.out or str(ROOT / ("bench/results/verify.json" if args.model == "mid" else
+                                  "bench/results/verify_default.json"))
+    mf = open_model(path)
+    m = Qwen35Model(mf, n_ctx=1200)
     rng = np.random.default_rng(0)
-    context = rng.integers(0, 32000, 64).tolist()
-    draft = rng.integers(0, 32000, 8).tolist()
+    vocab = min(32000, mf.hparams.n_vocab)
+    context = rng.integers(0, vocab, 64).tolist()
+    draft = rng.integers(0, vocab, 8).tolist()
     cache = m.new_cache(1200)
     m.forward(context, cache, logit_rows="none")
     snap = cache.snapshot()
@@ -114,7 +140,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     t1 = statistics.median(t1s)
 
-    prompt = rng.integers(0, 32000, 512).tolist()
+    prompt = rng.integers(0, vocab, 512).tolist()
     prefill = {}
     for name, chunked in (("grouped_sequential_gdn", False), ("grouped_chunked_gdn", True)):
         def run(chunked: bool = chunked) -> None:
@@ -138,12 +164,12 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "load_avg_at_start": os.getloadavg()[0], "torch": torch.__version__,
-        "model": {"file": path.name, "shape": MID.__dict__},
+        "model": {"file": path.name, "shape": MID.__dict__ if args.model == "mid" else None},
         "decode_step_s": t1, "decode_step_weight_bytes": b1,
         "verify": rows, "prefill_512": prefill,
         "targets": {"n4_over_decode_max": 1.5, "prefill_speedup_min": 5.0},
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

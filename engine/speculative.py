@@ -84,13 +84,13 @@ class MTPDrafter:
             if sampler.cfg.greedy:
                 q = None
                 tok = int(torch.argmax(sampler.penalized(logits, hist)))
-                conf = float(torch.softmax(logits.float(), -1).max())
             else:
                 q = sampler.distribution(logits, hist)
                 tok = sampler.draw(q)
-                conf = float(q.max())
-            if i > 0 and conf < p_min:  # an unconfident draft is more likely to cost than to pay
-                break
+            if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
+                conf = float(q.max()) if q is not None else float(torch.softmax(logits.float(), -1).max())
+                if conf < p_min:
+                    break
             out.tokens.append(tok)
             out.probs.append(q)
             hist.append(tok)
