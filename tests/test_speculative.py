@@ -252,3 +252,29 @@ def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
     assert fixed.memory is None and fixed.choose(100) == 3
     seeded = DepthController(None, SpecStats(), memory=mem, reproducible=True)
     assert seeded.memory is None  # seeded sampling never depends on earlier replies
+
+
+def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> None:
+    """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
+    the cost of drafting); the drafts are those of one pass over the whole backlog."""
+    eng = _engine(TINY_MOE)
+    m = eng.model
+    prompt = np.random.default_rng(11).integers(0, 250, 30).tolist()
+    res = m.forward(prompt, m.new_cache(512), logit_rows="last")
+    x = int(res.logits[-1].argmax())
+    sampler = Sampler(SamplingConfig())
+    split = MTPDrafter(m.mtp, 512)
+    split.push(prompt, res.hidden)
+    d = split.draft(x, 3, sampler, prompt + [x])
+    assert d.catch_up_s > 0 and len(d.tokens) == 3
+    whole = MTPDrafter(m.mtp, 512)  # the reference: the head over backlog + x in one pass, then the chain
+    whole.push(prompt, res.hidden)
+    h = torch.stack(whole.pending_hidden + [whole.last_hidden])
+    out = m.mtp.forward(whole.pending_tokens + [x], h, whole.cache)
+    ref = []
+    for i in range(3):
+        ref.append(int(out.logits[-1].argmax()))
+        if i < 2:
+            out = m.mtp.forward([ref[-1]], out.hidden[-1:], whole.cache)
+    assert d.tokens == ref
+    assert split.cache.pos == whole.cache.pos == len(prompt) + 3
