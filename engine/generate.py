@@ -211,10 +211,18 @@ class Engine:
                 run.reason = "context_full"
                 break
             k = depth.choose(room) if depth is not None else 0
-            t_step = time.perf_counter()
             if k == 0:
+                probe = None
+                if depth is not None and depth.probe_now(room):  # shadow probe: one draft, no verify
+                    t_probe = time.perf_counter()
+                    probe = self.drafter.draft(x, 1, sampler, run.history)
+                    probe_s = time.perf_counter() - t_probe
+                    spec.draft_s += probe_s
+                t_step = time.perf_counter()
                 res = self.model.forward([x], self.cache, logit_rows="last")
-                if self.drafter is not None:
+                if probe is not None:  # the head already holds x's row: keep it, pair the next token with res
+                    self.drafter.commit(0, [x], res.hidden)
+                elif self.drafter is not None:
                     self.drafter.push([x], res.hidden)
                 self._seq.append(x)
                 self._last_logits = logits = res.logits[-1]
@@ -224,6 +232,11 @@ class Engine:
                 spec.decode_s += dt
                 if depth is not None:
                     depth.observe_decode(dt)
+                    if probe is not None and probe.tokens:
+                        q = probe.probs[0]
+                        hit = float(probe.tokens[0] == x) if q is None else \
+                            float(torch.minimum(sampler.distribution(logits, run.history), q).sum())
+                        depth.observe_probe(hit, probe_s - probe.catch_up_s)
                 yield from run.emit([(x, False)])
             else:
                 x = yield from self._speculative_step(x, k, run, sampler, spec, depth)

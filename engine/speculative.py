@@ -171,8 +171,9 @@ class DepthController:
 
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
     acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
-    (K = 0, E = 1). When depth 0 wins it still probes depth 1 every `probe_every` steps so acceptance can
-    recover; with acceptance ≈ 0 that costs a few percent at most.
+    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps also draft one token as a shadow
+    probe (compared with the trunk's own token, no verify pass), so acceptance can recover at the cost of one
+    head pass.
     """
 
     # Relative costs used instead of timings when decisions must be reproducible (seeded sampling): a
@@ -207,6 +208,8 @@ class DepthController:
             self._prior_tried = [0.0] * MAX_DEPTH
         self._since_probe = 0
         self._decodes = 0
+        self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
+        self._probe_tried = 0
 
     def remember(self) -> None:
         """Fold this reply's costs and acceptance into the engine's memory (call when the reply ends)."""
@@ -214,8 +217,8 @@ class DepthController:
             return
         m = self.memory
         m.t_decode, m.t_verify, m.t_draft = self.t_decode, dict(self.t_verify), self.t_draft
-        m.accepted_at = [p + a for p, a in zip(self._prior_acc, self.stats.accepted_at)]
-        m.tried_at = [p + t for p, t in zip(self._prior_tried, self.stats.tried_at)]
+        acc, tried = self._evidence()
+        m.accepted_at, m.tried_at = acc, tried
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -244,14 +247,14 @@ class DepthController:
         if self.t_decode is None or (self.memory is None or self.memory.t_decode is None) and \
                 0 < self._decodes < self.FIRST_DECODES:
             return 0  # measure plain decoding first
-        if self.t_draft is None or 2 not in self.t_verify:
-            return min(1, room)  # then one draft step, to measure verify and draft costs
+        if self.t_draft is None:
+            return 0  # a shadow probe (`probe_now`) measures the draft cost and first acceptance
         # Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
         # two drafts: an untried depth is first assumed as good as the one before, so auto explores it, and
         # a few observations overrule the assumption.
         alpha, prev = [], 0.5
-        for a, t, pa, pt in zip(self.stats.accepted_at, self.stats.tried_at, self._prior_acc, self._prior_tried):
-            prev = (a + pa + 2 * prev) / (t + pt + 2)
+        for a, t in zip(*self._evidence()):
+            prev = (a + 2 * prev) / (t + 2)
             alpha.append(prev)
         best_k, best = 0, 1.0 / self.t_decode
         expect, prod = 1.0, 1.0
@@ -264,18 +267,49 @@ class DepthController:
                 best_k, best = k, rate
         if best_k == 0:
             self._since_probe += 1
-            if self._since_probe >= self.probe_every and room >= 1:
-                self._since_probe = 0
-                return 1
         return best_k
+
+    def probe_now(self, room: int) -> bool:
+        """Whether this plain step should also draft one token with the head, to compare it with the trunk's
+        own next token (a shadow probe: it costs one head pass, not a verify). Taken when depth 1 has no
+        evidence yet and then every `probe_every` plain steps, so acceptance can recover after a bad stretch
+        while a model whose drafts never match (random weights) pays almost nothing for speculation."""
+        if self.fixed is not None or room < 1 or self.t_decode is None:
+            return False
+        if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
+            return False
+        if self.t_draft is None or self._evidence()[1][0] == 0 or self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return True
+        return False
+
+    def observe_probe(self, accepted: float, draft_seconds: float) -> None:
+        """A shadow probe's outcome: 1/0 for greedy, the acceptance probability Σ min(p, q) when sampling."""
+        self._probe_acc += accepted
+        self._probe_tried += 1
+        if not self.reproducible:
+            self.t_draft = self._ema(self.t_draft, draft_seconds)
+        elif self.t_draft is None:
+            self.t_draft = self.FIXED_DRAFT
+
+    def _evidence(self) -> tuple[list[float], list[float]]:
+        """Accepted and tried drafts by depth: this reply's verify steps and probes, plus the halved memory."""
+        acc = [p + a for p, a in zip(self._prior_acc, self.stats.accepted_at)]
+        tried = [p + t for p, t in zip(self._prior_tried, self.stats.tried_at)]
+        acc[0] += self._probe_acc
+        tried[0] += self._probe_tried
+        return acc, tried
 
     def _extrapolate(self, n: int) -> float:
         """Verify cost for an unmeasured size: that of the largest measured size below it. Optimistic on
         purpose — a multi-token pass costs a fixed overhead plus little per token, and a straight line through
         decode and the first verify overrates bigger passes so much that auto never tried them; a size that
-        looks worth it is tried once and then costed by its own measurement."""
+        looks worth it is tried once and then costed by its own measurement. Before any verify is measured,
+        the fixed relative cost (1 + 0.45·(n − 1) decode steps) stands in."""
         below = [t for m, t in self.t_verify.items() if m < n]
-        return max(below) if below else (self.t_decode or 0.0)
+        if below:
+            return max(below)
+        return (self.t_decode or 0.0) * (1.0 + self.FIXED_VERIFY_SLOPE * (n - 1))
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,

@@ -240,12 +240,14 @@ def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
     c1.observe_decode(0.014)  # the first step after the prefill runs cold
     assert c1.choose(100) == 0  # so a second one is measured, and the faster counts
     c1.observe_decode(0.010)
-    assert c1.choose(100) == 1  # then one draft step
+    assert c1.choose(100) == 0 and c1.probe_now(100)  # then a shadow probe: one draft, no verify
+    c1.observe_probe(1.0, 0.002)
+    assert c1.choose(100) == 1  # an accepted probe makes depth 1 worth a verify (costed 1.45 steps until measured)
     c1.observe_verify(2, 0.012, 1, 0.002)
     for _ in range(20):
         s1.record(1, 1)  # depth-1 drafts always accepted
     c1.remember()
-    assert mem.t_decode == 0.010 and mem.tried_at[0] == 20
+    assert mem.t_decode == 0.010 and mem.tried_at[0] == 21  # 20 verified drafts and the probe
     c2 = DepthController(None, SpecStats(), memory=mem)  # the next reply starts from what was learned
     assert c2.choose(100) >= 1
     fixed = DepthController(3, SpecStats(), memory=mem)
@@ -278,3 +280,19 @@ def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> Non
             out = m.mtp.forward([ref[-1]], out.hidden[-1:], whole.cache)
     assert d.tokens == ref
     assert split.cache.pos == whole.cache.pos == len(prompt) + 3
+
+
+def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
+    """On random weights (acceptance 0) auto decodes plainly; its shadow probes cost one head pass each and
+    never a verify pass, and the output is still the plain greedy output."""
+    eng = _engine(TINY_MOE)
+    prompt = [5, 6, 7, 8]
+    plain, _, _, _ = _gen(eng, prompt, max_tokens=80, mtp=False)
+    eng.reset()
+    got, flags, final, _ = _gen(eng, prompt, max_tokens=80, mtp=True, draft=None)
+    sp = final.speculative
+    assert got == plain
+    # No probe matches on this fixture, so no verify pass is ever paid for (before shadow probes, auto spent
+    # its first speculative step and one every 32 steps on verifying a draft).
+    assert sp["verify_steps"] == 0 and sp["plain_steps"] == 79 and not any(flags), sp
+    assert sp["time_s"]["draft"] > 0  # the probes ran
