@@ -68,14 +68,36 @@ def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, w.transpose(1, 2)).squeeze(1)
 
 
+@dataclass
+class SharedExpert:
+    """The shared expert run inside the routed experts' products (q8dot.expert_planes): `slices` extra experts
+    every token selects, each weighted by the token's shared-expert gate σ(w_gate · x) [N, 1]."""
+
+    weights: tuple[QTensor, QTensor, QTensor]  # gate, up, down
+    slices: int
+    gate: torch.Tensor
+
+
 def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights,
-                cache: ExpertCache | None = None) -> torch.Tensor:
+                cache: ExpertCache | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
     """y[t] = Σ_s w[t,s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t,s], summed in slot order s.
 
     Experts run where their bytes are: on x's device when resident there, on the CPU when they live on
     the CPU (x's rows are moved, not the weights), or from `cache` slots on the accelerator for cached
     experts. Each (token, slot) product is independent, so splitting the experts between devices does not
-    change which bits a device computes."""
+    change which bits a device computes. `shared` (Q8_0 on the CPU, no cache): the shared expert's slices
+    run as extra slots after the top-k, so y also holds the gated shared expert."""
+    q8 = all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
+    if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
+        if shared is not None:
+            n, e_all, s_n = idx.shape[0], ew.gate.shape[0], shared.slices
+            idx = torch.cat([idx, _ARANGE[e_all:e_all + s_n].expand(n, s_n)], 1)
+            w = torch.cat([w, shared.gate.expand(n, s_n)], 1)
+        planes = q8dot.expert_planes(ew.gate, ew.up, ew.down, shared.weights if shared else None)  # type: ignore[arg-type]
+        if idx.shape[0] == 1:  # one token (a decode step, a draft): its experts are distinct, nothing to group
+            return _one_token(x, idx[0], w, planes)
+    elif shared is not None:
+        raise ValueError("the shared expert runs with the routed ones only on the integer CPU path")
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -86,10 +108,9 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         if x.device.type != "cpu":
             return _run_experts_dense(x, idx, w, ew)
         return _run_experts_float(x, idx, w, ew, order, experts, counts, tokens)
-    q8 = all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
-    if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
+    if q8 and cache is None:
         local = torch.repeat_interleave(torch.arange(experts.numel()), counts)
-        gate_up, down = q8dot.select(*q8dot.expert_planes(ew.gate, ew.up, ew.down), experts)
+        gate_up, down = q8dot.select(*planes, experts)
         out[order] = q8dot.experts(q8dot.quantize_rows(x), tokens, local, counts.tolist(), gate_up, down)
         return _reduce_slots(out.view(n, k, -1), w)
     experts_l, counts_l = experts.tolist(), counts.tolist()
@@ -131,6 +152,19 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         if cache.miss_policy == "cpu":  # computed on the CPU this time; cached for the next passes
             cache.load([experts_l[j] for j in on_cpu], set(experts_l))
     return _reduce_slots(out.view(n, k, -1), w)
+
+
+_ARANGE = torch.arange(1 << 12)
+_ZEROS = torch.zeros(1 << 12, dtype=torch.long)
+
+
+def _one_token(x: torch.Tensor, at: torch.Tensor, w: torch.Tensor, planes: tuple[q8dot.Planes, q8dot.Planes]) -> torch.Tensor:
+    """A decode step's (or a draft's) experts: one row, distinct experts `at` in slot order, so the pairs are the
+    slots themselves (no sort, no scatter). Same products, same bits as the grouped path."""
+    k = at.shape[0]
+    gate_up, down = q8dot.select(*planes, at)
+    y = q8dot.experts(q8dot.quantize_rows(x), _ZEROS[:k], _ARANGE[:k], [1] * k, gate_up, down)
+    return _reduce_slots(y.view(1, k, -1), w)
 
 
 def _float_grouped(x: torch.Tensor, ew: ExpertWeights, tokens: torch.Tensor, order: torch.Tensor, starts: list[int],

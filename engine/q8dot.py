@@ -114,11 +114,12 @@ def _blockdiag(q: torch.Tensor) -> torch.Tensor:
     return (q.unsqueeze(1) * eye).view(m * nb, nb * BLOCK)
 
 
-def _block_sums(q: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+def _block_sums(q: torch.Tensor, w_t: torch.Tensor, diag: bool | None = None) -> torch.Tensor:
     """Exact per-block dot products int32 [M, nb, out] of rows q [M, nb, 32] with weight quants w_t [K, out]
-    (a transposed view of the [out, K] plane, or an expert's down plane stored that way)."""
+    (a transposed view of the [out, K] plane, or an expert's down plane stored that way). diag: one
+    block-diagonal GEMM (True) or one GEMM per block (False); by default by the number of rows."""
     m, nb, _ = q.shape
-    if m <= _BLOCKDIAG_ROWS:
+    if m <= _BLOCKDIAG_ROWS if diag is None else diag:
         return torch._int_mm(_blockdiag(q), w_t).view(m, nb, -1)
     return torch.stack([torch._int_mm(q[:, b].contiguous(), w_t[b * BLOCK:(b + 1) * BLOCK])
                         for b in range(nb)], dim=1)
@@ -161,15 +162,40 @@ def matmul_many(x: torch.Tensor, ws: tuple[QTensor, ...]) -> list[torch.Tensor]:
     return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
 
 
-def expert_planes(gate: QTensor, up: QTensor, down: QTensor) -> tuple[Planes, Planes]:
-    """Planes of stacked experts in the layout `experts` multiplies them in; made once, kept with the gate tensor."""
+def expert_planes(gate: QTensor, up: QTensor, down: QTensor,
+                  shared: tuple[QTensor, QTensor, QTensor] | None = None) -> tuple[Planes, Planes]:
+    """Planes of stacked experts in the layout `experts` multiplies them in; made once, kept with the gate tensor.
+    With `shared` (the shared expert's gate, up, down, F_s = S·F wide), S more experts follow the routed ones:
+    shared slice j is rows j·F…(j+1)·F of its gate and up and the same columns of its down, so a pass runs the
+    shared expert in the routed experts' products (silu(g)·u is element-wise, down sums over F: the slices'
+    outputs add up to the shared expert's)."""
     fused = gate.fused = gate.fused or {}
-    key = (id(up), id(down))
+    key = (id(up), id(down)) + (tuple(id(t) for t in shared) if shared else ())
     hit = fused.get(key)
     if hit is None:
-        hit = fused[key] = stack_experts(unpack(gate.raw, gate.shape), unpack(up.raw, up.shape),
-                                         unpack(down.raw, down.shape))
+        g, u, d = unpack(gate.raw, gate.shape), unpack(up.raw, up.shape), unpack(down.raw, down.shape)
+        if shared:
+            f, k = gate.shape[1], gate.shape[2]
+            sg, su, sd = (unpack(t.raw, t.shape) for t in shared)
+            s_n = sg.qs.shape[0] // f
+            g, u = (Planes(torch.cat([r.qs, s.qs.view(s_n, f, k)]), torch.cat([r.d, s.d.view(s_n, f, -1)]))
+                    for r, s in ((g, sg), (u, su)))
+            d = Planes(torch.cat([d.qs, sd.qs.view(k, s_n, f).transpose(0, 1)]),
+                       torch.cat([d.d, sd.d.view(k, s_n, -1).transpose(0, 1)]))
+        hit = fused[key] = stack_experts(g, u, d)
     return hit
+
+
+def shared_slices(routed: QTensor, shared: tuple[object, ...], x: torch.Tensor) -> int:
+    """How many routed-expert-sized slices the shared expert makes (0: it cannot join the routed experts'
+    products — not all Q8_0 on the CPU, or not a multiple of the routed width)."""
+    if not all(isinstance(t, QTensor) and usable(t, x) for t in shared):
+        return 0
+    f, k = routed.shape[1], routed.shape[2]
+    sg, su, sd = shared  # type: ignore[misc]
+    fs = sg.n_rows
+    ok = fs % f == 0 and su.n_rows == fs and sg.n_cols == su.n_cols == k and sd.shape == (k, fs)  # type: ignore[attr-defined]
+    return fs // f if ok else 0
 
 
 def stack_experts(g: Planes, u: Planes, d: Planes) -> tuple[Planes, Planes]:
@@ -191,6 +217,8 @@ def select(gate_up: Planes, down: Planes, at: torch.Tensor) -> tuple[Planes, Pla
 # Down projections up to this many multiply-adds in block-diagonal form run as one GEMM; larger ones as one GEMM
 # per input block (measured: from ~8 pairs on, the F/32 calls cost less than the block-diagonal's F/32× work).
 _DOWN_BLOCKDIAG_MACS = 1 << 22
+# The same choice for gate/up over tokens × selected experts (block-diagonal: K/32 times the multiply-adds).
+_GATE_UP_BLOCKDIAG_MACS = 1 << 22
 
 
 def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[int],
@@ -202,8 +230,10 @@ def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[
     f = f2 // 2
     t_n, nb = xr.q.shape[0], xr.q.shape[1]
     p_n = tokens.shape[0]
-    if t_n * nb * k * s_n * f2 <= DENSE_EXPERT_MACS:  # every token × every given expert in one GEMM
-        s = torch._int_mm(_blockdiag(xr.q), gate_up.qs.view(s_n * f2, k).t()).view(t_n, nb, s_n, f2)
+    dense = t_n * k * s_n * f2
+    if dense <= DENSE_EXPERT_MACS:  # every token × every given expert: one block-diagonal GEMM or one per block
+        s = _block_sums(xr.q, gate_up.qs.view(s_n * f2, k).t(), dense * nb <= _GATE_UP_BLOCKDIAG_MACS)
+        s = s.view(t_n, nb, s_n, f2)
         gu = _epilogue(s[tokens, :, local], gate_up.d[local], xr.d[tokens])  # only the pairs' sums are scaled
     else:
         gu = torch.empty(p_n, f2)

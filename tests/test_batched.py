@@ -6,6 +6,8 @@ passes; the per-position GDN states it captures equal the states reached token b
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -59,18 +61,24 @@ def test_prefill_chunks_are_bit_identical(spec: FixtureSpec) -> None:
         assert torch.equal(got, ref), size
 
 
-@pytest.mark.parametrize("dense_macs,down_blockdiag_macs", [(0, 0), (1 << 40, 1 << 40), (1 << 40, 0)],
-                         ids=["expert-loop", "dense-experts", "dense-experts-per-block-down"])
-def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int, down_blockdiag_macs: int) -> None:
+@pytest.mark.parametrize("dense_macs,down_blockdiag_macs,gate_up_blockdiag_macs",
+                         [(0, 0, 0), (1 << 40, 1 << 40, 1 << 40), (1 << 40, 0, 1 << 40), (1 << 40, 1 << 40, 0)],
+                         ids=["expert-loop", "dense-experts", "dense-experts-per-block-down",
+                              "dense-experts-per-block-gate-up"])
+def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int, down_blockdiag_macs: int,
+                                                        gate_up_blockdiag_macs: int) -> None:
     """The integer path picks a layout by size (block-diagonal or per-block GEMMs, all selected experts at
-    once or a loop over experts); every layout must give the per-token bits."""
+    once or a loop over experts); every layout must give the per-token bits. The shared expert is twice a
+    routed expert's width here, so it runs as two extra slots of every token."""
     import engine.q8dot as q8
 
-    m = _model(Q8_MOE)
-    toks = _toks(Q8_MOE, 40, seed=6)
+    spec = replace(Q8_MOE, n_ff_shexp=2 * Q8_MOE.n_ff_exp)
+    m = _model(spec)
+    toks = _toks(spec, 40, seed=6)
     ref = _per_token(m, toks)
     monkeypatch.setattr(q8, "DENSE_EXPERT_MACS", dense_macs)
     monkeypatch.setattr(q8, "_DOWN_BLOCKDIAG_MACS", down_blockdiag_macs)
+    monkeypatch.setattr(q8, "_GATE_UP_BLOCKDIAG_MACS", gate_up_blockdiag_macs)
     for rows in (0, 1 << 20):  # per-block GEMMs for every pass, or block-diagonal for every pass
         monkeypatch.setattr(q8, "_BLOCKDIAG_ROWS", rows)
         for size in (1, 3, 40):

@@ -68,3 +68,37 @@ def test_integer_path_only_for_q8_0_on_cpu() -> None:
     # wide rows stay on the float path (the integer layouts lose there), whatever the number of rows
     wide = _weight(2, 2 * q8dot.MAX_COLS)
     assert not q8dot.usable(wide, torch.randn(1, wide.n_cols)) and not q8dot.usable(wide, torch.randn(9, wide.n_cols))
+
+
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 4, 9])
+def test_shared_expert_runs_with_the_routed_experts(slices: int, n: int) -> None:
+    """The shared expert, cut into routed-expert-sized slices and run as extra slots, gives the routed
+    experts plus σ(gate)·shared expert computed apart (to float rounding: its down sum is split per slice)."""
+    from engine.experts import ExpertWeights, SharedExpert, route, run_experts
+
+    e_n, f, d = 6, 32, 64
+    ew = ExpertWeights(*(QTensor(random_tensor(QT.Q8_0, s, seed=i, wide=False), QT.Q8_0, s)
+                         for i, s in enumerate([(e_n, f, d), (e_n, f, d), (e_n, d, f)])))
+    trio = (_weight(slices * f, d, 7), _weight(slices * f, d, 8), _weight(d, slices * f, 9))
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
+    assert q8dot.shared_slices(ew.gate, trio, x) == slices
+    w, idx = route(torch.randn(n, e_n, generator=torch.Generator().manual_seed(3)), 2)
+    gate = torch.sigmoid(torch.randn(n, 1, generator=torch.Generator().manual_seed(4)))
+    fused = run_experts(x, idx, w, ew, shared=SharedExpert(trio, slices, gate))  # type: ignore[arg-type]
+    sg, su = q8dot.matmul(x, trio[0]), q8dot.matmul(x, trio[1])
+    apart = run_experts(x, idx, w, ew) + q8dot.matmul(torch.nn.functional.silu(sg) * su, trio[2]) * gate
+    torch.testing.assert_close(fused, apart, rtol=1e-5, atol=1e-5 * float(apart.abs().max()))
+    # one token at a time: the same bits as the batch
+    rows = [run_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ew, shared=SharedExpert(trio, slices, gate[i:i + 1]))
+            for i in range(n)]
+    assert torch.equal(torch.cat(rows), fused)
+
+
+def test_shared_expert_stays_apart_when_it_cannot_join() -> None:
+    ew_gate = QTensor(random_tensor(QT.Q8_0, (4, 64, 64), seed=0, wide=False), QT.Q8_0, (4, 64, 64))
+    x = torch.randn(1, 64)
+    assert q8dot.shared_slices(ew_gate, (_weight(128, 64), _weight(128, 64), _weight(64, 128)), x) == 2
+    assert q8dot.shared_slices(ew_gate, (_weight(96, 64), _weight(96, 64), _weight(64, 96)), x) == 0  # 96 % 64
+    f32 = torch.randn(64, 64)
+    assert q8dot.shared_slices(ew_gate, (f32, _weight(64, 64), _weight(64, 64)), x) == 0  # not Q8_0

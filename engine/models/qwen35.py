@@ -16,9 +16,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import q8dot
 from engine.cache import Cache, CapturedStates, GDNState, KVLayer
 from engine.expert_cache import ExpertCache
-from engine.experts import ExpertWeights, RoutingStats, route, run_experts
+from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
 from engine.modelfile import HParams
 from engine.placement import Plan
 from engine.quant import QTensor
@@ -357,9 +358,16 @@ class MoE:
         cb("ffn_moe_weights_norm", il, weights)
         if self.stats is not None:
             self.stats.add(il, idx, hp.n_expert)
-        y = run_experts(x, idx, weights, w.experts, self.cache)
+        shared = None
+        if w.shared_gate is not None and self.cache is None:
+            trio = (w.shared_gate, w.shared_up, w.shared_down)
+            slices = q8dot.shared_slices(w.experts.gate, trio, x) if q8dot.usable(w.experts.gate, x) else 0
+            if slices:  # the shared expert joins the routed experts' products (one pass over them, not two)
+                gate = pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
+                shared = SharedExpert(trio, slices, gate)  # type: ignore[arg-type]
+        y = run_experts(x, idx, weights, w.experts, self.cache, shared)
         cb("ffn_moe_out", il, y)
-        if w.shared_gate is not None:
+        if w.shared_gate is not None and shared is None:
             sg, su = project(x, (w.shared_gate, w.shared_up))
             sh = F.silu(sg) * su
             sh = rowwise_matmul(sh, w.shared_down) * pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
