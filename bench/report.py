@@ -59,6 +59,11 @@ def _verify(d: dict) -> list[str]:
             f"| per-token loop | {p['per_token_loop']['tok_s']:.2f} | 1 |"]
     for name in ("grouped_sequential_gdn", "grouped_chunked_gdn"):
         out.append(f"| {name.replace('_', ' ')} | {p[name]['tok_s']:.1f} | {p[name]['speedup_over_per_token']:.1f} |")
+    if "routed_experts_share" in d:
+        out += ["", "Where a pass's time goes (separate instrumented run):", "",
+                "| N | pass | share in routed experts | distinct experts per MoE layer |", "|---|---|---|---|"]
+        out += [f"| {r['n']} | {r['pass_s'] * 1000:.1f} ms | {r['routed_experts_share']:.2f} | "
+                f"{r['distinct_experts_per_layer']:.1f} |" for r in d["routed_experts_share"]]
     return out + [""]
 
 

@@ -6,7 +6,8 @@
 For N = 2, 4, 8: one grouped pass over N tokens (as a verify: GDN states captured per position) vs N
 single-token steps, both divided by the time of one decode step, in the same run. Also prefill of 512
 tokens, grouped (sequential and chunk-parallel GDN) vs the per-token loop, and the quantized weight bytes
-each pass reads: decode is bandwidth-bound, so bytes read is the physical floor of each ratio.
+each pass reads: decode is bandwidth-bound, so bytes read is the physical floor of each ratio. Last, an
+instrumented run per N: the share of a pass spent in the routed experts and the distinct experts per layer.
 """
 from __future__ import annotations
 
@@ -74,6 +75,38 @@ def timed(fn, reps: int) -> tuple[float, int]:
     return statistics.median(times), _bytes_read[0]
 
 
+_run_experts = model_mod.run_experts
+_in_experts = {"s": 0.0, "distinct": [], "on": False}
+
+
+def _timed_experts(x, idx, *a, **k):  # type: ignore[no-untyped-def]
+    if not _in_experts["on"]:
+        return _run_experts(x, idx, *a, **k)
+    _in_experts["distinct"].append(int(torch.unique(idx).numel()))  # outside the timed call
+    t0 = time.perf_counter()
+    y = _run_experts(x, idx, *a, **k)
+    _in_experts["s"] += time.perf_counter() - t0
+    return y
+
+
+def where_time_goes(n: int, fn, reps: int) -> dict:  # type: ignore[no-untyped-def]
+    """A separate, instrumented run of a pass over n tokens: the share of its time spent in the routed experts
+    and how many distinct experts a MoE layer selects (random routing: the bytes they read grow with it)."""
+    _in_experts["on"] = True
+    shares, passes, distinct = [], [], []
+    for _ in range(reps):
+        _in_experts["s"], _in_experts["distinct"] = 0.0, []
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        passes.append(t)
+        shares.append(_in_experts["s"] / t)
+        distinct.append(statistics.mean(_in_experts["distinct"]))
+    _in_experts["on"] = False
+    return {"n": n, "pass_s": statistics.median(passes), "routed_experts_share": statistics.median(shares),
+            "distinct_experts_per_layer": statistics.mean(distinct)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -86,6 +119,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_mod.rowwise_matmul = _counting
     model_mod.project = _counting_project
+    model_mod.run_experts = _timed_experts
     experts_mod.gather_experts = _counting_gather
     q8dot.select = _counting_select
 
@@ -139,6 +173,7 @@ def main() -> None:
                      "grouped_bytes_over_decode": bg / b1, "per_token_bytes_over_decode": bl / b1})
         print(rows[-1], flush=True)
     t1 = statistics.median(t1s)
+    breakdown = [where_time_goes(n, lambda n=n: step(draft[:n], n > 1), args.reps) for n in (1, 2, 4, 8)]
 
     prompt = rng.integers(0, vocab, 512).tolist()
     prefill = {}
@@ -166,7 +201,7 @@ def main() -> None:
         "threads": args.threads, "load_avg_at_start": os.getloadavg()[0], "torch": torch.__version__,
         "model": {"file": path.name, "shape": MID.__dict__ if args.model == "mid" else None},
         "decode_step_s": t1, "decode_step_weight_bytes": b1,
-        "verify": rows, "prefill_512": prefill,
+        "verify": rows, "prefill_512": prefill, "routed_experts_share": breakdown,
         "targets": {"n4_over_decode_max": 1.5, "prefill_speedup_min": 5.0},
     }
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
