@@ -91,7 +91,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
         if shared is not None:
             n, e_all, s_n = idx.shape[0], ew.gate.shape[0], shared.slices
-            idx = torch.cat([idx, _ARANGE[e_all:e_all + s_n].expand(n, s_n)], 1)
+            idx = torch.cat([idx, q8dot.ARANGE[e_all:e_all + s_n].expand(n, s_n)], 1)
             w = torch.cat([w, shared.gate.expand(n, s_n)], 1)
         planes = q8dot.expert_planes(ew.gate, ew.up, ew.down, shared.weights if shared else None)  # type: ignore[arg-type]
         if idx.shape[0] == 1:  # one token (a decode step, a draft): its experts are distinct, nothing to group
@@ -154,7 +154,6 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     return _reduce_slots(out.view(n, k, -1), w)
 
 
-_ARANGE = torch.arange(1 << 12)
 _ZEROS = torch.zeros(1 << 12, dtype=torch.long)
 
 
@@ -163,7 +162,7 @@ def _one_token(x: torch.Tensor, at: torch.Tensor, w: torch.Tensor, planes: tuple
     slots themselves (no sort, no scatter). Same products, same bits as the grouped path."""
     k = at.shape[0]
     gate_up, down = q8dot.select(*planes, at)
-    y = q8dot.experts(q8dot.quantize_rows(x), _ZEROS[:k], _ARANGE[:k], [1] * k, gate_up, down)
+    y = q8dot.experts(q8dot.quantize_rows(x), _ZEROS[:k], q8dot.ARANGE[:k], [1] * k, gate_up, down)
     return _reduce_slots(y.view(1, k, -1), w)
 
 

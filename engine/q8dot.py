@@ -119,7 +119,7 @@ def _block_sums(q: torch.Tensor, w_t: torch.Tensor, diag: bool | None = None) ->
     (a transposed view of the [out, K] plane, or an expert's down plane stored that way). diag: one
     block-diagonal GEMM (True) or one GEMM per block (False); by default by the number of rows."""
     m, nb, _ = q.shape
-    if m <= _BLOCKDIAG_ROWS if diag is None else diag:
+    if (m <= _BLOCKDIAG_ROWS) if diag is None else diag:
         return torch._int_mm(_blockdiag(q), w_t).view(m, nb, -1)
     return torch.stack([torch._int_mm(q[:, b].contiguous(), w_t[b * BLOCK:(b + 1) * BLOCK])
                         for b in range(nb)], dim=1)
@@ -186,16 +186,17 @@ def expert_planes(gate: QTensor, up: QTensor, down: QTensor,
     return hit
 
 
-def shared_slices(routed: QTensor, shared: tuple[object, ...], x: torch.Tensor) -> int:
+def shared_slices(routed: tuple[QTensor, QTensor, QTensor], shared: tuple[object, object, object],
+                  x: torch.Tensor) -> int:
     """How many routed-expert-sized slices the shared expert makes (0: it cannot join the routed experts'
-    products — not all Q8_0 on the CPU, or not a multiple of the routed width)."""
-    if not all(isinstance(t, QTensor) and usable(t, x) for t in shared):
+    products — not all six weights Q8_0 on the CPU with x, or not a multiple of the routed width)."""
+    if not all(isinstance(t, QTensor) and usable(t, x) for t in (*routed, *shared)):
         return 0
-    f, k = routed.shape[1], routed.shape[2]
+    f, k = routed[0].shape[1], routed[0].shape[2]
     sg, su, sd = shared  # type: ignore[misc]
     fs = sg.n_rows
-    ok = fs % f == 0 and su.n_rows == fs and sg.n_cols == su.n_cols == k and sd.shape == (k, fs)  # type: ignore[attr-defined]
-    return fs // f if ok else 0
+    fits = fs % f == 0 and su.shape == sg.shape == (fs, k) and sd.shape == (k, fs)  # type: ignore[attr-defined]
+    return fs // f if fits else 0
 
 
 def stack_experts(g: Planes, u: Planes, d: Planes) -> tuple[Planes, Planes]:
@@ -243,10 +244,10 @@ def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[
     h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
     hr = quantize_rows(h)
     nbf, d_out = down.qs.shape[0], down.qs.shape[3]
-    pairs = _ARANGE[:p_n]
+    pairs = ARANGE[:p_n]
     if p_n * nbf * s_n * f * d_out <= _DOWN_BLOCKDIAG_MACS:  # block-diagonal over (block, expert)
         xd = torch.zeros(p_n, nbf, nbf, s_n, BLOCK, dtype=torch.int8)
-        b_idx = _ARANGE[:nbf]
+        b_idx = ARANGE[:nbf]
         xd[pairs.unsqueeze(1), b_idx, b_idx, local.unsqueeze(1)] = hr.q
         s = torch._int_mm(xd.view(p_n * nbf, f * s_n), down.qs.view(f * s_n, d_out)).view(p_n, nbf, d_out)
     elif p_n * s_n * f * d_out <= DENSE_EXPERT_MACS:  # one GEMM per block, block-diagonal over experts
@@ -262,7 +263,7 @@ def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[
     return _epilogue(s, down.d[local], hr.d)
 
 
-_ARANGE = torch.arange(1 << 16)
+ARANGE = torch.arange(1 << 16)  # index tables sliced instead of made per pass
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int, int]]:

@@ -82,7 +82,7 @@ def test_shared_expert_runs_with_the_routed_experts(slices: int, n: int) -> None
                          for i, s in enumerate([(e_n, f, d), (e_n, f, d), (e_n, d, f)])))
     trio = (_weight(slices * f, d, 7), _weight(slices * f, d, 8), _weight(d, slices * f, 9))
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
-    assert q8dot.shared_slices(ew.gate, trio, x) == slices
+    assert q8dot.shared_slices((ew.gate, ew.up, ew.down), trio, x) == slices
     w, idx = route(torch.randn(n, e_n, generator=torch.Generator().manual_seed(3)), 2)
     gate = torch.sigmoid(torch.randn(n, 1, generator=torch.Generator().manual_seed(4)))
     fused = run_experts(x, idx, w, ew, shared=SharedExpert(trio, slices, gate))  # type: ignore[arg-type]
@@ -96,9 +96,13 @@ def test_shared_expert_runs_with_the_routed_experts(slices: int, n: int) -> None
 
 
 def test_shared_expert_stays_apart_when_it_cannot_join() -> None:
-    ew_gate = QTensor(random_tensor(QT.Q8_0, (4, 64, 64), seed=0, wide=False), QT.Q8_0, (4, 64, 64))
+    routed = tuple(QTensor(random_tensor(QT.Q8_0, s, seed=i, wide=False), QT.Q8_0, s)
+                   for i, s in enumerate([(4, 64, 64), (4, 64, 64), (4, 64, 64)]))
     x = torch.randn(1, 64)
-    assert q8dot.shared_slices(ew_gate, (_weight(128, 64), _weight(128, 64), _weight(64, 128)), x) == 2
-    assert q8dot.shared_slices(ew_gate, (_weight(96, 64), _weight(96, 64), _weight(64, 96)), x) == 0  # 96 % 64
+    assert q8dot.shared_slices(routed, (_weight(128, 64), _weight(128, 64), _weight(64, 128)), x) == 2
+    assert q8dot.shared_slices(routed, (_weight(96, 64), _weight(96, 64), _weight(64, 96)), x) == 0  # 96 % 64
     f32 = torch.randn(64, 64)
-    assert q8dot.shared_slices(ew_gate, (f32, _weight(64, 64), _weight(64, 64)), x) == 0  # not Q8_0
+    assert q8dot.shared_slices(routed, (f32, _weight(64, 64), _weight(64, 64)), x) == 0  # not Q8_0
+    q4_down = QTensor(random_tensor(QT.Q4_K, (4, 64, 256), seed=5, wide=False), QT.Q4_K, (4, 64, 256))
+    assert q8dot.shared_slices((routed[0], routed[1], q4_down), (_weight(64, 64), _weight(64, 64), _weight(64, 64)),
+                               x) == 0  # a routed weight off the integer path

@@ -349,6 +349,17 @@ class MoE:
     def __init__(self, hp: HParams, w: MoEWeights, layer: int, stats: RoutingStats | None = None,
                  cache: ExpertCache | None = None):
         self.hp, self.w, self.il, self.stats, self.cache = hp, w, layer, stats, cache
+        self._slices: int | None = None  # the shared expert's slices in the routed products (0: run apart)
+
+    def _shared_slices(self, x: torch.Tensor) -> int:
+        """Decided once per layer (its weights and device do not change): slices when the shared expert can run in
+        the routed experts' integer products, else 0."""
+        if self._slices is None:
+            w = self.w
+            self._slices = 0 if w.shared_gate is None or self.cache is not None else \
+                q8dot.shared_slices((w.experts.gate, w.experts.up, w.experts.down),
+                                    (w.shared_gate, w.shared_up, w.shared_down), x)  # type: ignore[arg-type]
+        return self._slices
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
         hp, w, il = self.hp, self.w, self.il
@@ -359,12 +370,9 @@ class MoE:
         if self.stats is not None:
             self.stats.add(il, idx, hp.n_expert)
         shared = None
-        if w.shared_gate is not None and self.cache is None:
-            trio = (w.shared_gate, w.shared_up, w.shared_down)
-            slices = q8dot.shared_slices(w.experts.gate, trio, x) if q8dot.usable(w.experts.gate, x) else 0
-            if slices:  # the shared expert joins the routed experts' products (one pass over them, not two)
-                gate = pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
-                shared = SharedExpert(trio, slices, gate)  # type: ignore[arg-type]
+        if slices := self._shared_slices(x):  # the shared expert joins the routed experts' products
+            gate = pointwise(torch.sigmoid, rowwise_matmul(x, w.shared_gate_inp))
+            shared = SharedExpert((w.shared_gate, w.shared_up, w.shared_down), slices, gate)  # type: ignore[arg-type]
         y = run_experts(x, idx, weights, w.experts, self.cache, shared)
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None and shared is None:
