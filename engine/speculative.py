@@ -164,6 +164,7 @@ class AutoMemory:
     t_draft: float | None = None
     accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
 
 
 class DepthController:
@@ -171,9 +172,10 @@ class DepthController:
 
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
     acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
-    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps also draft one token as a shadow
-    probe (compared with the trunk's own token, no verify pass), so acceptance can recover at the cost of one
-    head pass.
+    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies) either draft
+    one token as a shadow probe (compared with the trunk's own token, no verify pass), so acceptance can recover
+    at the cost of one head pass, or — when drafts do match and only the costs say no — take one real step at
+    depth 1 whose verify time replaces the old one.
     """
 
     # Relative costs used instead of timings when decisions must be reproducible (seeded sampling): a
@@ -206,7 +208,8 @@ class DepthController:
         else:
             self._prior_acc = [0.0] * MAX_DEPTH
             self._prior_tried = [0.0] * MAX_DEPTH
-        self._since_probe = 0
+        self._since_probe = self.memory.since_probe if self.memory is not None else 0
+        self._remeasure = False  # this step re-measures a verify cost that kept auto plain
         self._decodes = 0
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
         self._probe_tried = 0
@@ -219,6 +222,7 @@ class DepthController:
         m.t_decode, m.t_verify, m.t_draft = self.t_decode, dict(self.t_verify), self.t_draft
         acc, tried = self._evidence()
         m.accepted_at, m.tried_at = acc, tried
+        m.since_probe = self._since_probe
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -236,7 +240,9 @@ class DepthController:
     def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float) -> None:
         if self.reproducible:
             return
-        self.t_verify[n] = self._ema(self.t_verify.get(n), seconds)
+        # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
+        self.t_verify[n] = seconds if self._remeasure else self._ema(self.t_verify.get(n), seconds)
+        self._remeasure = False
         if n_drafts:
             self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
 
@@ -267,6 +273,12 @@ class DepthController:
                 best_k, best = k, rate
         if best_k == 0:
             self._since_probe += 1
+            if self._since_probe >= self.probe_every and alpha[0] >= 0.5 and room >= 1 and not self.reproducible:
+                # Drafts do match, only the measured costs say no: re-measure them with one real step at depth 1
+                # instead of a shadow probe (a first verify runs cold and can keep auto plain for good).
+                self._since_probe = 0
+                self._remeasure = True
+                return 1
         return best_k
 
     def probe_now(self, room: int) -> bool:

@@ -256,6 +256,36 @@ def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
     assert seeded.memory is None  # seeded sampling never depends on earlier replies
 
 
+def test_auto_re_measures_a_verify_cost_that_keeps_it_plain_across_short_replies() -> None:
+    """A cold first verify can make speculation look slower than plain decoding for good. When drafts do match,
+    auto takes one real depth-1 step every `probe_every` plain steps — counted across replies, since chat
+    replies are shorter than that — and the new verify time replaces the stale one."""
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    mem = AutoMemory(t_decode=0.010, t_verify={2: 0.200}, t_draft=0.002)
+    mem.accepted_at[0] = mem.tried_at[0] = 40.0  # drafts always matched
+    plain = 0
+    for _reply in range(3):  # replies of 12 plain steps each
+        c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+        for _ in range(12):
+            k = c.choose(100)
+            if k:
+                break
+            plain += 1
+        c.remember()
+        if k:
+            break
+    assert k == 1 and plain == 31  # the 32nd plain step in a row, in the third reply
+    c.observe_verify(2, 0.012, 1, 0.002)
+    assert c.t_verify[2] == 0.012  # replaced, not averaged with the stale 200 ms
+    assert c.choose(100) >= 1  # and speculation now pays
+
+    never = AutoMemory(t_decode=0.010, t_verify={2: 0.200}, t_draft=0.002)
+    never.tried_at[0] = 40.0  # drafts never matched: shadow probes only, never a verify
+    c = DepthController(None, SpecStats(), probe_every=32, memory=never)
+    assert all(c.choose(100) == 0 for _ in range(100))
+
+
 def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> None:
     """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
     the cost of drafting); the drafts are those of one pass over the whole backlog."""
