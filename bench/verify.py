@@ -31,7 +31,7 @@ import engine.experts as experts_mod  # noqa: E402
 import engine.models.qwen35 as model_mod  # noqa: E402
 from engine.modelfile import open_model  # noqa: E402
 from engine.models.qwen35 import Qwen35Model  # noqa: E402
-from engine import q8dot  # noqa: E402
+from engine import kquant, q8dot  # noqa: E402
 from engine.rowwise import project, rowwise_matmul  # noqa: E402
 
 _bytes_read = [0]
@@ -62,6 +62,14 @@ _gather = experts_mod.gather_experts
 def _counting_gather(w, experts):  # type: ignore[no-untyped-def]
     _bytes_read[0] += w.nbytes // w.shape[0] * len(experts)
     return _gather(w, experts)
+
+
+_pairs = kquant.matmul_pairs
+
+
+def _counting_pairs(xr, w, xrow, experts, starts):  # type: ignore[no-untyped-def]
+    _bytes_read[0] += w.nbytes // w.shape[0] * experts.numel()  # the native path reads each selected expert once
+    return _pairs(xr, w, xrow, experts, starts)
 
 
 def timed(fn, reps: int) -> tuple[float, int]:
@@ -122,6 +130,7 @@ def main() -> None:
     model_mod.run_experts = _timed_experts
     experts_mod.gather_experts = _counting_gather
     q8dot.select = _counting_select
+    kquant.matmul_pairs = _counting_pairs
 
     from engine.modelfile import default_model_path
     path = cached("mid", ROOT / "build/bench") if args.model == "mid" else \
@@ -199,6 +208,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "load_avg_at_start": os.getloadavg()[0], "torch": torch.__version__,
+        "kquant_kernels": kquant.isa(),
         "model": {"file": path.name, "shape": MID.__dict__ if args.model == "mid" else None},
         "decode_step_s": t1, "decode_step_weight_bytes": b1,
         "verify": rows, "prefill_512": prefill, "routed_experts_share": breakdown,

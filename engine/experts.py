@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.expert_cache import ExpertCache
-from engine import q8dot
+from engine import kquant, q8dot
 from engine.quant import QTensor
 from engine.rowwise import Weight, round_activations
 
@@ -103,6 +103,11 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     tokens = order // k
+    kq = all(kquant.usable(t, x) for t in (ew.gate, ew.up, ew.down))
+    if kq and cache is None:
+        out = torch.empty(n * k, x.shape[1])
+        _KQGrouped(x, tokens, order, counts, out)(None, lambda sel: ((ew.gate, ew.up, ew.down), experts), None)
+        return _reduce_slots(out.view(n, k, -1), w)
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     if isinstance(ew.gate, torch.Tensor):
         if x.device.type != "cpu":
@@ -117,18 +122,24 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     starts = [0]
     for c in counts_l:
         starts.append(starts[-1] + c)
-    run = _Q8Grouped(x, tokens, order, starts, counts_l, out) if q8 else _float_grouped(x, ew, tokens, order, starts,
-                                                                                        counts_l, out)
+    run = _Q8Grouped(x, tokens, order, starts, counts_l, out) if q8 else _KQGrouped(x, tokens, order, counts, out) \
+        if kq else _float_grouped(x, ew, tokens, order, starts, counts_l, out)
     host = ew.gate.raw.device
     pos = {e: j for j, e in enumerate(experts_l)}
 
     def from_host(sel: list[int]):  # type: ignore[no-untyped-def]
+        if kq:  # the stacks themselves: the kernels read the selected experts' blocks in place
+            return (ew.gate, ew.up, ew.down), torch.tensor([experts_l[j] for j in sel], dtype=torch.long)
         if q8:
             at = torch.tensor([experts_l[j] for j in sel], dtype=torch.long)
             return q8dot.select(*q8dot.expert_planes(ew.gate, ew.up, ew.down), at)
         return tuple(gather_experts(t, [experts_l[j] for j in sel]) for t in (ew.gate, ew.up, ew.down))
 
     def from_slots(sel: list[int]):  # type: ignore[no-untyped-def]
+        if slots and kq:
+            ws = cache.weights([hits[experts_l[j]] for j in sel])
+            return tuple(QTensor(q.raw, q.qtype, (len(sel), *shape)) for q, (_, shape) in zip(ws, cache.meta)), \
+                q8dot.ARANGE[:len(sel)]
         g, u, d = (q8dot.unpack(q.raw, (len(sel), *shape)) if slots else q.dequantize().view(len(sel), *shape)
                    for q, (_, shape) in zip(cache.weights([hits[experts_l[j]] for j in sel]), cache.meta))
         if slots:
@@ -143,7 +154,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         hits.update(cache.load(misses, set(experts_l)))
     on_cpu = [pos[e] for e in experts_l if e not in hits]
     cached = [pos[e] for e in experts_l if e in hits]
-    slots = cache.device.type == "cpu" and q8  # CPU stand-ins for an accelerator: the same integer path
+    slots = cache.device.type == "cpu" and (q8 or kq)  # CPU stand-ins for an accelerator: the same integer path
     if cached:
         crun = run if slots else _float_grouped(x, ew, tokens, order, starts, counts_l, out)
         crun(cached, from_slots, cache.device)
@@ -164,6 +175,35 @@ def _one_token(x: torch.Tensor, at: torch.Tensor, w: torch.Tensor, planes: tuple
     gate_up, down = q8dot.select(*planes, at)
     y = q8dot.experts(q8dot.quantize_rows(x), _ZEROS[:k], q8dot.ARANGE[:k], [1] * k, gate_up, down)
     return _reduce_slots(y.view(1, k, -1), w)
+
+
+class _KQGrouped:
+    """Runs a subset of a pass's experts on the CPU in the native K-quant kernels (engine.kquant): each selected
+    expert's blocks are read once for all its tokens, three kernel calls per subset."""
+
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor):
+        self.xr, self.tokens, self.order, self.counts, self.out = kquant.quantize_rows(x), tokens, order, counts, out
+        self.starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=self.starts[1:])
+
+    def __call__(self, positions: list[int] | None, gather, dev: torch.device | None) -> None:  # type: ignore[no-untyped-def]
+        """positions: indices into the pass's sorted experts (None: all); gather(positions) → the (gate, up, down)
+        stacks and the positions' expert ids in them."""
+        (gate, up, down), ids = gather(positions)
+        if positions is None:
+            pairs, starts = None, self.starts
+        else:
+            at = torch.tensor(positions, dtype=torch.long)
+            pairs = torch.cat([torch.arange(int(self.starts[p]), int(self.starts[p + 1])) for p in positions])
+            starts = torch.zeros(len(positions) + 1, dtype=torch.long)
+            torch.cumsum(self.counts[at], 0, out=starts[1:])
+        tokens = self.tokens if pairs is None else self.tokens[pairs]
+        g = kquant.matmul_pairs(self.xr, gate, tokens, ids, starts)
+        u = kquant.matmul_pairs(self.xr, up, tokens, ids, starts)
+        h = F.silu(g).mul_(u)
+        y = kquant.matmul_pairs(kquant.quantize_rows(h), down, q8dot.ARANGE[:h.shape[0]], ids, starts)
+        self.out[self.order if pairs is None else self.order[pairs]] = y
 
 
 def _float_grouped(x: torch.Tensor, ew: ExpertWeights, tokens: torch.Tensor, order: torch.Tensor, starts: list[int],

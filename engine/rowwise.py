@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from engine import q8dot
+from engine import kquant, q8dot
 from engine.quant import TILE_ELEMENTS, QTensor
 
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -102,6 +102,8 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
     xf = x.float()  # x itself when already float32, so the rounding memo can recognise it
     if ggml_activations and q8dot.usable(w, xf):
         return q8dot.matmul(xf, w)
+    if ggml_activations and kquant.usable(w, xf):
+        return kquant.matmul(xf, w)
     if ggml_activations:
         xf = round_activations(xf, w.qtype.name)
     x2 = xf.reshape(-1, k)

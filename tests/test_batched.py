@@ -18,8 +18,25 @@ from engine.models.qwen35 import Qwen35Model
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 
 Q8_MOE = FixtureSpec(qtype="Q8_0")  # Q8_0 takes the integer path (engine.q8dot)
-SPECS = [TINY_MOE, TINY_DENSE, KQUANT_MOE, Q8_MOE]
-IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q8"]
+# Q4_K/Q6_K run in the native kernels (engine.kquant: AVX512 here, and its portable C twin) or, where the
+# library is missing, in the torch path (dequantized tiles, and the GDN recurrence as torch ops): all three
+# must be batch-invariant.
+SPECS = [(TINY_MOE, None), (TINY_DENSE, None), (KQUANT_MOE, "native"), (KQUANT_MOE, "portable"),
+         (KQUANT_MOE, "torch"), (Q8_MOE, None)]
+IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q4k-portable", "moe-q4k-torch", "moe-q8"]
+
+
+def _kquant_mode(monkeypatch, mode: str | None) -> None:
+    import engine.kquant as kq
+
+    assert kq.available(), "the native K-quant library was not built (pip install -e . builds it)"
+    if mode == "portable":
+        monkeypatch.setattr(kq, "PORTABLE", True)
+    elif mode == "torch":  # and the GDN recurrence as torch ops
+        import engine.nativelib as nl
+
+        monkeypatch.setattr(kq, "usable", lambda w, x: False)
+        monkeypatch.setattr(nl, "gdn_usable", lambda *t: False)
 
 
 def _model(spec: FixtureSpec) -> Qwen35Model:
@@ -35,8 +52,9 @@ def _per_token(m: Qwen35Model, toks: list[int], cache=None) -> torch.Tensor:
     return torch.cat([m.forward([t], cache, logit_rows="all").logits for t in toks])
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
-def test_verify_sized_passes_are_bit_identical(spec: FixtureSpec) -> None:
+@pytest.mark.parametrize("spec,mode", SPECS, ids=IDS)
+def test_verify_sized_passes_are_bit_identical(monkeypatch, spec: FixtureSpec, mode: str | None) -> None:
+    _kquant_mode(monkeypatch, mode)
     m = _model(spec)
     prefix = _toks(spec, 20, seed=1)
     tail = _toks(spec, 8, seed=2)
@@ -50,8 +68,9 @@ def test_verify_sized_passes_are_bit_identical(spec: FixtureSpec) -> None:
         assert torch.equal(got, ref[:n]), n
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
-def test_prefill_chunks_are_bit_identical(spec: FixtureSpec) -> None:
+@pytest.mark.parametrize("spec,mode", SPECS, ids=IDS)
+def test_prefill_chunks_are_bit_identical(monkeypatch, spec: FixtureSpec, mode: str | None) -> None:
+    _kquant_mode(monkeypatch, mode)
     m = _model(spec)
     toks = _toks(spec, 512, seed=3)
     ref = _per_token(m, toks)
@@ -103,7 +122,9 @@ def test_captured_states_equal_token_by_token_states(spec: FixtureSpec) -> None:
             assert torch.equal(cap.ssm[il][i], st.ssm), (il, i)
 
 
-def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["native", "torch"])
+def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch, mode: str) -> None:
+    _kquant_mode(monkeypatch, mode)
     mf = open_model(fixture_path(KQUANT_MOE))
     p = "blk.1."
     ew = ExpertWeights(mf.tensor(p + "ffn_gate_exps.weight"), mf.tensor(p + "ffn_up_exps.weight"),
@@ -113,9 +134,15 @@ def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch) 
     w, idx = route(x @ router.T, KQUANT_MOE.n_expert_used)
     gathered: list[tuple[int, ...]] = []
     import engine.experts as ex
+    import engine.kquant as kq
 
-    real = ex.gather_experts
-    monkeypatch.setattr(ex, "gather_experts", lambda t, e: gathered.append(tuple(e)) or real(t, e))
+    if mode == "torch":
+        real = ex.gather_experts
+        monkeypatch.setattr(ex, "gather_experts", lambda t, e: gathered.append(tuple(e)) or real(t, e))
+    else:  # one kernel call per projection; each selected expert is one group (its blocks read once)
+        real_pairs = kq.matmul_pairs
+        monkeypatch.setattr(kq, "matmul_pairs", lambda xr, t, rows, e, s: gathered.append(tuple(e.tolist()))
+                            or real_pairs(xr, t, rows, e, s))
     grouped = run_experts(x, idx, w, ew)
     # gate, up and down are each gathered once, for exactly the selected experts, each expert once.
     assert len(gathered) == 3 and all(g == tuple(sorted(torch.unique(idx).tolist())) for g in gathered)

@@ -119,6 +119,8 @@ def test_deb_unpacks_and_frozen_app_answers(tmp_path: Path) -> None:
     m = re.search(r"smoke test: (\d+) characters of reply", run.stdout)
     assert m and int(m.group(1)) > 0, f"no reply in the smoke test output:\n{run.stdout[-2000:]}"
     assert "5" in run.stdout.split("smoke test reply:", 1)[1], run.stdout[-1000:]  # the embedded model answered
+    m = re.search(r"K-quant kernels: (.+)", run.stdout)
+    assert m and m.group(1).strip() != "none", f"the native K-quant library is missing from the frozen app:\n{run.stdout[-2000:]}"
     assert shot.stat().st_size > 10_000, "the screenshot is missing or empty"
     assert (data / "conversations.sqlite3").is_file(), "the conversation was not stored in --data-dir"
     print(f"build {build_s:.0f} s, smoke test {smoke_s:.1f} s; .deb {deb.stat().st_size / 2**20:.0f} MiB, "

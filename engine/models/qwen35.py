@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine import q8dot
+from engine import nativelib, q8dot
 from engine.cache import Cache, CapturedStates, GDNState, KVLayer
 from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
@@ -262,11 +262,18 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
     β = σ(b), g = ssm_a · softplus(α + dt_bias) and e^g are computed for all tokens at once on rows padded to
     full SIMD width (`pointwise`: the same bits for one token or many); the loop body is five kernels on
     views, each the same product whatever the number of tokens. With `capture`, every token's state is
-    written straight into the captured stack (no copy of S per token). Returns (β, g, o).
+    written straight into the captured stack (no copy of S per token). On the CPU the whole loop is one
+    native call instead (engine.nativelib.gdn_recurrent: each head's state stays in cache over the tokens).
+    Returns (β, g, o).
     """
     n = q.shape[0]
     beta = pointwise(torch.sigmoid, b)
     g = w.a * pointwise(F.softplus, a + w.dt_bias)
+    if nativelib.gdn_usable(q, k, v, beta, g, S):  # one kernel call for the pass (engine/native/gdn.c)
+        o, states = nativelib.gdn_recurrent(q, k, v, beta, pointwise(torch.exp, g), S, capture is not None)
+        if capture is not None:
+            capture[il] = states
+        return beta, g, o
     o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
     # Per-token views made in one call each: [H, 1, 1] decay, [H, 1, d_k] k and q rows, [H, d_k, 1] k column,

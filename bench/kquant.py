@@ -1,0 +1,87 @@
+"""Q4_K / Q6_K products: the native kernels (engine.kquant) against dequantize-then-float (the torch path).
+
+    python bench/kquant.py [--threads 2] [--rounds 5] [--out bench/results/kquant.json]
+
+One product per weight shape of the mid-size benchmark model (bench/synthetic.py MID: Q4_K with Q6_K expert
+down projections and LM head) and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk),
+the two paths alternating round by round (best round counts). "torch" is `rowwise_matmul` with the native path
+switched off (`engine.kquant.usable` → False); "native" is `rowwise_matmul` as the engine runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import kquant  # noqa: E402
+from engine.quant import QTensor  # noqa: E402
+from engine.quantize import random_blocks  # noqa: E402
+from engine.rowwise import rowwise_matmul  # noqa: E402
+
+SHAPES = [(QT.Q4_K, 4096, 1024, "attention q+gate"), (QT.Q4_K, 1024, 2048, "attention / GDN out"),
+          (QT.Q4_K, 512, 1024, "shared expert gate"), (QT.Q6_K, 1024, 256, "expert down"),
+          (QT.Q6_K, 32768, 1024, "LM head")]
+ROWS = [1, 2, 4, 8, 64]
+
+
+def best(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/kquant.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kquant.available():
+        raise SystemExit("the native K-quant library is not built (pip install -e .)")
+    rng = np.random.default_rng(0)
+    usable = kquant.usable
+    rows_out = []
+    for qt, n_out, k, what in SHAPES:
+        w = QTensor(random_blocks((n_out, k), qt, rng, 1 / np.sqrt(k)), qt, (n_out, k))
+        for m in ROWS:
+            x = torch.randn(m, k)
+            big = n_out * k * m
+            reps = max(1, min(200, int(2e9 // (big * 40))))
+            t = {"native": float("inf"), "torch": float("inf")}
+            for _ in range(args.rounds):
+                for path in ("native", "torch"):
+                    kquant.usable = usable if path == "native" else (lambda w, x: False)  # type: ignore[assignment]
+                    t[path] = min(t[path], best(lambda: rowwise_matmul(x.clone(), w), reps))
+            kquant.usable = usable  # type: ignore[assignment]
+            rows_out.append({"type": qt.name, "out": n_out, "in": k, "what": what, "m": m,
+                             "native_ms": t["native"] * 1e3, "torch_ms": t["torch"] * 1e3,
+                             "speedup": t["torch"] / t["native"],
+                             "native_gb_s": w.nbytes / t["native"] / 1e9})
+            print(json.dumps(rows_out[-1]))
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "threads": args.threads, "rounds": args.rounds, "load_avg_at_start": os.getloadavg()[0],
+        "cpu": platform.processor() or platform.machine(), "kernels": kquant.isa(), "torch": torch.__version__,
+        "products": rows_out,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

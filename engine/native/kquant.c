@@ -1,0 +1,368 @@
+/* K-quant products on the CPU, the way llama.cpp's CPU backend computes them.
+ *
+ * A Q4_K or Q6_K weight multiplies activations quantized to Q8_K (blocks of 256, float scale, sums per
+ * 16): per block an exact integer dot product per sub-block, weighted by the sub-block's integer scale,
+ * then scaled in float. Each weight block is unpacked once and multiplied by every activation row while
+ * it is in L1, so a pass over N tokens reads the weights once, not N times.
+ *
+ * Bits: the integer sums are exact whatever the instruction set; the float work for an output element
+ * (one weight row times one activation row) runs in the same order whatever the number of rows, the
+ * grouping of rows or the thread split. Row i of a multi-token pass is bit-identical to a one-token pass.
+ *
+ * Loaded with ctypes (engine/kquant.py); no Python API. Threads: OpenMP (torch's runtime, which the
+ * process has already loaded).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QK 256
+#define M_TILE 64
+enum { T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+
+static float fp16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- activations -------------------------------------------------------------------------------- */
+
+/* ggml quantize_row_q8_K: per block of 256, scale from the signed extreme (first of equal magnitudes),
+ * q = round-half-even(−127/max · x) capped at 127, d = 1/iscale, and the sums of q per 16. */
+void kq_quantize_q8k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums) {
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < m_rows * nb; i++) {
+        const float *xb = x + i * QK;
+        int8_t *qb = q + i * QK;
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < QK; j++) {
+            float ax = fabsf(xb[j]);
+            if (ax > amax) { amax = ax; max = xb[j]; }
+        }
+        if (amax == 0.f) {
+            d[i] = 0.f;
+            memset(qb, 0, QK);
+            memset(bsums + i * 16, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QK; j++) {
+            long v = lrintf(iscale * xb[j]);
+            qb[j] = (int8_t)(v > 127 ? 127 : v);
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += qb[g * 16 + j];
+            bsums[i * 16 + g] = (int16_t)s;
+        }
+        d[i] = 1.f / iscale;
+    }
+}
+
+/* ---- weight blocks ------------------------------------------------------------------------------ */
+
+/* A weight block unpacked for the dot products: unsigned values v[256] in natural order, the integer
+ * scale of each group of 4 values (lane scales, one per int32 lane of a dot product), the float factors,
+ * and the integer sub-block weights of the activation sums (Q4_K: mins per 32; Q6_K: scales per 16). */
+typedef struct {
+    uint8_t v[QK];
+    int32_t lane[QK / 4];
+    int32_t corr[16];  /* weight of bsum16[j] in the correction term */
+    float d, dmin;
+} Block;
+
+static void unpack_q4_k(const uint8_t *b, Block *o) {
+    const uint8_t *s = b + 4, *qs = b + 16;
+    o->d = fp16(b);
+    o->dmin = fp16(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63;
+            mn = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        for (int l = 0; l < 8; l++) o->lane[j * 8 + l] = sc;
+        o->corr[2 * j] = o->corr[2 * j + 1] = mn;
+    }
+    for (int c = 0; c < 4; c++) {
+        for (int l = 0; l < 32; l++) {
+            o->v[64 * c + l] = qs[32 * c + l] & 0xF;
+            o->v[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+    }
+}
+
+static void unpack_q6_k(const uint8_t *b, Block *o) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    o->d = fp16(b + 208);
+    o->dmin = 0.f;
+    for (int j = 0; j < 16; j++) {
+        for (int l = 0; l < 4; l++) o->lane[j * 4 + l] = sc[j];
+        o->corr[j] = 32 * sc[j];  /* the stored values are q + 32 */
+    }
+    for (int n = 0; n < 2; n++) {
+        const uint8_t *a = ql + 64 * n, *h = qh + 32 * n;
+        uint8_t *v = o->v + 128 * n;
+        for (int l = 0; l < 32; l++) {
+            v[l] = (a[l] & 0xF) | ((h[l] & 3) << 4);
+            v[l + 32] = (a[l + 32] & 0xF) | (((h[l] >> 2) & 3) << 4);
+            v[l + 64] = (a[l] >> 4) | (((h[l] >> 4) & 3) << 4);
+            v[l + 96] = (a[l + 32] >> 4) | (((h[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+/* ---- Σ_lanes lane_scale · (4-value dot product), exact int32 -------------------------------------- */
+
+static int32_t dot_scalar(const Block *w, const int8_t *x) {
+    int32_t s = 0;
+    for (int i = 0; i < QK / 4; i++) {
+        int32_t p = 0;
+        for (int j = 0; j < 4; j++) p += (int32_t)w->v[4 * i + j] * x[4 * i + j];
+        s += p * w->lane[i];
+    }
+    return s;
+}
+
+
+
+typedef struct {
+    const int8_t *q;  /* [rows, k] */
+    const float *d;  /* [rows, k/256] */
+    const int16_t *bs;  /* [rows, k/16] */
+    int64_t k;
+} Acts;
+
+/* AVX512BW products: a weight block is unpacked into registers once and multiplied by every activation
+ * row of the tile (maddubs: u8 values × s8 quants → 16-bit pair sums; madd by the 16-bit sub-block scales
+ * → int32), each row's float sum kept as 16 lanes until the end of the weight row. Q4_K takes the quants
+ * in the nibble order of its blocks: per 64-value half, sub-blocks (0,2,1,3) then (4,6,5,7) (kq_q4k_order). */
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw")))
+static __m512i pair16(int16_t a, int16_t b) {  /* lanes 0-15 = a, 16-31 = b */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void rows_q4_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, const int8_t *xperm, const int64_t *xrow,
+                             int64_t tn, int64_t t0, __m512 *acc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 144, *s = blk + 4;
+        const float d = fp16(blk), dmin = fp16(blk + 2);
+        int16_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) {
+            if (j < 4) { sc[j] = s[j] & 63; mn[j] = s[j + 4] & 63; }
+            else { sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+        }
+        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+        const __m512i v0 = _mm512_and_si512(q0, m4), v1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i v2 = _mm512_and_si512(q1, m4), v3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        const __m512i s0 = pair16(sc[0], sc[2]), s1 = pair16(sc[1], sc[3]);
+        const __m512i s2 = pair16(sc[4], sc[6]), s3 = pair16(sc[5], sc[7]);
+        const __m256i mins = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3],
+                                               mn[4], mn[4], mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+        for (int64_t i = 0; i < tn; i++) {
+            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+            const int8_t *x = xperm + xr * a->k + b * QK;
+            __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(v0, _mm512_loadu_si512(x)), s0);
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v1, _mm512_loadu_si512(x + 64)), s1));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v2, _mm512_loadu_si512(x + 128)), s2));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v3, _mm512_loadu_si512(x + 192)), s3));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + (xr * nb + b) * 16));
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+            const float dx = a->d[xr * nb + b];
+            __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void rows_q6_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, const int64_t *xrow, int64_t tn,
+                             int64_t t0, __m512 *acc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    /* lane i of 32 (2 values each) of a 64-value vector belongs to its sub-block of 16: i / 8 */
+    const __m512i idx0 = _mm512_setr_epi32(0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00010001, 0x00010001,
+                                           0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00020002, 0x00020002,
+                                           0x00030003, 0x00030003, 0x00030003, 0x00030003);
+    const __m512i four = _mm512_set1_epi16(4);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210;
+        const float d = fp16(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m512i scw = _mm512_castsi256_si512(sc16);
+        __m512i v[4], s[4];
+        for (int n = 0; n < 2; n++) {
+            const __m512i q = _mm512_loadu_si512(blk + 64 * n);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            v[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m3), 4));
+            v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m3), 4));
+        }
+        for (int t = 0; t < 4; t++) {
+            __m512i id = _mm512_add_epi16(idx0, _mm512_mullo_epi16(four, _mm512_set1_epi16((short)t)));
+            s[t] = _mm512_permutexvar_epi16(id, scw);
+        }
+        for (int64_t i = 0; i < tn; i++) {
+            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+            const int8_t *x = a->q + xr * a->k + b * QK;
+            __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x)), s[0]);
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], _mm512_loadu_si512(x + 64)), s[1]));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + (xr * nb + b) * 16));
+            const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);  /* 32 · Σ sc·bsum (values are q+32) */
+            p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(c));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(a->d[xr * nb + b] * d), acc[i]);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                              const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
+                              int64_t ldo) {
+    const int64_t nb = a->k / QK;
+    __m512 acc[M_TILE];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t t0 = 0; t0 < m; t0 += M_TILE) {
+            const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
+            for (int64_t i = 0; i < tn; i++) acc[i] = _mm512_setzero_ps();
+            if (qtype == T_Q4_K) rows_q4_k_avx512(row, nb, a, xperm, xrow, tn, t0, acc);
+            else rows_q6_k_avx512(row, nb, a, xrow, tn, t0, acc);
+            for (int64_t i = 0; i < tn; i++) out[(t0 + i) * ldo + r] = _mm512_reduce_add_ps(acc[i]);
+        }
+    }
+}
+#endif
+
+static int ISA = -1;
+
+/* Which products run: 1 AVX512BW, 0 portable C (the integer sums are the same; the float sums of a row
+ * are grouped differently, so the two give results a few ulps apart, each batch-invariant). */
+int kq_isa(void) {
+    if (ISA < 0) {
+        ISA = 0;
+#if defined(__x86_64__)
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) ISA = 1;
+#endif
+    }
+    return ISA;
+}
+
+/* ---- products ----------------------------------------------------------------------------------- */
+
+/* Weight rows [r0, r1) of one matrix (rows of row_bytes) times activation rows xrow[0..m) (0..m when
+ * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i. */
+static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                       const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable) {
+#if defined(__x86_64__)
+    if (!portable && kq_isa() == 1) {
+        rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
+        return;
+    }
+#endif
+    const int64_t nb = a->k / QK, bbytes = qtype == T_Q4_K ? 144 : 210;
+    Block blk;
+    float acc[M_TILE];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t t0 = 0; t0 < m; t0 += M_TILE) {
+            const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
+            for (int64_t i = 0; i < tn; i++) acc[i] = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                if (qtype == T_Q4_K) unpack_q4_k(row + b * bbytes, &blk);
+                else unpack_q6_k(row + b * bbytes, &blk);
+                for (int64_t i = 0; i < tn; i++) {
+                    const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+                    const int16_t *bs = a->bs + (xr * nb + b) * 16;
+                    const int32_t isum = dot_scalar(&blk, a->q + xr * a->k + b * QK);
+                    int32_t c = 0;
+                    for (int j = 0; j < 16; j++) c += blk.corr[j] * bs[j];
+                    const float dx = a->d[xr * nb + b];
+                    if (qtype == T_Q4_K) acc[i] += dx * (blk.d * (float)isum - blk.dmin * (float)c);
+                    else acc[i] += dx * blk.d * (float)(isum - c);
+                }
+            }
+            for (int64_t i = 0; i < tn; i++) out[(t0 + i) * ldo + r] = acc[i];
+        }
+    }
+}
+
+#define ROW_CHUNK 16
+
+/* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k]; y row stride ldy.
+ * xperm: the quants in Q4_K nibble order (kq_q4k_order; Q4_K on the AVX512 path only, else unused). */
+void kq_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
+               const int16_t *xbs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy, int n_threads,
+               int portable) {
+    const Acts a = {xq, xd, xbs, k};
+    const int64_t n_chunks = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
+    kq_isa();
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
+        rows_times(qtype, w, row_bytes, r0, r1, &a, xperm, NULL, m, y, ldy, portable);
+    }
+}
+
+/* Routed experts: pairs sorted by expert, group g = pairs [starts[g], starts[g+1]) all on expert
+ * experts[g]; pair p multiplies activation row xrow[p] by expert experts[g]'s matrix (n_rows rows in the
+ * stack W [E, n_rows, k], expert_bytes apart). out [P, n_rows]. */
+void kq_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
+                     const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
+                     const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts, float *out,
+                     int n_threads, int portable) {
+    const Acts a = {xq, xd, xbs, k};
+    const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK, n_items = n_groups * per;
+    kq_isa();
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t it = 0; it < n_items; it++) {
+        const int64_t g = it / per, c = it % per;
+        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
+        const int64_t p0 = starts[g], p1 = starts[g + 1];
+        rows_times(qtype, w + experts[g] * expert_bytes, row_bytes, r0, r1, &a, xperm, xrow + p0, p1 - p0,
+                   out + p0 * n_rows, n_rows, portable);
+    }
+}
+
+/* The quants of rows [m, k] in the order Q4_K's nibbles come in: per 128 values, 32-value sub-blocks
+ * (0, 2, 1, 3) — the low nibbles of two 32-byte chunks, then their high nibbles. */
+void kq_q4k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out) {
+    for (int64_t h = 0; h < m * k / 128; h++) {
+        const int8_t *s = q + h * 128;
+        int8_t *o = out + h * 128;
+        memcpy(o, s, 32);
+        memcpy(o + 32, s + 64, 32);
+        memcpy(o + 64, s + 32, 32);
+        memcpy(o + 96, s + 96, 32);
+    }
+}

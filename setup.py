@@ -1,0 +1,13 @@
+"""Builds the engine's native kernels (engine/native/*.c) with the package; metadata is in pyproject.toml.
+
+The library has no Python API: engine/nativelib.py loads it with ctypes. OpenMP comes from the runtime torch
+already loaded into the process (same soname, libgomp.so.1).
+"""
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "engine.native._native",
+    sources=["engine/native/kquant.c", "engine/native/gdn.c"],
+    extra_compile_args=["-O3", "-fopenmp", "-Wall"],
+    extra_link_args=["-fopenmp"],
+)])

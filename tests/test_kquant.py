@@ -1,0 +1,97 @@
+"""Native Q4_K / Q6_K products (engine/native/kquant.c through engine.kquant)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine import kquant, nativelib
+from engine.quant import QTensor
+from engine.quantize import random_blocks
+from engine.rowwise import round_activations
+
+TYPES = [T.Q4_K, T.Q6_K]
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert kquant.available(), "the native K-quant library was not built (pip install -e . builds it)"
+
+
+def _weight(qt: T, rows: int, cols: int, seed: int = 0) -> QTensor:
+    rng = np.random.default_rng(seed)
+    return QTensor(random_blocks((rows, cols), qt, rng, 1 / np.sqrt(cols)), qt, (rows, cols))
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :256] = 0.0  # an all-zero block (scale 0)
+    x[-1, 300] = -40.0  # a block dominated by one negative value
+    return x
+
+
+def test_activations_quantize_as_ggml_q8_k() -> None:
+    """Quants equal the torch twin's (round-half-even of −127/max · x, capped at 127); scales are 1/iscale
+    correctly rounded in float32, as ggml's C computes them; sums per 16 are the quants' sums."""
+    x = _x(5, 1024)
+    xr = kquant.quantize_rows(x)
+    b = x.reshape(-1, 256)
+    mx = torch.gather(b, 1, b.abs().argmax(-1, keepdim=True)).double()
+    iscale = torch.where(mx != 0, (-127.0 / mx).float().double(), torch.zeros_like(mx))
+    q = torch.clamp(torch.round(iscale * b.double()), max=127)
+    assert torch.equal(xr.q.view(-1, 256), q.to(torch.int8))
+    d = torch.where(iscale != 0, (1.0 / iscale).float().double(), torch.zeros_like(iscale)).float()
+    assert torch.equal(xr.d.view(-1, 1), d)
+    assert torch.equal(xr.bsums, xr.q.view(5, -1, 16).sum(-1).to(torch.int16))
+    # the torch twin's rounding reproduces the same values up to the last ulp of the scale
+    torch.testing.assert_close(round_activations(x, "Q4_K"), (xr.q.view(5, -1, 256) * xr.d.unsqueeze(-1)).view(5, -1),
+                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_products_equal_the_dequantized_product(monkeypatch, qt: T, portable: bool) -> None:
+    """Against float64 products of the rounded activations and the gguf-exact dequantized weight: only the
+    float32 rounding of the per-block scaling separates them."""
+    monkeypatch.setattr(kquant, "PORTABLE", portable)
+    w = _weight(qt, 72, 1024)
+    x = _x(5, 1024)
+    ref = round_activations(x, qt.name).double() @ w.dequantize().double().t()
+    y = kquant.matmul(x, w)
+    assert y.dtype == torch.float32 and y.shape == (5, 72)
+    err = (y.double() - ref).abs().max().item()
+    assert err < 2e-6 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, portable: bool) -> None:
+    """Row i of an M-row product has the bits of a one-row product, for M past the kernel's row tile (64)
+    and for one or two threads."""
+    monkeypatch.setattr(kquant, "PORTABLE", portable)
+    w = _weight(qt, 40, 512, seed=2)
+    x = _x(70, 512, seed=3)
+    ref = torch.cat([kquant.matmul(x[i:i + 1].clone(), w) for i in range(70)])
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr(nativelib, "threads", lambda work: threads)
+        assert torch.equal(kquant.matmul(x.clone(), w), ref), threads
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_expert_pairs_equal_products_per_expert(qt: T) -> None:
+    """matmul_pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
+    e_n, rows, k = 6, 24, 512
+    rng = np.random.default_rng(4)
+    stack = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
+    x = _x(7, k, seed=5)
+    xr = kquant.quantize_rows(x)
+    experts = torch.tensor([0, 3, 5])
+    xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
+    starts = torch.tensor([0, 2, 3, 8])
+    out = kquant.matmul_pairs(xr, stack, xrow, experts, starts)
+    for g, e in enumerate(experts.tolist()):
+        for p in range(int(starts[g]), int(starts[g + 1])):
+            one = kquant.matmul(x[int(xrow[p])].unsqueeze(0).clone(), stack[e])
+            assert torch.equal(out[p], one[0]), (e, p)
