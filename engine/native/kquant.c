@@ -163,29 +163,33 @@ typedef struct {
  * in the nibble order of its blocks: per 64-value half, sub-blocks (0,2,1,3) then (4,6,5,7) (kq_q4k_order). */
 #if defined(__x86_64__)
 __attribute__((target("avx512f,avx512bw")))
-static __m512i pair16(int16_t a, int16_t b) {  /* lanes 0-15 = a, 16-31 = b */
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
-}
-
-__attribute__((target("avx512f,avx512bw")))
 static void rows_q4_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, const int8_t *xperm, const int64_t *xrow,
                              int64_t tn, int64_t t0, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    /* 16-bit lanes of [sc0..7, mn0..7] picked for each product: the scales of the two sub-blocks a 64-value
+     * vector holds (lanes 0-15, 16-31), and each min twice (one per sum of 16 activations) */
+    const __m512i i0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i i1 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+    const __m512i i2 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i i3 = _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1);
+    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
+                                                                15, 15));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 144, *s = blk + 4;
+        const uint8_t *blk = row + b * 144;
         const float d = fp16(blk), dmin = fp16(blk + 2);
-        int16_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) {
-            if (j < 4) { sc[j] = s[j] & 63; mn[j] = s[j + 4] & 63; }
-            else { sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-        }
+        uint32_t u[3];
+        memcpy(u, blk + 4, 12);  /* the 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
+        const __m128i sm = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
+                                          (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
+                                          (int)(u[1] & 0x3f3f3f3f),
+                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
         const __m512i v0 = _mm512_and_si512(q0, m4), v1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
         const __m512i v2 = _mm512_and_si512(q1, m4), v3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
-        const __m512i s0 = pair16(sc[0], sc[2]), s1 = pair16(sc[1], sc[3]);
-        const __m512i s2 = pair16(sc[4], sc[6]), s3 = pair16(sc[5], sc[7]);
-        const __m256i mins = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3],
-                                               mn[4], mn[4], mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+        const __m512i s0 = _mm512_permutexvar_epi16(i0, w16), s1 = _mm512_permutexvar_epi16(i1, w16);
+        const __m512i s2 = _mm512_permutexvar_epi16(i2, w16), s3 = _mm512_permutexvar_epi16(i3, w16);
+        const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, w16));
         for (int64_t i = 0; i < tn; i++) {
             const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
             const int8_t *x = xperm + xr * a->k + b * QK;
