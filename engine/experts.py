@@ -1,8 +1,9 @@
 """Routed-expert execution for N tokens at once, grouped by expert.
 
 Each token picks its own top-k experts; the (token, slot) pairs are grouped by expert so every
-selected expert's gate/up/down weights are gathered and dequantized once per pass (one kernel call
-for a whole group of experts), whatever N is. Every product is one independent [1, in] × [in, out]
+selected expert's gate/up/down weights are read once per pass, whatever N is: by the native K-quant
+kernels (one call per projection for all pairs), by the Q8_0 integer products, or gathered and
+dequantized (one kernel call for a whole group of experts). Every product is one independent [1, in] × [in, out]
 row product (as in engine.rowwise) and the k expert outputs of a token are reduced in top-k slot
 order, so a pass over N tokens is bit-identical to N passes of one.
 """
