@@ -26,12 +26,30 @@ class KVLayer:
     v: torch.Tensor  # [n_ctx, H_kv, D_v]
 
 
+class StateSteps:
+    """A recurrent layer's state after each of a pass's n positions without a copy of the last one: the first
+    n − 1 are captured, the last is the live state the pass leaves behind (valid until the next pass)."""
+
+    def __init__(self, before_last: torch.Tensor, last: torch.Tensor):
+        self.before_last, self.last = before_last, last
+
+    def __len__(self) -> int:
+        return self.before_last.shape[0] + 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"position {i} of a {n}-position pass")
+        i %= n
+        return self.last if i == n - 1 else self.before_last[i]
+
+
 @dataclass
 class CapturedStates:
     """GDN states after every position of a multi-token pass, per recurrent layer (index = layer)."""
 
     conv: dict[int, torch.Tensor]  # layer -> [N, K-1, C]
-    ssm: dict[int, torch.Tensor]  # layer -> [N, H_v, d_k, d_v]
+    ssm: dict[int, torch.Tensor | StateSteps]  # layer -> [N, H_v, d_k, d_v]
 
 
 class Cache:

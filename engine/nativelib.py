@@ -62,16 +62,16 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
                   S: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule over a pass's n tokens, token by token: q, k [n, H, d_k], v [n, H, d_v], β and e^g
     [n, H]; S [H, d_k, d_v] is advanced in place. Returns o [n, H, d_v] and, with `capture`, the state after
-    every token [n, H, d_k, d_v]."""
+    every token but the last [n − 1, H, d_k, d_v] (after the last one it is S)."""
     n, h, dk = k.shape
     dv = v.shape[-1]
     q, k, v, beta, decay = (t.contiguous() for t in (q, k, v, beta, decay))
     if not S.is_contiguous():
         raise ValueError("the GDN state must be contiguous")
     o = torch.empty(n, h, dv)
-    states = torch.empty(n, h, dk, dv) if capture else None
+    states = torch.empty(n - 1, h, dk, dv) if capture else None
     rc = LIB.kq_gdn_recurrent(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
-                              S.data_ptr(), o.data_ptr(), states.data_ptr() if states is not None else None,
+                              S.data_ptr(), o.data_ptr(), states.data_ptr() if states is not None and n > 1 else None,
                               n, h, dk, dv, threads(n * h * dk * dv))
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import nativelib, q8dot
-from engine.cache import Cache, CapturedStates, GDNState, KVLayer
+from engine.cache import Cache, CapturedStates, GDNState, KVLayer, StateSteps
 from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
 from engine.modelfile import HParams
@@ -272,7 +272,7 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
     if nativelib.gdn_usable(q, k, v, beta, g, S):  # one kernel call for the pass (engine/native/gdn.c)
         o, states = nativelib.gdn_recurrent(q, k, v, beta, pointwise(torch.exp, g), S, capture is not None)
         if capture is not None:
-            capture[il] = states
+            capture[il] = StateSteps(states, S)  # type: ignore[arg-type]
         return beta, g, o
     o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
