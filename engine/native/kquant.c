@@ -348,8 +348,7 @@ void kq_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t 
     const Acts a = {xq, xd, xbs, k};
     const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK, n_items = n_groups * per;
     kq_isa();
-    /* groups differ in their numbers of pairs: chunks dealt round-robin keep the threads' shares even */
-    #pragma omp parallel for schedule(static, 1) num_threads(n_threads) if (n_threads > 1)
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t it = 0; it < n_items; it++) {
         const int64_t g = it / per, c = it % per;
         const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
