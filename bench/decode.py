@@ -41,6 +41,7 @@ def load_rss(path: Path) -> dict:
 def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
     import torch
 
+    from engine import nativelib
     from engine.modelfile import open_model
     from engine.models.qwen35 import Qwen35Model
 
@@ -49,8 +50,9 @@ def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
     cache = m.new_cache(len(prompt) + n_decode + 8)
     t0 = time.perf_counter()
     logits = None
+    chunked = not nativelib.available()  # as the Engine's prefill does on the CPU
     for s in range(0, len(prompt), 256):  # the Engine's prefill chunk
-        logits = m.forward(prompt[s:s + 256], cache, chunked=True).logits[-1]
+        logits = m.forward(prompt[s:s + 256], cache, chunked=chunked).logits[-1]
     t_prefill = time.perf_counter() - t0
     tok = int(torch.argmax(logits))
     t0 = time.perf_counter()

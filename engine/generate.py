@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from engine.chat import ChatFormat, Message
+from engine import nativelib
 from engine.errors import EngineError
 from engine.modelfile import ModelFile, default_model_path, open_model
 from engine.models.qwen35 import Qwen35Model
@@ -108,6 +109,10 @@ class Engine:
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
+        # Prefill runs the GDN recurrence token by token when every layer is on the CPU with the native kernels:
+        # one sweep per token with the state in cache beats the chunk-parallel form there (bench/results/
+        # verify.json: 512-token prefill, sequential vs chunked), and prefill gets decoding's bits.
+        self._native_gdn = nativelib.available() and all(layer.device.type == "cpu" for layer in self.model.layers)
         # Things the user should know about this model (shown by the CLI and the app).
         self.notices: list[str] = [] if self.drafter is not None else [
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
@@ -149,7 +154,7 @@ class Engine:
                 self.reset()
                 return None, s
             chunk = todo[s:s + PREFILL_CHUNK]
-            res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1)
+            res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1 and not self._native_gdn)
             if self.drafter is not None:
                 self.drafter.push(chunk, res.hidden)
             logits = res.logits[-1]

@@ -165,6 +165,7 @@ class AutoMemory:
     accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
+    probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
 
 
 class DepthController:
@@ -172,7 +173,8 @@ class DepthController:
 
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
     acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
-    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies) either draft
+    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies; doubled up to 8×
+    while probes keep missing) either draft
     one token as a shadow probe (compared with the trunk's own token, no verify pass), so acceptance can recover
     at the cost of one head pass, or — when drafts do match and only the costs say no — take one real step at
     depth 1 whose verify time replaces the old one.
@@ -209,6 +211,7 @@ class DepthController:
             self._prior_acc = [0.0] * MAX_DEPTH
             self._prior_tried = [0.0] * MAX_DEPTH
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
+        self._misses = self.memory.probe_misses if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
         self._decodes = 0
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
@@ -223,6 +226,7 @@ class DepthController:
         acc, tried = self._evidence()
         m.accepted_at, m.tried_at = acc, tried
         m.since_probe = self._since_probe
+        m.probe_misses = self._misses
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -290,15 +294,24 @@ class DepthController:
             return False
         if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
             return False
-        if self.t_draft is None or self._evidence()[1][0] == 0 or self._since_probe >= self.probe_every:
+        if self.t_draft is None or self._evidence()[1][0] == 0 or self._since_probe >= self.probe_interval():
             self._since_probe = 0
             return True
         return False
+
+    # Probes that keep missing double the interval up to this many times (32 → 256 plain steps): a model whose
+    # drafts never match pays ~1/8 of the probes, and one hit brings the interval straight back.
+    MAX_PROBE_BACKOFF = 3
+
+    def probe_interval(self) -> int:
+        """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""
+        return self.probe_every << min(self._misses, self.MAX_PROBE_BACKOFF)
 
     def observe_probe(self, accepted: float, draft_seconds: float) -> None:
         """A shadow probe's outcome: 1/0 for greedy, the acceptance probability Σ min(p, q) when sampling."""
         self._probe_acc += accepted
         self._probe_tried += 1
+        self._misses = self._misses + 1 if accepted < 0.5 else 0
         if not self.reproducible:
             self.t_draft = self._ema(self.t_draft, draft_seconds)
         elif self.t_draft is None:

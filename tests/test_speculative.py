@@ -286,6 +286,30 @@ def test_auto_re_measures_a_verify_cost_that_keeps_it_plain_across_short_replies
     assert all(c.choose(100) == 0 for _ in range(100))
 
 
+def test_auto_spaces_out_probes_that_keep_missing_and_resets_on_a_hit() -> None:
+    """Shadow probes on a model whose drafts never match cost a head pass each: the interval doubles with every
+    miss in a row (32, 64, 128, then 256 plain steps, carried across replies) and one hit brings it back."""
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    mem = AutoMemory(t_decode=0.010, t_verify={2: 0.200}, t_draft=0.002)
+    mem.tried_at[0] = 40.0
+    gaps, since = [], 0
+    for reply in range(50):  # chat-length replies, each with a fresh controller sharing the memory
+        c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+        for _ in range(24):
+            assert c.choose(100) == 0
+            since += 1
+            if c.probe_now(100):
+                gaps.append(since)
+                since = 0
+                c.observe_probe(0.0, 0.002)
+        c.remember()
+    assert gaps == [32, 64, 128, 256, 256, 256], gaps
+    c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+    c.observe_probe(1.0, 0.002)  # a draft matched: back to probing every 32 steps
+    assert c.probe_interval() == 32
+
+
 def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> None:
     """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
     the cost of drafting); the drafts are those of one pass over the whole backlog."""
