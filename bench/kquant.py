@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from gguf import GGMLQuantizationType as QT
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import kquant  # noqa: E402
+from bench.timing import mean_seconds  # noqa: E402
+from engine import kquant, nativelib  # noqa: E402
 from engine.quant import QTensor  # noqa: E402
 from engine.quantize import random_blocks  # noqa: E402
 from engine.rowwise import rowwise_matmul  # noqa: E402
@@ -36,14 +36,6 @@ SHAPES = [(QT.Q4_K, 4096, 1024, "attention q+gate"), (QT.Q4_K, 1024, 2048, "atte
 ROWS = [1, 2, 4, 8, 64]
 
 
-def best(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -51,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/kquant.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not kquant.available():
+    if not nativelib.available():
         raise SystemExit("the native K-quant library is not built (pip install -e .)")
     rng = np.random.default_rng(0)
     usable = kquant.usable
@@ -66,7 +58,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for path in ("native", "torch"):
                     kquant.usable = usable if path == "native" else (lambda w, x: False)  # type: ignore[assignment]
-                    t[path] = min(t[path], best(lambda: rowwise_matmul(x.clone(), w), reps))
+                    t[path] = min(t[path], mean_seconds(lambda: rowwise_matmul(x.clone(), w), reps))
             kquant.usable = usable  # type: ignore[assignment]
             rows_out.append({"type": qt.name, "out": n_out, "in": k, "what": what, "m": m,
                              "native_ms": t["native"] * 1e3, "torch_ms": t["torch"] * 1e3,

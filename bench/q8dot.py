@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import gguf.quants as gq  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from bench.timing import mean_seconds  # noqa: E402
 from engine import q8dot  # noqa: E402
 from engine.generate import GenerationConfig, Stats, load  # noqa: E402
 from engine.quant import QTensor  # noqa: E402
@@ -47,14 +47,6 @@ def _path(integer: bool) -> None:
     q8dot.usable = _INTEGER if integer else (lambda w, x: False)  # type: ignore[assignment]
 
 
-def _time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps
-
-
 def bench_products(rounds: int) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
@@ -66,8 +58,8 @@ def bench_products(rounds: int) -> list[dict]:
             best = {True: float("inf"), False: float("inf")}
             _path(False)
             for _ in range(rounds):
-                best[True] = min(best[True], _time(lambda: q8dot.matmul(x.clone(), w), reps))
-                best[False] = min(best[False], _time(lambda: rowwise_matmul(x.clone(), w), reps))
+                best[True] = min(best[True], mean_seconds(lambda: q8dot.matmul(x.clone(), w), reps))
+                best[False] = min(best[False], mean_seconds(lambda: rowwise_matmul(x.clone(), w), reps))
             _path(True)
             out.append({"shape": [n, k], "weight": what, "rows": m, "integer_s": best[True], "float_s": best[False],
                         "speedup": best[False] / best[True], "engine_integer": q8dot.usable(w, x)})

@@ -107,7 +107,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     kq = all(kquant.usable(t, x) for t in (ew.gate, ew.up, ew.down))
     if kq and cache is None:
         out = torch.empty(n * k, x.shape[1])
-        _KQGrouped(x, tokens, order, counts, out)(None, lambda sel: ((ew.gate, ew.up, ew.down), experts), None)
+        _KQGrouped(x, tokens, order, counts, out).run((ew.gate, ew.up, ew.down), experts)
         return _reduce_slots(out.view(n, k, -1), w)
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     if isinstance(ew.gate, torch.Tensor):
@@ -188,10 +188,15 @@ class _KQGrouped:
         self.starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
         torch.cumsum(counts, 0, out=self.starts[1:])
 
-    def __call__(self, positions: list[int] | None, gather, dev: torch.device | None) -> None:  # type: ignore[no-untyped-def]
-        """positions: indices into the pass's sorted experts (None: all); gather(positions) → the (gate, up, down)
-        stacks and the positions' expert ids in them."""
-        (gate, up, down), ids = gather(positions)
+    def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
+        """positions: indices into the pass's sorted experts; gather(positions) → the (gate, up, down) stacks and
+        the positions' expert ids in them."""
+        stacks, ids = gather(positions)
+        self.run(stacks, ids, positions)
+
+    def run(self, stacks: tuple[QTensor, QTensor, QTensor], ids: torch.Tensor, positions: list[int] | None = None) -> None:
+        """The experts at `positions` (None: all of the pass's), expert ids[j] of the stacks for position j."""
+        gate, up, down = stacks
         if positions is None:
             pairs, starts = None, self.starts
         else:

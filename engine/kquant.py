@@ -7,18 +7,18 @@ unpack each weight block once and multiply it by all the pass's rows while it is
 tokens reads the weights once; integer sums are exact and each output element's float work is the
 same whatever N, so batched passes stay bit-identical to one-token passes.
 
-The library is built with the package (engine.nativelib). Without it, `available()` is False and the engine
+The library is built with the package (engine.nativelib). Without it, `nativelib.available()` is False and the engine
 keeps its torch path (engine.rowwise), which is also what the tests compare the kernels against.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine import nativelib
+from engine.lastinputs import LastInputs
 from engine.quant import QTensor
 
 QK = 256
@@ -26,10 +26,6 @@ TYPES = (QT.Q4_K, QT.Q6_K)
 _LIB = nativelib.LIB
 # True: run the portable C products even where the AVX512 ones can (tests compare the two).
 PORTABLE = False
-
-
-def available() -> bool:
-    return _LIB is not None
 
 
 def isa() -> str:
@@ -66,23 +62,21 @@ class Q8KRows:
         return self._q4k
 
 
-_MEMO: list[tuple[int, torch.Tensor, int, Q8KRows]] = []
+_MEMO: LastInputs[Q8KRows] = LastInputs()
 
 
 def quantize_rows(x: torch.Tensor) -> Q8KRows:
     """x [..., K] float32 as rows [M, K] in ggml's quantize_row_q8_K. The last two inputs' results are kept:
     attention, GDN, router and the experts multiply the same normed x."""
-    me = threading.get_ident()
-    for hit in list(_MEMO):
-        if hit[0] == me and hit[1] is x and hit[2] == x._version:
-            return hit[3]
+    hit = _MEMO.get(x)
+    if hit is not None:
+        return hit
     k = x.shape[-1]
     xc = x.detach().reshape(-1, k).float().contiguous()
     m = xc.shape[0]
     r = Q8KRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK), torch.empty(m, k // 16, dtype=torch.int16))
     _LIB.kq_quantize_q8k(xc.data_ptr(), m, k, r.q.data_ptr(), r.d.data_ptr(), r.bsums.data_ptr())  # type: ignore[union-attr]
-    _MEMO[:] = _MEMO[-1:] + [(me, x, x._version, r)]
-    return r
+    return _MEMO.put(x, r)
 
 
 def _perm(xr: Q8KRows, w: QTensor) -> int:

@@ -15,12 +15,12 @@ element-wise ops whatever the shape — makes row i of a multi-token pass bit-id
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.lastinputs import LastInputs
 from engine.quant import QTensor
 
 BLOCK = 32
@@ -83,23 +83,20 @@ def planes(w: QTensor) -> Planes:
     return p
 
 
-# The last two inputs quantized, with the thread that did it (a MoE layer alternates x and the experts' h).
-_MEMO: list[tuple[int, torch.Tensor, int, Q8Rows]] = []
+# The last two inputs quantized (a MoE layer alternates x and the experts' h).
+_MEMO: LastInputs[Q8Rows] = LastInputs()
 
 
 def quantize_rows(x: torch.Tensor) -> Q8Rows:
     """x [..., K] float32 (as rows [M, K]) as ggml's quantize_row_q8_0 makes it; the last input's result is reused, since q/k/v,
     the GDN projections, router, shared and routed experts all multiply the same normed x."""
-    me = threading.get_ident()
-    for hit in list(_MEMO):
-        if hit[0] == me and hit[1] is x and hit[2] == x._version:
-            return hit[3]
+    hit = _MEMO.get(x)
+    if hit is not None:
+        return hit
     b = x.reshape(-1, x.shape[-1] // BLOCK, BLOCK)
     d = b.abs().amax(-1).div_(127.0)
     inv = d.reciprocal().nan_to_num_(posinf=0.0)  # ggml: id = d ? 1/d : 0
-    r = Q8Rows(torch.mul(b, inv.unsqueeze(-1)).round_().to(torch.int8), d.half().float())
-    _MEMO[:] = _MEMO[-1:] + [(me, x, x._version, r)]
-    return r
+    return _MEMO.put(x, Q8Rows(torch.mul(b, inv.unsqueeze(-1)).round_().to(torch.int8), d.half().float()))
 
 
 _EYE: dict[int, torch.Tensor] = {}

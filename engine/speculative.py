@@ -174,10 +174,9 @@ class DepthController:
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
     acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
     (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies; doubled up to 8×
-    while probes keep missing) either draft
-    one token as a shadow probe (compared with the trunk's own token, no verify pass), so acceptance can recover
-    at the cost of one head pass, or — when drafts do match and only the costs say no — take one real step at
-    depth 1 whose verify time replaces the old one.
+    while probes keep missing) either draft one token as a shadow probe (compared with the trunk's own token, no
+    verify pass), so acceptance can recover at the cost of one head pass, or — when drafts do match and only the
+    costs say no — take one real step at depth 1 whose verify time replaces the old one.
     """
 
     # Relative costs used instead of timings when decisions must be reproducible (seeded sampling): a
@@ -185,6 +184,9 @@ class DepthController:
     FIXED_VERIFY_SLOPE = 0.45
     FIXED_DRAFT = 0.15
     FIRST_DECODES = 2  # plain steps measured before the first draft (the first one alone runs cold)
+    # Probes that keep missing double the interval up to this many times (32 → 256 plain steps): a model whose
+    # drafts never match pays ~1/8 of the probes, and one hit brings the interval straight back.
+    MAX_PROBE_BACKOFF = 3
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
                  reproducible: bool = False, memory: AutoMemory | None = None):
@@ -298,10 +300,6 @@ class DepthController:
             self._since_probe = 0
             return True
         return False
-
-    # Probes that keep missing double the interval up to this many times (32 → 256 plain steps): a model whose
-    # drafts never match pays ~1/8 of the probes, and one hit brings the interval straight back.
-    MAX_PROBE_BACKOFF = 3
 
     def probe_interval(self) -> int:
         """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""

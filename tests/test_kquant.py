@@ -16,7 +16,7 @@ TYPES = [T.Q4_K, T.Q6_K]
 
 @pytest.fixture(autouse=True)
 def _built() -> None:
-    assert kquant.available(), "the native K-quant library was not built (pip install -e . builds it)"
+    assert nativelib.available(), "the native K-quant library was not built (pip install -e . builds it)"
 
 
 def _weight(qt: T, rows: int, cols: int, seed: int = 0) -> QTensor:

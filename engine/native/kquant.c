@@ -9,7 +9,7 @@
  * (one weight row times one activation row) runs in the same order whatever the number of rows, the
  * grouping of rows or the thread split. Row i of a multi-token pass is bit-identical to a one-token pass.
  *
- * Loaded with ctypes (engine/kquant.py); no Python API. Threads: OpenMP (torch's runtime, which the
+ * Loaded with ctypes (engine/nativelib.py, used by engine/kquant.py); no Python API. Threads: OpenMP (torch's runtime, which the
  * process has already loaded).
  */
 #include <stdint.h>
@@ -147,8 +147,6 @@ static int32_t dot_scalar(const Block *w, const int8_t *x) {
     }
     return s;
 }
-
-
 
 typedef struct {
     const int8_t *q;  /* [rows, k] */
