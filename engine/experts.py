@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.expert_cache import ExpertCache
-from engine import kquant, q8dot
+from engine import kquant, nativelib, q8dot
 from engine.quant import QTensor
 from engine.rowwise import Weight, round_activations
 
@@ -88,8 +88,11 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     experts. Each (token, slot) product is independent, so splitting the experts between devices does not
     change which bits a device computes. `shared` (Q8_0 on the CPU, no cache): the shared expert's slices
     run as extra slots after the top-k, so y also holds the gated shared expert."""
-    q8 = all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
-    if q8 and cache is None:  # the common CPU case, without the bookkeeping of a device split
+    kq = all(kquant.usable(t, x) for t in (ew.gate, ew.up, ew.down))
+    q8 = not kq and all(q8dot.usable(t, x) for t in (ew.gate, ew.up, ew.down))
+    if shared is not None and not (q8 and cache is None):
+        raise ValueError("the shared expert runs with the routed ones only on the torch integer CPU path")
+    if q8 and cache is None:  # the common CPU case without the native library, without a device split
         if shared is not None:
             n, e_all, s_n = idx.shape[0], ew.gate.shape[0], shared.slices
             idx = torch.cat([idx, q8dot.ARANGE[e_all:e_all + s_n].expand(n, s_n)], 1)
@@ -97,17 +100,22 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         planes = q8dot.expert_planes(ew.gate, ew.up, ew.down, shared.weights if shared else None)  # type: ignore[arg-type]
         if idx.shape[0] == 1:  # one token (a decode step, a draft): its experts are distinct, nothing to group
             return _one_token(x, idx[0], w, planes)
-    elif shared is not None:
-        raise ValueError("the shared expert runs with the routed ones only on the integer CPU path")
     n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    if kq and cache is None and n == 1:  # one token: the slots are the pairs, in expert groups of one
+        out = torch.empty(k, x.shape[1])
+        _KQGrouped(x, _ZEROS[:k], q8dot.ARANGE[:k], None, out, q8dot.ARANGE[:k + 1]).run(
+            (ew.gate, ew.up, ew.down), idx[0])  # type: ignore[arg-type]
+        return _reduce_slots(out.view(1, k, -1), w)
+    if nativelib.available() and idx.device.type == "cpu" and idx.dtype == torch.long:
+        order, experts, counts = nativelib.group_pairs(idx, ew.gate.shape[0] + (shared.slices if shared else 0))
+    else:
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     tokens = order // k
-    kq = all(kquant.usable(t, x) for t in (ew.gate, ew.up, ew.down))
     if kq and cache is None:
         out = torch.empty(n * k, x.shape[1])
-        _KQGrouped(x, tokens, order, counts, out).run((ew.gate, ew.up, ew.down), experts)
+        _KQGrouped(x, tokens, order, counts, out).run((ew.gate, ew.up, ew.down), experts)  # type: ignore[arg-type]
         return _reduce_slots(out.view(n, k, -1), w)
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     if isinstance(ew.gate, torch.Tensor):
@@ -179,14 +187,17 @@ def _one_token(x: torch.Tensor, at: torch.Tensor, w: torch.Tensor, planes: tuple
 
 
 class _KQGrouped:
-    """Runs a subset of a pass's experts on the CPU in the native K-quant kernels (engine.kquant): each selected
-    expert's blocks are read once for all its tokens, three kernel calls per subset."""
+    """Runs a subset of a pass's experts on the CPU in the native kernels (engine.kquant: K-quants and Q8_0): each
+    selected expert's blocks are read once for all its tokens, three kernel calls per subset."""
 
-    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
-                 out: torch.Tensor):
-        self.xr, self.tokens, self.order, self.counts, self.out = kquant.quantize_rows(x), tokens, order, counts, out
-        self.starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
-        torch.cumsum(counts, 0, out=self.starts[1:])
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, counts: torch.Tensor | None,
+                 out: torch.Tensor, starts: torch.Tensor | None = None):
+        self.x, self.tokens, self.order, self.out = x, tokens, order, out
+        if starts is None:
+            assert counts is not None
+            starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=starts[1:])
+        self.starts = starts
 
     def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
         """positions: indices into the pass's sorted experts; gather(positions) → the (gate, up, down) stacks and
@@ -203,12 +214,12 @@ class _KQGrouped:
             at = torch.tensor(positions, dtype=torch.long)
             pairs = torch.cat([torch.arange(int(self.starts[p]), int(self.starts[p + 1])) for p in positions])
             starts = torch.zeros(len(positions) + 1, dtype=torch.long)
-            torch.cumsum(self.counts[at], 0, out=starts[1:])
+            torch.cumsum(self.starts[at + 1] - self.starts[at], 0, out=starts[1:])
         tokens = self.tokens if pairs is None else self.tokens[pairs]
-        g = kquant.matmul_pairs(self.xr, gate, tokens, ids, starts)
-        u = kquant.matmul_pairs(self.xr, up, tokens, ids, starts)
+        g = kquant.matmul_pairs(kquant.quantize_for(self.x, gate.qtype), gate, tokens, ids, starts)
+        u = kquant.matmul_pairs(kquant.quantize_for(self.x, up.qtype), up, tokens, ids, starts)
         h = F.silu(g).mul_(u)
-        y = kquant.matmul_pairs(kquant.quantize_rows(h), down, q8dot.ARANGE[:h.shape[0]], ids, starts)
+        y = kquant.matmul_pairs(kquant.quantize_for(h, down.qtype), down, q8dot.ARANGE[:h.shape[0]], ids, starts)
         self.out[self.order if pairs is None else self.order[pairs]] = y
 
 

@@ -2,7 +2,8 @@
 
 Built with the package (setup.py) into one library with no Python API. Where it is missing (a source
 install without a C compiler) `LIB` is None and every caller keeps its torch path, which the tests also run.
-What is in it: the K-quant products (engine.kquant) and the Gated DeltaNet recurrence (`gdn_recurrent`).
+What is in it: the K-quant and Q8_0 products (engine.kquant), the grouping of routed-expert pairs
+(`group_pairs`) and the Gated DeltaNet recurrence (`gdn_recurrent`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "kq_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
     "kq_q4k_order": ([_P, _I, _I, _P], None),
     "kq_isa": ([], _C),
+    "q8_isa": ([], _C),
+    "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
+    "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P], _I),
     "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _C], _C),
 }
 
@@ -50,6 +54,20 @@ def threads(work: int) -> int:
     """Threads for a kernel call of `work` multiply-adds: torch's count, one for small calls (a parallel
     region costs more than it saves there)."""
     return torch.get_num_threads() if work >= 1 << 16 else 1
+
+
+def group_pairs(idx: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pass's top-k ids [n, k] (int64 on the CPU) grouped by expert, as a stable argsort does: the flat pair
+    indices in expert order, the experts present (ascending) and their pair counts."""
+    idx = idx.contiguous()
+    order = torch.empty(idx.numel(), dtype=torch.long)
+    experts = torch.empty(min(idx.numel(), n_expert), dtype=torch.long)
+    counts = torch.empty_like(experts)
+    g = LIB.kq_group_pairs(idx.data_ptr(), idx.shape[0], idx.shape[1], n_expert, order.data_ptr(),  # type: ignore[union-attr]
+                           experts.data_ptr(), counts.data_ptr())
+    if g < 0:
+        raise ValueError(f"an expert id is outside [0, {n_expert})")
+    return order, experts[:g], counts[:g]
 
 
 def gdn_usable(*ts: torch.Tensor) -> bool:

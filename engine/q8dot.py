@@ -145,20 +145,6 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def matmul_many(x: torch.Tensor, ws: tuple[QTensor, ...]) -> list[torch.Tensor]:
-    """[x @ W.T for W in ws] as one product over the weights' rows stacked (one GEMM instead of several:
-    each product's ops cost more than its arithmetic on small models). Same bits as separate products."""
-    # Kept with the first weight (the set belongs to one layer, so it lives and dies with it).
-    key = tuple(id(w) for w in ws[1:])
-    fused = ws[0].fused = ws[0].fused or {}
-    w = fused.get(key)
-    if w is None:
-        raw = torch.cat([w.raw.reshape(w.n_rows, -1) for w in ws])
-        w = fused[key] = QTensor(raw, QT.Q8_0, (raw.shape[0], ws[0].n_cols))
-    y = matmul(x, w)
-    return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
-
-
 def expert_planes(gate: QTensor, up: QTensor, down: QTensor,
                   shared: tuple[QTensor, QTensor, QTensor] | None = None) -> tuple[Planes, Planes]:
     """Planes of stacked experts in the layout `experts` multiplies them in; made once, kept with the gate tensor.

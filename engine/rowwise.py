@@ -100,10 +100,10 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {k}")
     xf = x.float()  # x itself when already float32, so the rounding memo can recognise it
-    if ggml_activations and q8dot.usable(w, xf):
-        return q8dot.matmul(xf, w)
     if ggml_activations and kquant.usable(w, xf):
         return kquant.matmul(xf, w)
+    if ggml_activations and q8dot.usable(w, xf):
+        return q8dot.matmul(xf, w)
     if ggml_activations:
         xf = round_activations(xf, w.qtype.name)
     x2 = xf.reshape(-1, k)
@@ -119,11 +119,38 @@ def rowwise_matmul(x: torch.Tensor, w: Weight, ggml_activations: bool = True) ->
     return y.reshape(*x.shape[:-1], n_out)
 
 
+# Weights stacked for `project` up to this many bytes in all: the stacked copy is new memory, and on larger
+# weights a product's call overhead is a negligible share of its arithmetic.
+FUSE_MAX_BYTES = 16 << 20
+
+
 def project(x: torch.Tensor, ws: tuple[Weight, ...]) -> list[torch.Tensor]:
-    """Several weights applied to the same x: one fused integer product when they are all Q8_0 on the CPU."""
-    if len(ws) > 1 and all(q8dot.usable(w, x) for w in ws) and len({w.n_cols for w in ws}) == 1:  # type: ignore[union-attr]
-        return q8dot.matmul_many(x.float(), ws)  # type: ignore[arg-type]
+    """Several weights applied to the same x: one product over their rows stacked when they are small and all
+    of one quantized type and width on the integer paths (each product's calls cost more than its arithmetic on
+    small models; rows are independent, so the bits are those of separate products)."""
+    if len(ws) > 1 and all(isinstance(w, QTensor) for w in ws) and len({(w.qtype, w.n_cols) for w in ws}) == 1 \
+            and sum(w.raw.numel() * w.raw.element_size() for w in ws) <= FUSE_MAX_BYTES:  # type: ignore[union-attr]
+        xf = x.float()
+        if all(kquant.usable(w, xf) for w in ws):
+            y = kquant.matmul(xf, _stacked(ws))  # type: ignore[arg-type]
+        elif all(q8dot.usable(w, xf) for w in ws):
+            y = q8dot.matmul(xf, _stacked(ws))  # type: ignore[arg-type]
+        else:
+            return [rowwise_matmul(x, w) for w in ws]
+        return list(torch.split(y, [w.n_rows for w in ws], dim=-1))  # type: ignore[union-attr]
     return [rowwise_matmul(x, w) for w in ws]
+
+
+def _stacked(ws: tuple[QTensor, ...]) -> QTensor:
+    """The weights' rows in one tensor, made once and kept with the first weight (the set belongs to one layer,
+    so it lives and dies with it)."""
+    key = tuple(id(w) for w in ws[1:])
+    fused = ws[0].fused = ws[0].fused or {}
+    w = fused.get(key)
+    if w is None:
+        raw = torch.cat([w.raw.reshape(w.n_rows, -1) for w in ws])
+        w = fused[key] = QTensor(raw, ws[0].qtype, (raw.shape[0], ws[0].n_cols))
+    return w
 
 
 def take_rows(w: Weight, idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

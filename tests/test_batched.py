@@ -17,13 +17,14 @@ from engine.modelfile import open_model
 from engine.models.qwen35 import Qwen35Model
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 
-Q8_MOE = FixtureSpec(qtype="Q8_0")  # Q8_0 takes the integer path (engine.q8dot)
-# Q4_K/Q6_K run in the native kernels (engine.kquant: AVX512 here, and its portable C twin) or, where the
-# library is missing, in the torch path (dequantized tiles, and the GDN recurrence as torch ops): all three
-# must be batch-invariant.
+Q8_MOE = FixtureSpec(qtype="Q8_0")
+# Q4_K/Q6_K/Q8_0 run in the native kernels (engine.kquant: AVX512 here, and its portable C twin) or, where the
+# library is missing, in the torch paths (Q8_0 in torch integer ops, K-quants in dequantized tiles, and the GDN
+# recurrence as torch ops): all three must be batch-invariant.
 SPECS = [(TINY_MOE, None), (TINY_DENSE, None), (KQUANT_MOE, "native"), (KQUANT_MOE, "portable"),
-         (KQUANT_MOE, "torch"), (Q8_MOE, None)]
-IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q4k-portable", "moe-q4k-torch", "moe-q8"]
+         (KQUANT_MOE, "torch"), (Q8_MOE, "native"), (Q8_MOE, "portable"), (Q8_MOE, "torch")]
+IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q4k-portable", "moe-q4k-torch", "moe-q8", "moe-q8-portable",
+       "moe-q8-torch"]
 
 
 def _kquant_mode(monkeypatch, mode: str | None) -> None:
@@ -147,3 +148,19 @@ def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch, 
     assert len(gathered) == 3 and all(g == tuple(sorted(torch.unique(idx).tolist())) for g in gathered)
     single = torch.cat([run_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ew) for i in range(9)])
     assert torch.equal(grouped, single)
+
+
+def test_native_grouping_equals_a_stable_argsort() -> None:
+    """nativelib.group_pairs gives the order, experts and counts of the torch grouping it replaces."""
+    import engine.nativelib as nl
+
+    assert nl.available(), "the native library was not built (pip install -e . builds it)"
+    idx = torch.tensor(np.random.default_rng(3).integers(0, 16, (9, 4)), dtype=torch.long)
+    idx[2] = torch.tensor([15, 0, 7, 3])
+    order, experts, counts = nl.group_pairs(idx, 16)
+    flat = idx.reshape(-1)
+    ref = torch.argsort(flat, stable=True)
+    e_ref, c_ref = torch.unique_consecutive(flat[ref], return_counts=True)
+    assert torch.equal(order, ref) and torch.equal(experts, e_ref) and torch.equal(counts, c_ref)
+    with pytest.raises(ValueError):
+        nl.group_pairs(torch.tensor([[0, 16]]), 16)

@@ -1,4 +1,4 @@
-"""Native Q4_K / Q6_K products (engine/native/kquant.c through engine.kquant)."""
+"""Native Q4_K / Q6_K / Q8_0 products (engine/native/kquant.c and q8_0.c through engine.kquant)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ from engine.quant import QTensor
 from engine.quantize import random_blocks
 from engine.rowwise import round_activations
 
-TYPES = [T.Q4_K, T.Q6_K]
+TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +47,19 @@ def test_activations_quantize_as_ggml_q8_k() -> None:
     # the torch twin's rounding reproduces the same values up to the last ulp of the scale
     torch.testing.assert_close(round_activations(x, "Q4_K"), (xr.q.view(5, -1, 256) * xr.d.unsqueeze(-1)).view(5, -1),
                                rtol=1e-6, atol=0)
+
+
+def test_activations_quantize_as_ggml_q8_0() -> None:
+    """Q8_0 activation quants and f16-rounded scales equal the torch twin's (engine.q8dot), bit for bit."""
+    from engine import q8dot
+
+    x = _x(5, 1024)
+    x[1, 32:64] *= 1e-3  # a block whose scale is an f16 subnormal
+    x[1, 64:96] *= 1e-9  # and one whose scale rounds to zero in f16
+    xr = kquant.quantize_q8_0(x)
+    ref = q8dot.quantize_rows(x.clone())
+    assert xr.bsums is None and xr.d.shape == (5, 32)
+    assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
@@ -86,7 +99,7 @@ def test_expert_pairs_equal_products_per_expert(qt: T) -> None:
     rng = np.random.default_rng(4)
     stack = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
     x = _x(7, k, seed=5)
-    xr = kquant.quantize_rows(x)
+    xr = kquant.quantize_for(x, qt)
     experts = torch.tensor([0, 3, 5])
     xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
     starts = torch.tensor([0, 2, 3, 8])

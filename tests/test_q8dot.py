@@ -1,4 +1,5 @@
-"""engine.q8dot: Q8_0 products in integers against llama.cpp's formula and the dequantizing path."""
+"""engine.q8dot: Q8_0 products in integers with torch ops (the path without the native library) against
+llama.cpp's formula and the dequantizing path."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,14 @@ from engine import q8dot
 from engine.quant import QTensor
 from engine.rowwise import rowwise_matmul
 from tests.test_quant import random_tensor
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch) -> None:
+    """These tests are about the torch integer path, which runs where the native library is missing."""
+    from engine import kquant
+
+    monkeypatch.setattr(kquant, "usable", lambda w, x: False)
 
 
 def _weight(out: int, k: int, seed: int = 0) -> QTensor:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine import nativelib, q8dot
+from engine import kquant, nativelib, q8dot
 from engine.cache import Cache, CapturedStates, GDNState, KVLayer, StateSteps
 from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
@@ -360,10 +360,11 @@ class MoE:
 
     def _shared_slices(self, x: torch.Tensor) -> int:
         """Decided once per layer (its weights and device do not change): slices when the shared expert can run in
-        the routed experts' integer products, else 0."""
+        the routed experts' torch integer products, else 0 (the native kernels run it apart)."""
         if self._slices is None:
             w = self.w
-            self._slices = 0 if w.shared_gate is None or self.cache is not None else \
+            native = all(kquant.usable(t, x) for t in (w.experts.gate, w.experts.up, w.experts.down))
+            self._slices = 0 if w.shared_gate is None or self.cache is not None or native else \
                 q8dot.shared_slices((w.experts.gate, w.experts.up, w.experts.down),
                                     (w.shared_gate, w.shared_up, w.shared_down), x)  # type: ignore[arg-type]
         return self._slices

@@ -22,7 +22,11 @@
 
 #define QK 256
 #define M_TILE 64
-enum { T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+
+/* q8_0.c: Q8_0 weight rows times Q8_0 activation rows */
+void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
+                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable);
 
 static float fp16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -265,20 +269,29 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
 }
 #endif
 
-static int ISA = -1;
+static int FEATURES = -1;
 
-/* Which products run: 1 AVX512BW, 0 portable C (the integer sums are the same; the float sums of a row
- * are grouped differently, so the two give results a few ulps apart, each batch-invariant). */
-int kq_isa(void) {
-    if (ISA < 0) {
-        ISA = 0;
+static int features(void) {
+    if (FEATURES < 0) {
+        FEATURES = 0;
 #if defined(__x86_64__)
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) ISA = 1;
+        const int bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+        if (bw) FEATURES |= 1;
+        if (bw && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+            FEATURES |= 2;
 #endif
     }
-    return ISA;
+    return FEATURES;
 }
+
+/* Which K-quant products run: 1 AVX512BW, 0 portable C (the integer sums are the same; the float sums of a
+ * row are grouped differently, so the two give results a few ulps apart, each batch-invariant). */
+int kq_isa(void) { return features() & 1; }
+
+/* Which Q8_0 products run (q8_0.c): 2 AVX512-VNNI, 0 portable C. */
+int q8_isa(void) { return features() & 2; }
 
 /* ---- products ----------------------------------------------------------------------------------- */
 
@@ -286,6 +299,10 @@ int kq_isa(void) {
  * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                        const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable) {
+    if (qtype == T_Q8_0) {
+        q8_rows_times(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo, portable);
+        return;
+    }
 #if defined(__x86_64__)
     if (!portable && kq_isa() == 1) {
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
@@ -321,7 +338,8 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
 
 #define ROW_CHUNK 16
 
-/* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k]; y row stride ldy.
+/* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k], or a Q8_0 weight and
+ * Q8_0 rows (xd [m, k/32], xbs unused); y row stride ldy.
  * xperm: the quants in Q4_K nibble order (kq_q4k_order; Q4_K on the AVX512 path only, else unused). */
 void kq_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
                const int16_t *xbs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy, int n_threads,

@@ -1,0 +1,36 @@
+/* Grouping a pass's (token, slot) pairs by expert, for the routed-expert products (engine/experts.py).
+ *
+ * A stable counting sort of the flattened top-k ids: pairs in expert order, and within an expert in token
+ * order (the order a stable argsort gives), in one call instead of the half-dozen tensor ops a multi-token
+ * pass spent on it. Loaded with ctypes (engine/nativelib.py); no Python API.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* idx [n, k] expert ids in [0, n_expert). Writes order [n·k] (flat pair indices t·k + s, grouped by expert),
+ * experts [G] and counts [G] (the experts present, ascending, and their pairs). Returns G, or −1 for an id out
+ * of range. */
+int64_t kq_group_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order,
+                       int64_t *experts, int64_t *counts) {
+    int64_t *start = calloc((size_t)n_expert + 1, sizeof(int64_t));
+    if (!start) return -1;
+    const int64_t p_n = n * k;
+    for (int64_t p = 0; p < p_n; p++) {
+        if (idx[p] < 0 || idx[p] >= n_expert) {
+            free(start);
+            return -1;
+        }
+        start[idx[p] + 1]++;
+    }
+    int64_t g = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        if (start[e + 1]) {
+            experts[g] = e;
+            counts[g++] = start[e + 1];
+        }
+        start[e + 1] += start[e];
+    }
+    for (int64_t p = 0; p < p_n; p++) order[start[idx[p]]++] = p;
+    free(start);
+    return g;
+}
