@@ -8,7 +8,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "engine.native._native",
     sources=["engine/native/kquant.c", "engine/native/q8_0.c", "engine/native/gdn.c",
-             "engine/native/group.c"],
+             "engine/native/group.c", "engine/native/attention.c"],
     # No FP contraction: the GDN kernel fuses one token's update with the next token's decay and relies on
     # every element seeing the same multiplies and adds, fused or not (FMA would round differently).
     extra_compile_args=["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"],

@@ -106,16 +106,18 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         _KQGrouped(x, _ZEROS[:k], q8dot.ARANGE[:k], None, out, q8dot.ARANGE[:k + 1]).run(
             (ew.gate, ew.up, ew.down), idx[0])  # type: ignore[arg-type]
         return _reduce_slots(out.view(1, k, -1), w)
+    starts = None
     if nativelib.available() and idx.device.type == "cpu" and idx.dtype == torch.long:
-        order, experts, counts = nativelib.group_pairs(idx, ew.gate.shape[0] + (shared.slices if shared else 0))
+        g = nativelib.group_pairs(idx, ew.gate.shape[0] + (shared.slices if shared else 0))
+        order, tokens, experts, counts, starts = g.order, g.tokens, g.experts, g.counts, g.starts
     else:
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    tokens = order // k
+        tokens = order // k
     if kq and cache is None:
         out = torch.empty(n * k, x.shape[1])
-        _KQGrouped(x, tokens, order, counts, out).run((ew.gate, ew.up, ew.down), experts)  # type: ignore[arg-type]
+        _KQGrouped(x, tokens, order, counts, out, starts).run((ew.gate, ew.up, ew.down), experts)  # type: ignore[arg-type]
         return _reduce_slots(out.view(n, k, -1), w)
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     if isinstance(ew.gate, torch.Tensor):

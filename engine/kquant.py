@@ -107,6 +107,10 @@ def _quantize(x: torch.Tensor, memo: LastInputs[Q8KRows], block: int) -> Q8KRows
     return memo.put(x, r)
 
 
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def _bsums(xr: Q8KRows) -> int:
     return xr.bsums.data_ptr() if xr.bsums is not None else 0
 
@@ -137,7 +141,7 @@ def matmul_pairs(xr: Q8KRows, w: QTensor, xrow: torch.Tensor, experts: torch.Ten
     expert_bytes = raw.numel() // e_all
     p_n = xrow.shape[0]
     out = torch.empty(p_n, rows)
-    xrow, experts, starts = (t.to(torch.int64).contiguous() for t in (xrow, experts, starts))
+    xrow, experts, starts = _i64(xrow), _i64(experts), _i64(starts)
     n_threads = nativelib.threads(p_n * rows * w.n_cols)
     _LIB.kq_matmul_pairs(int(w.qtype), raw.data_ptr(), expert_bytes, expert_bytes // rows, rows,  # type: ignore[union-attr]
                          xr.q.data_ptr(), xr.d.data_ptr(), _bsums(xr), _perm(xr, w), w.n_cols,

@@ -3,11 +3,13 @@
 Built with the package (setup.py) into one library with no Python API. Where it is missing (a source
 install without a C compiler) `LIB` is None and every caller keeps its torch path, which the tests also run.
 What is in it: the K-quant and Q8_0 products (engine.kquant), the grouping of routed-expert pairs
-(`group_pairs`) and the Gated DeltaNet recurrence (`gdn_recurrent`).
+(`group_pairs`), causal attention over the KV cache (`attention`) and the Gated DeltaNet recurrence
+(`gdn_recurrent`).
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +26,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "kq_isa": ([], _C),
     "q8_isa": ([], _C),
     "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
-    "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P], _I),
+    "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
+    "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C], _C),
     "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _C], _C),
 }
 
@@ -56,22 +59,47 @@ def threads(work: int) -> int:
     return torch.get_num_threads() if work >= 1 << 16 else 1
 
 
-def group_pairs(idx: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A pass's top-k ids [n, k] (int64 on the CPU) grouped by expert, as a stable argsort does: the flat pair
-    indices in expert order, the experts present (ascending) and their pair counts."""
+@dataclass(frozen=True)
+class Groups:
+    """A pass's (token, slot) pairs grouped by expert, as a stable argsort of the flat top-k ids orders them."""
+
+    order: torch.Tensor  # [P] flat pair indices t·k + s, in expert order
+    tokens: torch.Tensor  # [P] the pairs' tokens (order // k)
+    experts: torch.Tensor  # [G] the experts present, ascending
+    counts: torch.Tensor  # [G] their pairs
+    starts: torch.Tensor  # [G + 1] their first pairs, then P
+
+
+def group_pairs(idx: torch.Tensor, n_expert: int) -> Groups:
+    """A pass's top-k ids [n, k] (int64 on the CPU) grouped by expert, in one call."""
     idx = idx.contiguous()
-    order = torch.empty(idx.numel(), dtype=torch.long)
-    experts = torch.empty(min(idx.numel(), n_expert), dtype=torch.long)
-    counts = torch.empty_like(experts)
+    p_n, g_max = idx.numel(), min(idx.numel(), n_expert)
+    buf = torch.empty(2 * p_n + 3 * g_max + 1, dtype=torch.long)
+    order, tokens, experts, counts, starts = buf.split([p_n, p_n, g_max, g_max, g_max + 1])
     g = LIB.kq_group_pairs(idx.data_ptr(), idx.shape[0], idx.shape[1], n_expert, order.data_ptr(),  # type: ignore[union-attr]
-                           experts.data_ptr(), counts.data_ptr())
+                           tokens.data_ptr(), experts.data_ptr(), counts.data_ptr(), starts.data_ptr())
     if g < 0:
         raise ValueError(f"an expert id is outside [0, {n_expert})")
-    return order, experts[:g], counts[:g]
+    return Groups(order, tokens, experts[:g], counts[:g], starts[:g + 1])
 
 
-def gdn_usable(*ts: torch.Tensor) -> bool:
-    """Whether the recurrence can run natively on these tensors: float32 on the CPU, no autograd."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
+    """Causal attention of a pass's queries q [n, H, D] (query i at position pos + i) over the cache rows
+    k [≥ pos + n, H_kv, D], v [·, H_kv, D_v] (float32, contiguous, on the CPU): out [n, H·D_v]."""
+    n, h, dk = q.shape
+    h_kv, dv = v.shape[1], v.shape[2]
+    q = q.contiguous()
+    out = torch.empty(n, h * dv)
+    rc = LIB.kq_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
+                          scale, threads(n * h * (pos + n) * (dk + dv)))
+    if rc != 0:
+        raise MemoryError("no memory for the attention scores")
+    return out
+
+
+def floats_usable(*ts: torch.Tensor) -> bool:
+    """Whether the float kernels (attention, GDN recurrence) can run on these tensors: float32 on the CPU,
+    no autograd."""
     return LIB is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
                                    for t in ts)
 

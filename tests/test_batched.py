@@ -36,7 +36,7 @@ def _kquant_mode(monkeypatch, mode: str | None) -> None:
         monkeypatch.setattr(kq, "PORTABLE", True)
     elif mode == "torch":  # and the GDN recurrence as torch ops
         monkeypatch.setattr(kq, "usable", lambda w, x: False)
-        monkeypatch.setattr(nl, "gdn_usable", lambda *t: False)
+        monkeypatch.setattr(nl, "floats_usable", lambda *t: False)
 
 
 def _model(spec: FixtureSpec) -> Qwen35Model:
@@ -157,10 +157,12 @@ def test_native_grouping_equals_a_stable_argsort() -> None:
     assert nl.available(), "the native library was not built (pip install -e . builds it)"
     idx = torch.tensor(np.random.default_rng(3).integers(0, 16, (9, 4)), dtype=torch.long)
     idx[2] = torch.tensor([15, 0, 7, 3])
-    order, experts, counts = nl.group_pairs(idx, 16)
+    g = nl.group_pairs(idx, 16)
     flat = idx.reshape(-1)
     ref = torch.argsort(flat, stable=True)
     e_ref, c_ref = torch.unique_consecutive(flat[ref], return_counts=True)
-    assert torch.equal(order, ref) and torch.equal(experts, e_ref) and torch.equal(counts, c_ref)
+    assert torch.equal(g.order, ref) and torch.equal(g.tokens, ref // 4)
+    assert torch.equal(g.experts, e_ref) and torch.equal(g.counts, c_ref)
+    assert torch.equal(g.starts, torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(c_ref, 0)]))
     with pytest.raises(ValueError):
         nl.group_pairs(torch.tensor([[0, 16]]), 16)

@@ -147,10 +147,22 @@ class GatedAttention:
             return rowwise_matmul(out, w.o)
         kv.k[pos:pos + n] = k
         kv.v[pos:pos + n] = v
+        if nativelib.floats_usable(q, kv.k, kv.v) and kv.k.is_contiguous() and kv.v.is_contiguous():
+            out = nativelib.attention(q, kv.k, kv.v, pos, self.scale)  # one call (engine/native/attention.c)
+        else:
+            out = self._attend(q, kv, pos)
+        cb("attn_out", il, out)
+        out = out * torch.sigmoid(gate)
+        return rowwise_matmul(out, w.o)
+
+
+    def _attend(self, q: torch.Tensor, kv: KVLayer, pos: int) -> torch.Tensor:
+        """The torch twin of the native attention. One query at a time over exactly the keys it sees: the same
+        ops whether the pass has 1 or N tokens (a masked batch would change reduction lengths and so the
+        rounding)."""
+        hp, n, D, Dv = self.hp, q.shape[0], self.hp.head_dim_k, self.hp.head_dim_v
         group = hp.n_head // hp.n_head_kv
-        out = torch.empty(n, hp.n_head * Dv, dtype=x.dtype, device=x.device)
-        # One query at a time over exactly the keys it sees: the same ops whether the pass has 1 or N
-        # tokens (a masked batch would change reduction lengths and so the rounding).
+        out = torch.empty(n, hp.n_head * Dv, dtype=q.dtype, device=q.device)
         keys = kv.k[:pos + n].permute(1, 2, 0)  # [H_kv, D, t]
         vals = kv.v[:pos + n].transpose(0, 1)  # [H_kv, t, Dv]
         rows = zip(q.reshape(n, hp.n_head_kv, group, D).unbind(0), out.view(n, hp.n_head_kv, group, Dv).unbind(0))
@@ -158,9 +170,7 @@ class GatedAttention:
             t = pos + i + 1
             probs = torch.softmax(torch.bmm(qi, keys[:, :, :t]) * self.scale, dim=-1)
             torch.bmm(probs, vals[:, :t], out=oi)
-        cb("attn_out", il, out)
-        out = out * torch.sigmoid(gate)
-        return rowwise_matmul(out, w.o)
+        return out
 
 
 @dataclass
@@ -269,7 +279,7 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
     n = q.shape[0]
     beta = pointwise(torch.sigmoid, b)
     g = w.a * pointwise(F.softplus, a + w.dt_bias)
-    if nativelib.gdn_usable(q, k, v, beta, g, S):  # one kernel call for the pass (engine/native/gdn.c)
+    if nativelib.floats_usable(q, k, v, beta, g, S):  # one kernel call for the pass (engine/native/gdn.c)
         o, states = nativelib.gdn_recurrent(q, k, v, beta, pointwise(torch.exp, g), S, capture is not None)
         if capture is not None:
             capture[il] = StateSteps(states, S)  # type: ignore[arg-type]
@@ -575,6 +585,12 @@ class Qwen35Model:
 
 # --- the MTP head --------------------------------------------------------------------------------
 
+# A draft pass's rows: the rows a verify kept plus one (more go through the head only when it catches up).
+MAX_DEPTH_ROWS = 16
+# Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
+EMBEDDED_ROWS = 4096
+
+
 class MTPHead:
     """The multi-token-prediction block (spec §3.6): from the trunk's post-norm hidden h at position
     p−1 and the token x at p it predicts the token at p+1. Its input row for position p is
@@ -599,9 +615,27 @@ class MTPHead:
         self.head = mf.tensor(p + "shared_head_head.weight").to(dev) if mf.has_tensor(p + "shared_head_head.weight") \
             else model.output  # the trunk's LM head, wherever it is
         self.layer = model._layer(L, dev)
+        self._embedded: dict[int, torch.Tensor] = {}  # token → its normed embedding row (inference only)
 
     def new_cache(self, n_ctx: int) -> Cache:
         return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.device, layers=(self.il,))
+
+    def _normed_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(embed(x); enorm) of each token. A function of the token alone, so at inference the rows of
+        the last few thousand tokens seen are kept (each computed as a one-row pass computes it: norms are
+        per-row, batch-invariant), sparing a draft its dequantize and norm ops."""
+        if self.enorm.requires_grad or ids.numel() > MAX_DEPTH_ROWS:  # training, or a catch-up over a prompt
+            return rms_norm(take_rows(self.embed, ids, device=self.device), self.enorm, self.hp.rms_eps)
+        c = self._embedded
+        toks = ids.tolist()
+        missing = [t for t in dict.fromkeys(toks) if t not in c]
+        if missing:
+            if len(c) + len(missing) > EMBEDDED_ROWS:
+                c.clear()
+            rows = rms_norm(take_rows(self.embed, torch.tensor(missing), device=self.device), self.enorm,
+                            self.hp.rms_eps)
+            c.update(zip(missing, rows))
+        return c[toks[0]].unsqueeze(0) if len(toks) == 1 else torch.stack([c[t] for t in toks])
 
     def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, *,
                 logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
@@ -612,7 +646,7 @@ class MTPHead:
         n, pos, eps = ids.numel(), cache.pos, self.hp.rms_eps
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
-        e = rms_norm(take_rows(self.embed, ids, device=self.device), self.enorm, eps)
+        e = self._normed_embeddings(ids)
         h = rms_norm(hidden.to(self.device), self.hnorm, eps)
         x = rowwise_matmul(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)

@@ -8,10 +8,10 @@
 #include <stdlib.h>
 
 /* idx [n, k] expert ids in [0, n_expert). Writes order [n·k] (flat pair indices t·k + s, grouped by expert),
- * experts [G] and counts [G] (the experts present, ascending, and their pairs). Returns G, or −1 for an id out
- * of range. */
-int64_t kq_group_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order,
-                       int64_t *experts, int64_t *counts) {
+ * tokens [n·k] (order / k), experts [G] and counts [G] (the experts present, ascending, and their pairs) and
+ * starts [G + 1] (the groups' first pairs, then n·k). Returns G, or −1 for an id out of range. */
+int64_t kq_group_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order, int64_t *tokens,
+                       int64_t *experts, int64_t *counts, int64_t *starts) {
     int64_t *start = calloc((size_t)n_expert + 1, sizeof(int64_t));
     if (!start) return -1;
     const int64_t p_n = n * k;
@@ -26,11 +26,17 @@ int64_t kq_group_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_exper
     for (int64_t e = 0; e < n_expert; e++) {
         if (start[e + 1]) {
             experts[g] = e;
-            counts[g++] = start[e + 1];
+            counts[g] = start[e + 1];
+            starts[g++] = start[e];
         }
         start[e + 1] += start[e];
     }
-    for (int64_t p = 0; p < p_n; p++) order[start[idx[p]]++] = p;
+    starts[g] = p_n;
+    for (int64_t p = 0; p < p_n; p++) {
+        const int64_t at = start[idx[p]]++;
+        order[at] = p;
+        tokens[at] = p / k;
+    }
     free(start);
     return g;
 }

@@ -1,4 +1,5 @@
-"""The native Gated DeltaNet recurrence (engine/native/gdn.c) against the torch loop it replaces."""
+"""The native float kernels against the torch code they replace: the Gated DeltaNet recurrence
+(engine/native/gdn.c) and causal attention over the KV cache (engine/native/attention.c)."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_native_recurrence_equals_the_torch_loop(monkeypatch, n: int, h: int, dk
     cap_nat: dict = {}
     cap_ref: dict = {}
     beta, g, o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S_nat, cap_nat, 0)  # type: ignore[arg-type]
-    monkeypatch.setattr(nativelib, "gdn_usable", lambda *t: False)
+    monkeypatch.setattr(nativelib, "floats_usable", lambda *t: False)
     beta_r, g_r, o_r = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S_ref, cap_ref, 0)  # type: ignore[arg-type]
     assert torch.equal(beta, beta_r) and torch.equal(g, g_r)
     torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
@@ -58,3 +59,37 @@ def test_native_recurrence_is_token_and_thread_invariant(monkeypatch) -> None:
         S2 = S.clone()
         o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S2, None, 0)[2]  # type: ignore[arg-type]
         assert torch.equal(o, torch.cat(steps)) and torch.equal(S2, S1), threads
+
+
+def _attention_inputs(n: int, pos: int, h: int, h_kv: int, d: int, dv: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    from engine.cache import KVLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, h, d, generator=gen)
+    kv = KVLayer(torch.randn(pos + n + 3, h_kv, d, generator=gen), torch.randn(pos + n + 3, h_kv, dv, generator=gen))
+    return q, kv
+
+
+class _HP:  # the hyper-parameters the torch attention reads
+    def __init__(self, h: int, h_kv: int, d: int, dv: int):
+        self.n_head, self.n_head_kv, self.head_dim_k, self.head_dim_v = h, h_kv, d, dv
+
+
+@pytest.mark.parametrize("n,pos,h,h_kv,d,dv", [(1, 0, 4, 2, 64, 64), (5, 17, 4, 2, 64, 64), (3, 40, 8, 2, 256, 256),
+                                               (2, 5, 2, 2, 40, 24)])
+def test_native_attention_equals_the_torch_twin(n: int, pos: int, h: int, h_kv: int, d: int, dv: int) -> None:
+    """Each query over exactly the keys it sees (keys past pos + i are in the cache but must not count)."""
+    q, kv = _attention_inputs(n, pos, h, h_kv, d, dv)
+    att = qwen35.GatedAttention.__new__(qwen35.GatedAttention)
+    att.hp, att.scale = _HP(h, h_kv, d, dv), d ** -0.5  # type: ignore[assignment]
+    ref = att._attend(q, kv, pos)
+    out = nativelib.attention(q, kv.k, kv.v, pos, att.scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_native_attention_is_query_and_thread_invariant(monkeypatch) -> None:
+    q, kv = _attention_inputs(6, 30, 8, 2, 64, 64, seed=2)
+    one = torch.cat([nativelib.attention(q[i:i + 1].clone(), kv.k, kv.v, 30 + i, 0.125) for i in range(6)])
+    for threads in (1, 2):
+        monkeypatch.setattr(nativelib, "threads", lambda work: threads)
+        assert torch.equal(nativelib.attention(q, kv.k, kv.v, 30, 0.125), one), threads
