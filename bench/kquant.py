@@ -1,11 +1,14 @@
-"""Q4_K / Q6_K products: the native kernels (engine.kquant) against dequantize-then-float (the torch path).
+"""Q4_K / Q6_K / Q8_0 products: the native kernels (engine.kquant) against the torch paths.
 
     python bench/kquant.py [--threads 2] [--rounds 5] [--out bench/results/kquant.json]
 
 One product per weight shape of the mid-size benchmark model (bench/synthetic.py MID: Q4_K with Q6_K expert
-down projections and LM head) and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk),
-the two paths alternating round by round (best round counts). "torch" is `rowwise_matmul` with the native path
-switched off (`engine.kquant.usable` → False); "native" is `rowwise_matmul` as the engine runs it.
+down projections and LM head), of the embedded model (Q8_0) and of a Q8_0 attention projection of a real
+model's width, and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk), the two paths
+alternating round by round (best round counts). "torch" is `rowwise_matmul` with the native path switched off
+(`engine.kquant.usable` → False: dequantize-then-float for K-quants, the torch integer path engine.q8dot for
+Q8_0 rows of ≤ 512 values and dequantize-then-float for wider ones); "native" is `rowwise_matmul` as the
+engine runs it.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from engine.rowwise import rowwise_matmul  # noqa: E402
 
 SHAPES = [(QT.Q4_K, 4096, 1024, "attention q+gate"), (QT.Q4_K, 1024, 2048, "attention / GDN out"),
           (QT.Q4_K, 512, 1024, "shared expert gate"), (QT.Q6_K, 1024, 256, "expert down"),
-          (QT.Q6_K, 32768, 1024, "LM head")]
+          (QT.Q6_K, 32768, 1024, "LM head"), (QT.Q8_0, 768, 256, "embedded q+k+v"),
+          (QT.Q8_0, 8192, 256, "embedded LM head"), (QT.Q8_0, 2048, 2048, "Q8_0 attention, 2048 wide")]
 ROWS = [1, 2, 4, 8, 64]
 
 

@@ -83,7 +83,8 @@ def _q8dot(d: dict) -> list[str]:
 
 
 def _kquant(d: dict) -> list[str]:
-    out = ["## Q4_K / Q6_K native kernels vs dequantize-then-float (`bench/kquant.py`)", "",
+    out = ["## Q4_K / Q6_K / Q8_0 native kernels vs the torch paths (`bench/kquant.py`)", "",
+           "torch: dequantize-then-float; for Q8_0 rows of ≤ 512 values the torch integer path (`engine.q8dot`).", "",
            f"Command: `{d['command']}` ({d['date']}), {d['threads']} thread(s), kernels: {d['kernels']}, best of "
            f"{d['rounds']} rounds, the two paths alternating.", "",
            "| weight [out × in] | M rows | native ms | torch ms | × | native GB/s of weights |", "|---|---|---|---|---|---|"]
