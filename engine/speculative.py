@@ -36,7 +36,8 @@ class MTPDrafter:
     """Owns the MTP head's KV cache and keeps it in step with the trunk.
 
     Head position p holds the row (x_p, h_{p−1}). Rows for positions the trunk has processed are queued
-    (`pending`) and run in one batch at the next draft, together with the first draft row.
+    (`pending`) and run in one batch at the next draft, together with the first draft row; a prompt's rows
+    are run with prefill (`catch_up`).
     """
 
     def __init__(self, head: MTPHead, n_ctx: int):
@@ -62,20 +63,28 @@ class MTPDrafter:
             self.pending_hidden.append(self.last_hidden)
             self.last_hidden = h
 
+    def catch_up(self) -> None:
+        """Run the head over the queued rows now, in chunks and without logits: the MTP head's share of processing
+        a prompt (the engine calls it with prefill), or a backlog of steps decoded without drafting."""
+        if not self.pending_tokens:
+            return
+        toks, hid = self.pending_tokens, torch.stack(self.pending_hidden)
+        for s in range(0, len(toks), CATCH_UP_CHUNK):
+            self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache, logit_rows="none")
+        self.pending_tokens, self.pending_hidden = [], []
+        self._committed = self.cache.pos
+
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty)."""
         out = Draft([], [])
+        if len(self.pending_tokens) > MAX_DEPTH + 1:  # a backlog (steps decoded without drafting): caught up on
+            t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
+            self.catch_up()
+            out.catch_up_s = time.perf_counter() - t0
         toks = self.pending_tokens + [x]
         hid = torch.stack(self.pending_hidden + [self.last_hidden])
         self.pending_tokens, self.pending_hidden = [], []
-        if len(toks) > MAX_DEPTH + 2:  # a prompt (or a turn decoded without drafting): caught up on its own and
-            t0 = time.perf_counter()  # timed apart, so auto's draft cost stays the cost of a step's drafts
-            for s in range(0, len(toks) - 1, CATCH_UP_CHUNK):
-                e = min(s + CATCH_UP_CHUNK, len(toks) - 1)
-                self.head.forward(toks[s:e], hid[s:e], self.cache, logit_rows="none")
-            toks, hid = toks[-1:], hid[-1:]
-            out.catch_up_s = time.perf_counter() - t0
         res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
         self._committed = self.cache.pos
         hist = list(history)
