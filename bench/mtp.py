@@ -1,7 +1,8 @@
 """Decode speed with MTP speculation off, at fixed depths and auto, with acceptance by depth.
 
-    python bench/mtp.py [--model PATH ...] [--prompts 48] [--tokens 64] [--rounds 2] [--threads 1]
+    python bench/mtp.py [--model PATH ...] [--prompts 48] [--tokens 64] [--rounds 2] [--threads N]
                         [--out bench/results/mtp.json]
+    python bench/mtp.py --threads 1 --out bench/results/mtp_1thread.json   # one core
 
 Two workloads:
 * the embedded default model answering the first `--prompts` held-out evaluation prompts
@@ -116,7 +117,8 @@ def main() -> None:
     ap.add_argument("--random-prompts", type=int, default=6, help="prompts for random-weight models")
     ap.add_argument("--random-tokens", type=int, default=24, help="new tokens per prompt for random-weight models")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="threads (default: every core, as the app runs)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mtp.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
