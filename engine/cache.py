@@ -44,11 +44,30 @@ class StateSteps:
         return self.last if i == n - 1 else self.before_last[i]
 
 
+class ConvSteps:
+    """A GDN layer's conv state after each of a pass's n positions, as views of the pass's input window
+    [K−1+n, C] (the old state, then the n new inputs) rather than n copies: after position i it is rows
+    i+1 … i+K−1."""
+
+    def __init__(self, window: torch.Tensor, kernel: int):
+        self.window, self.kernel = window, kernel
+
+    def __len__(self) -> int:
+        return self.window.shape[0] - (self.kernel - 1)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.window[i + 1:i + self.kernel]
+
+
 @dataclass
 class CapturedStates:
     """GDN states after every position of a multi-token pass, per recurrent layer (index = layer)."""
 
-    conv: dict[int, torch.Tensor]  # layer -> [N, K-1, C]
+    conv: dict[int, torch.Tensor | ConvSteps]  # layer -> [N, K-1, C]
     ssm: dict[int, torch.Tensor | StateSteps]  # layer -> [N, H_v, d_k, d_v]
 
 
@@ -92,7 +111,7 @@ class Cache:
     def reset(self) -> None:
         self.pos = 0
         for s in self.gdn.values():
-            s.conv.zero_()
+            s.conv = torch.zeros_like(s.conv)  # rebound: the current one may view a pass's window (ConvSteps)
             s.ssm.zero_()
 
     def truncate(self, n: int) -> None:
@@ -107,7 +126,7 @@ class Cache:
     def commit(self, captured: CapturedStates, index: int) -> None:
         """Take the GDN states reached after position `index` of the last multi-token pass."""
         for i, s in self.gdn.items():
-            s.conv.copy_(captured.conv[i][index])
+            s.conv = captured.conv[i][index].clone()  # rebound, as a pass rebinds it (it may view the window)
             s.ssm.copy_(captured.ssm[i][index])
 
     def snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -115,6 +134,6 @@ class Cache:
 
     def restore(self, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
         for i, (c, m) in snap.items():
-            self.gdn[i].conv.copy_(c)
+            self.gdn[i].conv = c.clone()  # rebound: the current one may view a pass's window that captures read
             self.gdn[i].ssm.copy_(m)
         self.pos = pos

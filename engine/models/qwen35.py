@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kquant, nativelib, q8dot
-from engine.cache import Cache, CapturedStates, GDNState, KVLayer, StateSteps
+from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer, StateSteps
 from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
 from engine.modelfile import HParams
@@ -206,7 +206,7 @@ class GatedDeltaNet:
         for j in range(1, K):
             conv = conv + window[j:j + n] * w.conv[:, j]
         if capture is not None:
-            capture.conv[il] = window.unfold(0, K - 1, 1)[1:].transpose(1, 2).clone()  # [n, K-1, C]
+            capture.conv[il] = ConvSteps(window, K)  # views of the window, no copy
         st.conv = window[n:]  # rebind, not copy_: the old state may be saved for backward while training
         u = F.silu(conv)
         cb("conv_output_silu", il, u)
