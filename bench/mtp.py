@@ -15,7 +15,7 @@ Each setting's speed is all decoded tokens over all decode time (everything afte
 prefill is excluded: with MTP on, the head's pass over the prompt runs with prefill, and the mean time to
 first token is reported beside), summed over the prompts; settings alternate prompt by prompt, in an order rotated
 from prompt to prompt, over `--rounds` rounds so a noisy machine affects them alike; the best round counts,
-and the ratio over all rounds is given too. Greedy decoding throughout.
+and the ratio over all rounds and the median over rounds of each round's ratio (paired) are given too. Greedy decoding throughout.
 """
 from __future__ import annotations
 
@@ -101,8 +101,13 @@ def bench_model(eng, prompts: list, n: int, rounds: int,  # type: ignore[no-unty
         entry["speedup_over_off"] = entry["decode_tok_s"] / base
         # the same ratio over every round: less at the mercy of one lucky round when the host's speed drifts
         entry["speedup_over_off_all_rounds"] = entry["decode_tok_s_all_rounds"] / base_all
+        # paired: within a round the settings alternate prompt by prompt, so a round's ratio compares like with
+        # like; the median over rounds is the figure least moved by the host's drift between rounds
+        entry["speedup_over_off_median_round"] = float(np.median(
+            [a / b for a, b in zip(entry["decode_tok_s_by_round"], out["off"]["decode_tok_s_by_round"])]))
         print(f"  {name:<5} {entry['decode_tok_s']:8.1f} tok/s  ×{entry['speedup_over_off']:.2f}"
-              f" (all rounds ×{entry['speedup_over_off_all_rounds']:.2f})"
+              f" (all rounds ×{entry['speedup_over_off_all_rounds']:.2f},"
+              f" median round ×{entry['speedup_over_off_median_round']:.2f})"
               + (f"  acceptance by depth {[round(a, 3) for a in entry['acceptance_by_depth']]}"
                  if "acceptance_by_depth" in entry else ""), flush=True)
     return out

@@ -100,16 +100,17 @@ def _mtp(d: dict) -> list[str]:
            f"{d['machine']['threads']} thread(s), best of {d['rounds']} rounds.", ""]
     for model, m in d["models"].items():
         out += [f"**{model}** — {m['workload']}", "",
-                "| setting | decode tok/s | × MTP off | × MTP off, all rounds | acceptance | by depth | mean accepted length "
-                "| mean TTFT ms |", "|---|---|---|---|---|---|---|---|"]
+                "| setting | decode tok/s | × MTP off | × MTP off, all rounds | × MTP off, median round | acceptance | by depth "
+                "| mean accepted length | mean TTFT ms |", "|---|---|---|---|---|---|---|---|---|"]
         for name, r in m["settings"].items():
             acc = f"{r['acceptance']:.3f}" if "acceptance" in r else "–"
             depth = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth", [])) or "–"
             mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
             every = f"{r['speedup_over_off_all_rounds']:.2f}" if "speedup_over_off_all_rounds" in r else "–"
             ttft = f"{r['ttft_ms_mean']:.1f}" if "ttft_ms_mean" in r else "–"
-            out.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['speedup_over_off']:.2f} | {every} | {acc} | {depth} | "
-                       f"{mal} | {ttft} |")
+            med = f"{r['speedup_over_off_median_round']:.2f}" if "speedup_over_off_median_round" in r else "–"
+            out.append(f"| {name} | {r['decode_tok_s']:.1f} | {r['speedup_over_off']:.2f} | {every} | {med} | {acc} | "
+                       f"{depth} | {mal} | {ttft} |")
         out.append("")
     return out
 
