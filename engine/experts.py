@@ -9,6 +9,7 @@ order, so a pass over N tokens is bit-identical to N passes of one.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -103,7 +104,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     n, k = idx.shape
     if kq and cache is None and n == 1:  # one token: the slots are the pairs, in expert groups of one
         out = torch.empty(k, x.shape[1])
-        _KQGrouped(x, _ZEROS[:k], q8dot.ARANGE[:k], None, out, q8dot.ARANGE[:k + 1]).run(
+        _KQGrouped(x, _ZEROS[:k], q8dot.ARANGE[:k], q8dot.ARANGE[:k + 1], out).run(
             (ew.gate, ew.up, ew.down), idx[0])  # type: ignore[arg-type]
         return _reduce_slots(out.view(1, k, -1), w)
     starts = None
@@ -117,7 +118,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         tokens = order // k
     if kq and cache is None:
         out = torch.empty(n * k, x.shape[1])
-        _KQGrouped(x, tokens, order, counts, out, starts).run((ew.gate, ew.up, ew.down), experts)  # type: ignore[arg-type]
+        _KQGrouped(x, tokens, order, starts, out).run((ew.gate, ew.up, ew.down), experts)  # type: ignore[arg-type]
         return _reduce_slots(out.view(n, k, -1), w)
     out = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     if isinstance(ew.gate, torch.Tensor):
@@ -130,11 +131,9 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
         out[order] = q8dot.experts(q8dot.quantize_rows(x), tokens, local, counts.tolist(), gate_up, down)
         return _reduce_slots(out.view(n, k, -1), w)
     experts_l, counts_l = experts.tolist(), counts.tolist()
-    starts = [0]
-    for c in counts_l:
-        starts.append(starts[-1] + c)
-    run = _Q8Grouped(x, tokens, order, starts, counts_l, out) if q8 else _KQGrouped(x, tokens, order, counts, out) \
-        if kq else _float_grouped(x, ew, tokens, order, starts, counts_l, out)
+    starts_l = starts.tolist() if starts is not None else [0, *itertools.accumulate(counts_l)]
+    run = _Q8Grouped(x, tokens, order, starts_l, counts_l, out) if q8 else _KQGrouped(x, tokens, order, starts, out) \
+        if kq else _float_grouped(x, ew, tokens, order, starts_l, counts_l, out)
     host = ew.gate.raw.device
     pos = {e: j for j, e in enumerate(experts_l)}
 
@@ -167,7 +166,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertW
     cached = [pos[e] for e in experts_l if e in hits]
     slots = cache.device.type == "cpu" and (q8 or kq)  # CPU stand-ins for an accelerator: the same integer path
     if cached:
-        crun = run if slots else _float_grouped(x, ew, tokens, order, starts, counts_l, out)
+        crun = run if slots else _float_grouped(x, ew, tokens, order, starts_l, counts_l, out)
         crun(cached, from_slots, cache.device)
     if on_cpu:
         run(on_cpu, from_host, host)
@@ -192,14 +191,10 @@ class _KQGrouped:
     """Runs a subset of a pass's experts on the CPU in the native kernels (engine.kquant: K-quants and Q8_0): each
     selected expert's blocks are read once for all its tokens, three kernel calls per subset."""
 
-    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, counts: torch.Tensor | None,
-                 out: torch.Tensor, starts: torch.Tensor | None = None):
-        self.x, self.tokens, self.order, self.out = x, tokens, order, out
-        if starts is None:
-            assert counts is not None
-            starts = torch.zeros(counts.numel() + 1, dtype=torch.long)
-            torch.cumsum(counts, 0, out=starts[1:])
-        self.starts = starts
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, starts: torch.Tensor | None,
+                 out: torch.Tensor):
+        assert starts is not None, "the native kernels come with the native grouping (nativelib.group_pairs)"
+        self.x, self.tokens, self.order, self.starts, self.out = x, tokens, order, starts, out
 
     def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
         """positions: indices into the pass's sorted experts; gather(positions) → the (gate, up, down) stacks and

@@ -155,7 +155,6 @@ class GatedAttention:
         out = out * torch.sigmoid(gate)
         return rowwise_matmul(out, w.o)
 
-
     def _attend(self, q: torch.Tensor, kv: KVLayer, pos: int) -> torch.Tensor:
         """The torch twin of the native attention. One query at a time over exactly the keys it sees: the same
         ops whether the pass has 1 or N tokens (a masked batch would change reduction lengths and so the
@@ -585,7 +584,8 @@ class Qwen35Model:
 
 # --- the MTP head --------------------------------------------------------------------------------
 
-# A draft pass's rows: the rows a verify kept plus one (more go through the head only when it catches up).
+# Head passes of up to this many rows take their embeddings from the per-token memo: a draft pass has at most
+# speculative.MAX_DEPTH + 1 rows (those a verify kept, plus one); longer ones catch up over a prompt.
 MAX_DEPTH_ROWS = 16
 # Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
 EMBEDDED_ROWS = 4096
