@@ -6,6 +6,7 @@ a multi-token pass can capture per position, and one of those captures is commit
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from engine.modelfile import HParams
 class GDNState:
     conv: torch.Tensor  # [K-1, C] the last K-1 pre-conv inputs (oldest first)
     ssm: torch.Tensor  # [H_v, d_k, d_v] the delta-rule state S
+    spare: torch.Tensor | None = None  # a second S buffer: a verify pass writes there and keeps S as it was
 
 
 @dataclass
@@ -26,22 +28,39 @@ class KVLayer:
     v: torch.Tensor  # [n_ctx, H_kv, D_v]
 
 
-class StateSteps:
-    """A recurrent layer's state after each of a pass's n positions without a copy of the last one: the first
-    n − 1 are captured, the last is the live state the pass leaves behind (valid until the next pass)."""
+class StateReplay:
+    """A recurrent layer's state after each of a pass's n positions, without a copy per position: the pass
+    keeps its starting state (in the layer's spare buffer) and its inputs, and the state after position i < n − 1
+    is made when asked for by re-running the first i + 1 tokens from there (`replay`, the same kernel and so
+    the same bits); after the last position it is the live state. Valid until the layer's next pass."""
 
-    def __init__(self, before_last: torch.Tensor, last: torch.Tensor):
-        self.before_last, self.last = before_last, last
+    def __init__(self, start: torch.Tensor, live: torch.Tensor, n: int,
+                 replay: Callable[[int, torch.Tensor, torch.Tensor], None]):
+        self.start, self.live, self.n, self.replay = start, live, n, replay
 
     def __len__(self) -> int:
-        return self.before_last.shape[0] + 1
+        return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"position {i} of a {n}-position pass")
-        i %= n
-        return self.last if i == n - 1 else self.before_last[i]
+        i = self._index(i)
+        if i == self.n - 1:
+            return self.live
+        out = torch.empty_like(self.start)
+        self.replay(i + 1, self.start, out)
+        return out
+
+    def write(self, i: int, dst: torch.Tensor) -> None:
+        """The state after position i into dst (the live buffer at a commit: no intermediate copy)."""
+        i = self._index(i)
+        if i < self.n - 1:
+            self.replay(i + 1, self.start, dst)
+        elif dst is not self.live:
+            dst.copy_(self.live)
+
+    def _index(self, i: int) -> int:
+        if not -self.n <= i < self.n:
+            raise IndexError(f"position {i} of a {self.n}-position pass")
+        return i % self.n
 
 
 class ConvSteps:
@@ -68,7 +87,7 @@ class CapturedStates:
     """GDN states after every position of a multi-token pass, per recurrent layer (index = layer)."""
 
     conv: dict[int, torch.Tensor | ConvSteps]  # layer -> [N, K-1, C]
-    ssm: dict[int, torch.Tensor | StateSteps]  # layer -> [N, H_v, d_k, d_v]
+    ssm: dict[int, torch.Tensor | StateReplay]  # layer -> [N, H_v, d_k, d_v]
 
 
 class Cache:
@@ -106,7 +125,8 @@ class Cache:
 
     @property
     def state_nbytes(self) -> int:
-        return sum(s.conv.nbytes + s.ssm.nbytes for s in self.gdn.values())
+        return sum(s.conv.nbytes + s.ssm.nbytes + (s.spare.nbytes if s.spare is not None else 0)
+                   for s in self.gdn.values())
 
     def reset(self) -> None:
         self.pos = 0
@@ -127,7 +147,11 @@ class Cache:
         """Take the GDN states reached after position `index` of the last multi-token pass."""
         for i, s in self.gdn.items():
             s.conv = captured.conv[i][index].clone()  # rebound, as a pass rebinds it (it may view the window)
-            s.ssm.copy_(captured.ssm[i][index])
+            steps = captured.ssm[i]
+            if isinstance(steps, StateReplay):
+                steps.write(index, s.ssm)
+            else:
+                s.ssm.copy_(steps[index])
 
     def snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         return {i: (s.conv.clone(), s.ssm.clone()) for i, s in self.gdn.items()}

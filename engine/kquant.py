@@ -103,7 +103,8 @@ def _quantize(x: torch.Tensor, memo: LastInputs[Q8KRows], block: int) -> Q8KRows
         _LIB.q8_quantize_q8_0(xc.data_ptr(), m, k, q.data_ptr(), d.data_ptr())  # type: ignore[union-attr]
     else:
         r = Q8KRows(q, d, torch.empty(m, k // 16, dtype=torch.int16))
-        _LIB.kq_quantize_q8k(xc.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), r.bsums.data_ptr())  # type: ignore[union-attr]
+        _LIB.kq_quantize_q8k(xc.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), r.bsums.data_ptr(),  # type: ignore[union-attr]
+                             PORTABLE)
     return memo.put(x, r)
 
 

@@ -19,7 +19,7 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
-    "kq_quantize_q8k": ([_P, _I, _I, _P, _P, _P], None),
+    "kq_quantize_q8k": ([_P, _I, _I, _P, _P, _P, _C], None),
     "kq_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
     "kq_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
     "kq_q4k_order": ([_P, _I, _I, _P], None),
@@ -28,7 +28,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
     "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
     "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C], _C),
-    "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _C], _C),
+    "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _C, _C], _C),
 }
 
 
@@ -47,6 +47,8 @@ def _load() -> ctypes.CDLL | None:
 
 
 LIB = _load()
+# True: the GDN recurrence runs its portable loop even where the AVX512 register form can (tests compare them).
+PORTABLE_GDN = False
 
 
 def available() -> bool:
@@ -105,20 +107,20 @@ def floats_usable(*ts: torch.Tensor) -> bool:
 
 
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
-                  S: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The delta rule over a pass's n tokens, token by token: q, k [n, H, d_k], v [n, H, d_v], β and e^g
-    [n, H]; S [H, d_k, d_v] is advanced in place. Returns o [n, H, d_v] and, with `capture`, the state after
-    every token but the last [n − 1, H, d_k, d_v] (after the last one it is S)."""
+    [n, H]; from the state S [H, d_k, d_v] to the state after the last token, written into `out` (S itself
+    when None: in place; another buffer keeps S as it was). Returns o [n, H, d_v]."""
     n, h, dk = k.shape
     dv = v.shape[-1]
     q, k, v, beta, decay = (t.contiguous() for t in (q, k, v, beta, decay))
-    if not S.is_contiguous():
+    out = S if out is None else out
+    if not (S.is_contiguous() and out.is_contiguous()):
         raise ValueError("the GDN state must be contiguous")
     o = torch.empty(n, h, dv)
-    states = torch.empty(n - 1, h, dk, dv) if capture else None
     rc = LIB.kq_gdn_recurrent(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
-                              S.data_ptr(), o.data_ptr(), states.data_ptr() if states is not None and n > 1 else None,
-                              n, h, dk, dv, threads(n * h * dk * dv))
+                              S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, dk, dv, threads(n * h * dk * dv),
+                              PORTABLE_GDN)
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")
-    return o, states
+    return o

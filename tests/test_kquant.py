@@ -28,6 +28,7 @@ def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[0, :256] = 0.0  # an all-zero block (scale 0)
     x[-1, 300] = -40.0  # a block dominated by one negative value
+    x[1, 256 + 7], x[1, 256 + 200] = 9.0, -9.0  # equal magnitudes: the first one's sign sets the scale
     return x
 
 
@@ -47,6 +48,18 @@ def test_activations_quantize_as_ggml_q8_k() -> None:
     # the torch twin's rounding reproduces the same values up to the last ulp of the scale
     torch.testing.assert_close(round_activations(x, "Q4_K"), (xr.q.view(5, -1, 256) * xr.d.unsqueeze(-1)).view(5, -1),
                                rtol=1e-6, atol=0)
+
+
+def test_activations_quantize_the_same_in_avx512_and_portable_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _x(7, 2048, seed=3)
+    x[2, 512:768] = float("nan")
+    x[2, 600] = 3.0  # NaNs are passed over by the maximum
+    got = {}
+    for portable in (False, True):
+        monkeypatch.setattr(kquant, "PORTABLE", portable)
+        got[portable] = kquant.quantize_rows(x.clone())
+    for f in ("q", "d", "bsums"):
+        assert torch.equal(getattr(got[False], f), getattr(got[True], f)), f
 
 
 def test_activations_quantize_as_ggml_q8_0() -> None:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import nativelib
+from engine.cache import GDNState
 from engine.models import qwen35
 
 
@@ -34,31 +35,52 @@ def _built() -> None:
 @pytest.mark.parametrize("n,h,dk,dv", [(1, 4, 32, 32), (5, 4, 32, 32), (3, 16, 128, 128), (2, 2, 64, 96)])
 def test_native_recurrence_equals_the_torch_loop(monkeypatch, n: int, h: int, dk: int, dv: int) -> None:
     q, k, v, b, a, w, S = _inputs(n, h, dk, dv)
-    S_nat, S_ref = S.clone(), S.clone()
+    st_nat, st_ref = _state(S), _state(S)
     cap_nat: dict = {}
     cap_ref: dict = {}
-    beta, g, o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S_nat, cap_nat, 0)  # type: ignore[arg-type]
+    beta, g, o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, st_nat, cap_nat, 0)  # type: ignore[arg-type]
     monkeypatch.setattr(nativelib, "floats_usable", lambda *t: False)
-    beta_r, g_r, o_r = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S_ref, cap_ref, 0)  # type: ignore[arg-type]
+    beta_r, g_r, o_r = qwen35._delta_rule_recurrent(q, k, v, b, a, w, st_ref, cap_ref, 0)  # type: ignore[arg-type]
     assert torch.equal(beta, beta_r) and torch.equal(g, g_r)
     torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(S_nat, S_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(st_nat.ssm, st_ref.ssm, rtol=1e-5, atol=1e-6)
     steps = torch.stack([cap_nat[0][t] for t in range(n)])
     torch.testing.assert_close(steps, cap_ref[0], rtol=1e-5, atol=1e-6)
-    assert len(cap_nat[0]) == n and cap_nat[0][-1] is S_nat  # the last position's state is the live one, not a copy
+    assert len(cap_nat[0]) == n and cap_nat[0][-1] is st_nat.ssm  # the last position's state is the live one
+    assert torch.equal(st_nat.spare, S)  # and the pass kept the state it started from
 
 
-def test_native_recurrence_is_token_and_thread_invariant(monkeypatch) -> None:
-    """Token t of an n-token pass has the bits of n one-token passes, on one thread or several."""
-    q, k, v, b, a, w, S = _inputs(6, 8, 64, 64, seed=1)
-    S1 = S.clone()
-    steps = [qwen35._delta_rule_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], b[t:t + 1], a[t:t + 1], w, S1, None, 0)[2]
+def _state(S: torch.Tensor) -> GDNState:
+    return GDNState(torch.empty(0), S.clone())
+
+
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (32, 48)])
+def test_native_recurrence_is_token_and_thread_invariant(monkeypatch, dk: int, dv: int) -> None:
+    """Token t of an n-token pass has the bits of n one-token passes, on one thread or several (the d_v of
+    64 and 128 run in registers on AVX512, other widths in the portable loop)."""
+    q, k, v, b, a, w, S = _inputs(6, 8, dk, dv, seed=1)
+    st1 = _state(S)
+    steps = [qwen35._delta_rule_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], b[t:t + 1], a[t:t + 1], w, st1, None, 0)[2]
              for t in range(6)]  # type: ignore[arg-type]
     for threads in (1, 2):
         monkeypatch.setattr(nativelib, "threads", lambda work: threads)
-        S2 = S.clone()
-        o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, S2, None, 0)[2]  # type: ignore[arg-type]
-        assert torch.equal(o, torch.cat(steps)) and torch.equal(S2, S1), threads
+        st2 = _state(S)
+        o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, st2, None, 0)[2]  # type: ignore[arg-type]
+        assert torch.equal(o, torch.cat(steps)) and torch.equal(st2.ssm, st1.ssm), threads
+
+
+@pytest.mark.parametrize("n,dk,dv", [(1, 128, 128), (4, 128, 128), (3, 64, 64)])
+def test_native_recurrence_register_form_equals_the_loop(monkeypatch, n: int, dk: int, dv: int) -> None:
+    """The AVX512 form (e, o and Sᵀk in registers) gives the portable loop's bits, replayed states included."""
+    q, k, v, b, a, w, S = _inputs(n, 16, dk, dv, seed=2)
+    got = {}
+    for portable in (False, True):
+        monkeypatch.setattr(nativelib, "PORTABLE_GDN", portable)
+        st, cap = _state(S), {}
+        o = qwen35._delta_rule_recurrent(q, k, v, b, a, w, st, cap, 0)[2]  # type: ignore[arg-type]
+        got[portable] = (o, st.ssm, [cap[0][t].clone() for t in range(n)])
+    assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1], got[True][1])
+    assert all(torch.equal(x, y) for x, y in zip(got[False][2], got[True][2]))
 
 
 def _attention_inputs(n: int, pos: int, h: int, h_kv: int, d: int, dv: int, seed: int = 0):  # type: ignore[no-untyped-def]

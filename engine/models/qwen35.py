@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kquant, nativelib, q8dot
-from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer, StateSteps
+from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer, StateReplay
 from engine.expert_cache import ExpertCache
 from engine.experts import ExpertWeights, RoutingStats, SharedExpert, route, run_experts
 from engine.modelfile import HParams
@@ -221,7 +221,7 @@ class GatedDeltaNet:
             g = w.a * F.softplus(a + w.dt_bias)
             o, st.ssm = _delta_rule_chunked(q, k, v, beta, g, st.ssm, self.chunk)
         else:
-            beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st.ssm, capture.ssm if capture else None, il)
+            beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st, capture.ssm if capture else None, il)
         cb("beta", il, beta)
         cb("gate", il, g)
         cb("attn_output", il, o)
@@ -264,24 +264,38 @@ class GatedDeltaNet:
 
 
 def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                          w: GDNWeights, S: torch.Tensor, capture: dict | None,
+                          w: GDNWeights, st: GDNState, capture: dict | None,
                           il: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S: [H, d_k, d_v].
+    """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S = st.ssm: [H, d_k, d_v].
 
     β = σ(b), g = ssm_a · softplus(α + dt_bias) and e^g are computed for all tokens at once on rows padded to
     full SIMD width (`pointwise`: the same bits for one token or many); the loop body is five kernels on
     views, each the same product whatever the number of tokens. With `capture`, every token's state is
     written straight into the captured stack (no copy of S per token). On the CPU the whole loop is one
-    native call instead (engine.nativelib.gdn_recurrent: each head's state stays in cache over the tokens).
+    native call instead (engine.nativelib.gdn_recurrent: each head's state stays in cache over the tokens),
+    and a capture writes no per-position states: the pass writes its final state into the layer's spare buffer,
+    keeps the one it started from, and the states in between are re-run from it when asked for
+    (engine.cache.StateReplay: at a commit, only when the verify kept fewer tokens than it ran).
     Returns (β, g, o).
     """
     n = q.shape[0]
+    S = st.ssm
     beta = pointwise(torch.sigmoid, b)
     g = w.a * pointwise(F.softplus, a + w.dt_bias)
     if nativelib.floats_usable(q, k, v, beta, g, S):  # one kernel call for the pass (engine/native/gdn.c)
-        o, states = nativelib.gdn_recurrent(q, k, v, beta, pointwise(torch.exp, g), S, capture is not None)
-        if capture is not None:
-            capture[il] = StateSteps(states, S)  # type: ignore[arg-type]
+        decay = pointwise(torch.exp, g)
+        if capture is None:
+            return beta, g, nativelib.gdn_recurrent(q, k, v, beta, decay, S)
+        start = S
+        live = st.spare if st.spare is not None else torch.empty_like(S)
+        o = nativelib.gdn_recurrent(q, k, v, beta, decay, start, live)
+        st.ssm, st.spare = live, start
+        ins = tuple(t.contiguous() for t in (q, k, v, beta, decay))
+
+        def replay(count: int, s_in: torch.Tensor, s_out: torch.Tensor) -> None:
+            nativelib.gdn_recurrent(*(t[:count] for t in ins), s_in, s_out)
+
+        capture[il] = StateReplay(start, live, n, replay)
         return beta, g, o
     o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None

@@ -3,7 +3,12 @@
  * A head's state (64 KiB at d_k = d_v = 128) stays in cache over all the pass's tokens and is swept once per
  * token (its update and Sᵀq, then the next token's decay and Sᵀk), where five tensor ops per token read it
  * five times. Token t's arithmetic is the same whatever the number of tokens or threads (a head is one
- * thread's work), so a verify pass gives the bits of one-token steps.
+ * thread's work), so a verify pass gives the bits of one-token steps, and re-running a pass's first j tokens
+ * from its starting state gives the bits of the state it passed through after token j (engine.cache
+ * StateReplay: a verify keeps its starting state instead of writing a copy of the state per position).
+ *
+ * The state is read from S_in and written to S_out (the same buffer for an in-place step): the first sweep
+ * reads one and writes the other, so keeping the starting state costs no copy.
  */
 #include <stdint.h>
 #include <string.h>
@@ -17,46 +22,98 @@
 int kq_isa(void);
 
 #if defined(__x86_64__)
-/* Captured states are written once and read at most once (at the commit): streaming stores skip reading
- * the destination into cache first, half the memory traffic of a plain copy. dst 64-byte aligned. */
-__attribute__((target("avx512f")))
-static void stream_copy(float *dst, const float *src, int64_t n) {
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
-    for (; j < n; j++) dst[j] = src[j];
-}
-#endif
-
-static void copy_state(float *dst, const float *src, int64_t n, int streaming) {
-#if defined(__x86_64__)
-    if (streaming && ((uintptr_t)dst & 63) == 0) {
-        stream_copy(dst, src, n);
-        return;
+/* One head's tokens with its d_v = 16·NV columns of e, o and Sᵀk held in registers over the sweep (the
+ * portable loop keeps them in memory and loads and stores them for every row of S). Element by element the
+ * same operations in the same order as the loop in kq_gdn_recurrent, so the same bits. */
+#define SWEEP(NV, NEXT)                                                                                           \
+    for (int64_t i = 0; i < dk; i++) {                                                                            \
+        float *row = Sh + i * (16 * NV);                                                                          \
+        const __m512 ki = _mm512_set1_ps(kt[i]), qi = _mm512_set1_ps(qt[i]);                                     \
+        const __m512 kni = _mm512_set1_ps(NEXT ? kn[i] : 0.f);                                                    \
+        for (int c = 0; c < NV; c++) {                                                                            \
+            __m512 r = _mm512_add_ps(_mm512_loadu_ps(row + 16 * c), _mm512_mul_ps(ki, e[c]));                     \
+            acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(r, qi));                                                 \
+            if (NEXT) {                                                                                           \
+                r = _mm512_mul_ps(r, decn);                                                                       \
+                u[c] = _mm512_add_ps(u[c], _mm512_mul_ps(r, kni));                                                \
+            }                                                                                                     \
+            _mm512_storeu_ps(row + 16 * c, r);                                                                    \
+        }                                                                                                         \
     }
-#endif
-    (void)streaming;
-    memcpy(dst, src, (size_t)n * sizeof(float));
+
+#define DEFINE_HEAD(NV)                                                                                           \
+__attribute__((target("avx512f")))                                                                                \
+static void head_dv##NV(const float *q, const float *k, const float *v, const float *beta, const float *decay,    \
+                        const float *S_in, float *Sh, float *o, int64_t n, int64_t H, int64_t h, int64_t dk) {    \
+    const int64_t dv = 16 * NV;                                                                                   \
+    __m512 u[NV], e[NV], acc[NV];                                                                                 \
+    for (int c = 0; c < NV; c++) u[c] = _mm512_setzero_ps();                                                      \
+    const __m512 dec0 = _mm512_set1_ps(decay[h]);                                                                 \
+    for (int64_t i = 0; i < dk; i++) {                                                                            \
+        const __m512 ki = _mm512_set1_ps(k[h * dk + i]);                                                          \
+        for (int c = 0; c < NV; c++) {                                                                            \
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(S_in + i * dv + 16 * c), dec0);                        \
+            _mm512_storeu_ps(Sh + i * dv + 16 * c, r);                                                            \
+            u[c] = _mm512_add_ps(u[c], _mm512_mul_ps(r, ki));                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+    for (int64_t t = 0; t < n; t++) {                                                                             \
+        const int64_t th = t * H + h;                                                                             \
+        const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv;                                      \
+        const __m512 bt = _mm512_set1_ps(beta[th]);                                                               \
+        for (int c = 0; c < NV; c++) {                                                                            \
+            e[c] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(vt + 16 * c), u[c]), bt);                          \
+            acc[c] = _mm512_setzero_ps();                                                                         \
+        }                                                                                                         \
+        if (t + 1 < n) {                                                                                          \
+            const float *kn = k + (th + H) * dk;                                                                  \
+            const __m512 decn = _mm512_set1_ps(decay[th + H]);                                                    \
+            for (int c = 0; c < NV; c++) u[c] = _mm512_setzero_ps();                                              \
+            SWEEP(NV, 1)                                                                                          \
+        } else {                                                                                                  \
+            const float *kn = NULL;                                                                               \
+            const __m512 decn = _mm512_setzero_ps();                                                              \
+            (void)kn;                                                                                             \
+            (void)decn;                                                                                           \
+            SWEEP(NV, 0)                                                                                          \
+        }                                                                                                         \
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + th * dv + 16 * c, acc[c]);                             \
+    }                                                                                                             \
 }
 
-/* q, k [n, H, dk]; v [n, H, dv]; beta, decay [n, H]; S [H, dk, dv] (in/out); o [n, H, dv];
- * states [n − 1, H, dk, dv] (the state after every token but the last, which S itself holds) or NULL.
+DEFINE_HEAD(4)
+DEFINE_HEAD(8)
+#endif
+
+/* q, k [n, H, dk]; v [n, H, dv]; beta, decay [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer);
+ * o [n, H, dv]. portable: the loop below even where the register form could run (tests compare the two).
  * Returns 0, or -1 if dv > MAX_DV. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float *beta, const float *decay, float *S,
-                     float *o, float *states, int64_t n, int64_t H, int64_t dk, int64_t dv, int n_threads) {
+int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float *beta, const float *decay,
+                     const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t dk, int64_t dv,
+                     int n_threads, int portable) {
     if (dv > MAX_DV) return -1;
-    const int streaming = kq_isa() == 1;
+    const int avx512 = kq_isa() == 1 && !portable;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t h = 0; h < H; h++) {
+        const float *Sin = S_in + h * dk * dv;
+        float *Sh = S_out + h * dk * dv;
+#if defined(__x86_64__)
+        if (avx512 && (dv == 64 || dv == 128)) {
+            (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, h, dk);
+            continue;
+        }
+#endif
+        (void)avx512;
         float u[MAX_DV], e[MAX_DV];
-        float *Sh = S + h * dk * dv;
         /* token 0's decay and Sᵀk; later tokens' are done in the previous token's update sweep */
         for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
         for (int64_t i = 0; i < dk; i++) {
+            const float *in = Sin + i * dv;
             float *row = Sh + i * dv;
             const float ki = k[h * dk + i], dec = decay[h];
             for (int64_t j = 0; j < dv; j++) {
-                row[j] *= dec;
+                row[j] = in[j] * dec;
                 u[j] += row[j] * ki;
             }
         }
@@ -73,9 +130,8 @@ int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float
             const float decn = next ? decay[th + H] : 0.f;
             if (next)
                 for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
-            float *dst = states && next ? states + th * dk * dv : NULL;
-            /* one sweep: token t's update and output, its captured state, then token t+1's decay and Sᵀk —
-             * element by element the same operations as separate sweeps (built without FP contraction) */
+            /* one sweep: token t's update and output, then token t+1's decay and Sᵀk — element by element the
+             * same operations as separate sweeps (built without FP contraction) */
             for (int64_t i = 0; i < dk; i++) {
                 float *row = Sh + i * dv;
                 const float ki = kt[i], qi = qt[i];
@@ -83,7 +139,6 @@ int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float
                     row[j] += ki * e[j];
                     ot[j] += row[j] * qi;
                 }
-                if (dst) copy_state(dst + i * dv, row, dv, streaming);
                 if (next) {
                     const float kni = kn[i];
                     for (int64_t j = 0; j < dv; j++) {
@@ -93,9 +148,6 @@ int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float
                 }
             }
         }
-#if defined(__x86_64__)
-        _mm_sfence();  /* this thread's streamed states are visible before the region ends */
-#endif
     }
     return 0;
 }

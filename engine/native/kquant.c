@@ -53,34 +53,77 @@ static float fp16(const uint8_t *p) {
 
 /* ggml quantize_row_q8_K: per block of 256, scale from the signed extreme (first of equal magnitudes),
  * q = round-half-even(−127/max · x) capped at 127, d = 1/iscale, and the sums of q per 16. */
-void kq_quantize_q8k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums) {
-    const int64_t nb = k / QK;
-    for (int64_t i = 0; i < m_rows * nb; i++) {
-        const float *xb = x + i * QK;
-        int8_t *qb = q + i * QK;
-        float amax = 0.f, max = 0.f;
-        for (int j = 0; j < QK; j++) {
-            float ax = fabsf(xb[j]);
-            if (ax > amax) { amax = ax; max = xb[j]; }
-        }
-        if (amax == 0.f) {
-            d[i] = 0.f;
-            memset(qb, 0, QK);
-            memset(bsums + i * 16, 0, 16 * sizeof(int16_t));
-            continue;
-        }
-        const float iscale = -127.f / max;
-        for (int j = 0; j < QK; j++) {
-            long v = lrintf(iscale * xb[j]);
-            qb[j] = (int8_t)(v > 127 ? 127 : v);
-        }
-        for (int g = 0; g < 16; g++) {
-            int s = 0;
-            for (int j = 0; j < 16; j++) s += qb[g * 16 + j];
-            bsums[i * 16 + g] = (int16_t)s;
-        }
-        d[i] = 1.f / iscale;
+static void quantize_q8k_block(const float *xb, int8_t *qb, float *d, int16_t *bsums) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < QK; j++) {
+        float ax = fabsf(xb[j]);
+        if (ax > amax) { amax = ax; max = xb[j]; }
     }
+    if (amax == 0.f) {
+        *d = 0.f;
+        memset(qb, 0, QK);
+        memset(bsums, 0, 16 * sizeof(int16_t));
+        return;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < QK; j++) {
+        long v = lrintf(iscale * xb[j]);
+        qb[j] = (int8_t)(v > 127 ? 127 : v);
+    }
+    *d = 1.f / iscale;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += qb[g * 16 + j];
+        bsums[g] = (int16_t)s;
+    }
+}
+
+#if defined(__x86_64__)
+/* The same block with AVX512: the same products and round-half-even conversions (the default rounding mode,
+ * as lrintf's), so the same quants; NaNs are skipped by the maximum as by the scalar loop. */
+__attribute__((target("avx512f,avx512bw")))
+static void quantize_q8k_block_avx512(const float *xb, int8_t *qb, float *d, int16_t *bsums) {
+    __m512 m = _mm512_setzero_ps();
+    for (int g = 0; g < 16; g++) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * g)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    if (amax == 0.f) {
+        quantize_q8k_block(xb, qb, d, bsums);
+        return;
+    }
+    int first = 0;
+    for (int g = 0; g < 16; g++) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * g)), _mm512_set1_ps(amax),
+                                                _CMP_EQ_OQ);
+        if (eq) {
+            first = 16 * g + __builtin_ctz(eq);
+            break;
+        }
+    }
+    const float iscale = -127.f / xb[first];
+    *d = 1.f / iscale;
+    const __m512 vs = _mm512_set1_ps(iscale);
+    for (int g = 0; g < 16; g++) {
+        const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), vs)),
+                                           _mm512_set1_epi32(127));
+        const __m128i q8 = _mm512_cvtepi32_epi8(v);  /* a NaN's INT_MIN truncates to 0, as the scalar cast */
+        _mm_storeu_si128((__m128i *)(qb + 16 * g), q8);
+        bsums[g] = (int16_t)_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q8));
+    }
+}
+#endif
+
+int kq_isa(void);
+
+void kq_quantize_q8k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int portable) {
+    const int64_t nb = k / QK;
+#if defined(__x86_64__)
+    if (!portable && kq_isa() == 1) {
+        for (int64_t i = 0; i < m_rows * nb; i++)
+            quantize_q8k_block_avx512(x + i * QK, q + i * QK, d + i, bsums + i * 16);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < m_rows * nb; i++) quantize_q8k_block(x + i * QK, q + i * QK, d + i, bsums + i * 16);
 }
 
 /* ---- weight blocks ------------------------------------------------------------------------------ */
@@ -162,23 +205,50 @@ typedef struct {
 /* AVX512BW products: a weight block is unpacked into registers once and multiplied by every activation
  * row of the tile (maddubs: u8 values × s8 quants → 16-bit pair sums; madd by the 16-bit sub-block scales
  * → int32), each row's float sum kept as 16 lanes until the end of the weight row. Q4_K takes the quants
- * in the nibble order of its blocks: per 64-value half, sub-blocks (0,2,1,3) then (4,6,5,7) (kq_q4k_order). */
+ * in the nibble order of its blocks: per 64-value half, sub-blocks (0,2,1,3) then (4,6,5,7) (kq_q4k_order).
+ * Measured and not kept: dpbusd then mullo by 32-bit scales on AVX512-VNNI (the same speed: two multiplies
+ * per 64 values either way); the mins' term as per-block float weights of the activations' scaled sums of
+ * 16 (no faster, and its rounding, unlike ggml's integer Σ min·bsum, doubled the KL to llama.cpp). */
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw")))
-static void rows_q4_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, const int8_t *xperm, const int64_t *xrow,
-                             int64_t tn, int64_t t0, __m512 *acc) {
+#define AVX512_TARGET "avx512f,avx512bw,f16c"
+
+typedef struct {
+    const int8_t *q;  /* the row's quants, block 0 */
+    const float *d;  /* its block scales */
+    const int16_t *bs;  /* its sums of 16 quants */
+} Row;
+
+__attribute__((target(AVX512_TARGET)))
+static inline float fp16_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Σ over a row's four 64-value vectors of scale·value·quant, int32 lanes */
+__attribute__((target(AVX512_TARGET)))
+static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *x) {
+    const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x)), s[0]);
+    const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], _mm512_loadu_si512(x + 64)), s[1]);
+    const __m512i p2 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]);
+    const __m512i p3 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]);
+    return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
+}
+
+__attribute__((target(AVX512_TARGET)))
+static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     /* 16-bit lanes of [sc0..7, mn0..7] picked for each product: the scales of the two sub-blocks a 64-value
-     * vector holds (lanes 0-15, 16-31), and each min twice (one per sum of 16 activations) */
-    const __m512i i0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i i1 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
-    const __m512i i2 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    const __m512i i3 = _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1);
-    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
-                                                                15, 15));
+     * vector holds (lanes 0-15, 16-31); and each min twice, once per sum of 16 activations */
+    const __m512i id16[4] = {_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
+                             _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
+                             _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
+                             _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
+    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
+                                                                14, 15, 15));
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
-        const float d = fp16(blk), dmin = fp16(blk + 2);
+        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
         uint32_t u[3];
         memcpy(u, blk + 4, 12);  /* the 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
         const __m128i sm = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
@@ -187,40 +257,37 @@ static void rows_q4_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, cons
                                           (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
         const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-        const __m512i v0 = _mm512_and_si512(q0, m4), v1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
-        const __m512i v2 = _mm512_and_si512(q1, m4), v3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
-        const __m512i s0 = _mm512_permutexvar_epi16(i0, w16), s1 = _mm512_permutexvar_epi16(i1, w16);
-        const __m512i s2 = _mm512_permutexvar_epi16(i2, w16), s3 = _mm512_permutexvar_epi16(i3, w16);
+        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(id16[c], w16);
         const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, w16));
         for (int64_t i = 0; i < tn; i++) {
-            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
-            const int8_t *x = xperm + xr * a->k + b * QK;
-            __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(v0, _mm512_loadu_si512(x)), s0);
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v1, _mm512_loadu_si512(x + 64)), s1));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v2, _mm512_loadu_si512(x + 128)), s2));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v3, _mm512_loadu_si512(x + 192)), s3));
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + (xr * nb + b) * 16));
+            const __m512i p = row_sum(v, s, rows[i].q + b * QK);
+            /* the mins' term as ggml computes it: Σ min·bsum in integers, then one float product */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
             const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
-            const float dx = a->d[xr * nb + b];
-            __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
+            const float dx = rows[i].d[b];
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
             acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
         }
     }
 }
 
-__attribute__((target("avx512f,avx512bw")))
-static void rows_q6_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, const int64_t *xrow, int64_t tn,
-                             int64_t t0, __m512 *acc) {
+__attribute__((target(AVX512_TARGET)))
+static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
     /* lane i of 32 (2 values each) of a 64-value vector belongs to its sub-block of 16: i / 8 */
     const __m512i idx0 = _mm512_setr_epi32(0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00010001, 0x00010001,
                                            0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00020002, 0x00020002,
                                            0x00030003, 0x00030003, 0x00030003, 0x00030003);
-    const __m512i four = _mm512_set1_epi16(4);
+    const __m512i id16[4] = {idx0, _mm512_add_epi16(idx0, _mm512_set1_epi16(4)),
+                             _mm512_add_epi16(idx0, _mm512_set1_epi16(8)), _mm512_add_epi16(idx0, _mm512_set1_epi16(12))};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
-        const float d = fp16(blk + 208);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const float d = fp16_f16c(blk + 208);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         const __m512i scw = _mm512_castsi256_si512(sc16);
         __m512i v[4], s[4];
         for (int n = 0; n < 2; n++) {
@@ -231,38 +298,35 @@ static void rows_q6_k_avx512(const uint8_t *row, int64_t nb, const Acts *a, cons
             v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m3), 4));
         }
-        for (int t = 0; t < 4; t++) {
-            __m512i id = _mm512_add_epi16(idx0, _mm512_mullo_epi16(four, _mm512_set1_epi16((short)t)));
-            s[t] = _mm512_permutexvar_epi16(id, scw);
-        }
+        for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi16(id16[t], scw);
         for (int64_t i = 0; i < tn; i++) {
-            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
-            const int8_t *x = a->q + xr * a->k + b * QK;
-            __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x)), s[0]);
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], _mm512_loadu_si512(x + 64)), s[1]));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]));
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + (xr * nb + b) * 16));
+            __m512i p = row_sum(v, s, rows[i].q + b * QK);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
             const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);  /* 32 · Σ sc·bsum (values are q+32) */
             p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(c));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(a->d[xr * nb + b] * d), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(rows[i].d[b] * d), acc[i]);
         }
     }
 }
 
-__attribute__((target("avx512f,avx512bw")))
+__attribute__((target(AVX512_TARGET)))
 static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                               const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
                               int64_t ldo) {
     const int64_t nb = a->k / QK;
+    const int8_t *xq = qtype == T_Q4_K ? xperm : a->q;
     __m512 acc[M_TILE];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        for (int64_t t0 = 0; t0 < m; t0 += M_TILE) {
-            const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
+    Row rows[M_TILE];
+    for (int64_t t0 = 0; t0 < m; t0 += M_TILE) {
+        const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
+        for (int64_t i = 0; i < tn; i++) {
+            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+            rows[i] = (Row){xq + xr * a->k, a->d + xr * nb, a->bs + xr * nb * 16};
+        }
+        for (int64_t r = r0; r < r1; r++) {
             for (int64_t i = 0; i < tn; i++) acc[i] = _mm512_setzero_ps();
-            if (qtype == T_Q4_K) rows_q4_k_avx512(row, nb, a, xperm, xrow, tn, t0, acc);
-            else rows_q6_k_avx512(row, nb, a, xrow, tn, t0, acc);
+            if (qtype == T_Q4_K) rows_q4_k(w + r * row_bytes, nb, rows, tn, acc);
+            else rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
             for (int64_t i = 0; i < tn; i++) out[(t0 + i) * ldo + r] = _mm512_reduce_add_ps(acc[i]);
         }
     }
@@ -276,7 +340,8 @@ static int features(void) {
         FEATURES = 0;
 #if defined(__x86_64__)
         __builtin_cpu_init();
-        const int bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+        const int bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("f16c");
         if (bw) FEATURES |= 1;
         if (bw && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
@@ -337,6 +402,8 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
 }
 
 #define ROW_CHUNK 16
+/* the unpacking of a weight block, in products of it by one activation row (measured: ~2.4 on AVX512) */
+#define UNPACK_COST 2
 
 /* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k], or a Q8_0 weight and
  * Q8_0 rows (xd [m, k/32], xbs unused); y row stride ldy.
@@ -362,15 +429,27 @@ void kq_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t 
                      const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts, float *out,
                      int n_threads, int portable) {
     const Acts a = {xq, xd, xbs, k};
-    const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK, n_items = n_groups * per;
+    const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
     kq_isa();
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t it = 0; it < n_items; it++) {
-        const int64_t g = it / per, c = it % per;
-        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
-        const int64_t p0 = starts[g], p1 = starts[g + 1];
-        rows_times(qtype, w + experts[g] * expert_bytes, row_bytes, r0, r1, &a, xperm, xrow + p0, p1 - p0,
-                   out + p0 * n_rows, n_rows, portable);
+    /* Work items are (group, chunk of rows), split into contiguous runs of equal cost: an item costs the
+     * unpacking of its weight rows plus one product per pair, so experts with more pairs weigh more (an
+     * even split by item count left one thread waiting for the other). */
+    #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t total = 0;
+        for (int64_t g = 0; g < n_groups; g++) total += per * (UNPACK_COST + starts[g + 1] - starts[g]);
+        const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+        int64_t at = 0;
+        for (int64_t g = 0; g < n_groups && at < hi; g++) {
+            const int64_t p0 = starts[g], p1 = starts[g + 1], cost = UNPACK_COST + p1 - p0;
+            for (int64_t c = 0; c < per; c++, at += cost) {
+                if (at < lo || at >= hi) continue;
+                const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
+                rows_times(qtype, w + experts[g] * expert_bytes, row_bytes, r0, r1, &a, xperm, xrow + p0, p1 - p0,
+                           out + p0 * n_rows, n_rows, portable);
+            }
+        }
     }
 }
 
