@@ -49,11 +49,12 @@ def _verify(d: dict) -> list[str]:
     title = "mid-size MoE fixture" if d["model"].get("shape") else f"`{d['model']['file']}`"
     out = [f"## Multi-token passes vs one decode step, {title} (`bench/verify.py`)", "",
            f"Command: `{d['command']}` ({d['date']}). Decode step: {d['decode_step_s'] * 1000:.1f} ms.", "",
-           "| N | grouped pass / decode | per-token loop / decode | weight bytes read, grouped / decode |",
-           "|---|---|---|---|"]
+           "| N | grouped pass / decode | per-token loop / decode | weight bytes read, grouped / decode | "
+           "commit keeping N − 1 / decode |", "|---|---|---|---|---|"]
     for row in d["verify"]:
+        commit = f"{row['commit_rerun_over_decode']:.2f}" if "commit_rerun_over_decode" in row else "–"
         out.append(f"| {row['n']} | {row['grouped_over_decode']:.2f} | {row['per_token_over_decode']:.2f} | "
-                   f"{row['grouped_bytes_over_decode']:.2f} |")
+                   f"{row['grouped_bytes_over_decode']:.2f} | {commit} |")
     p = d["prefill_512"]
     out += ["", "| prefill 512 tokens | tok/s | speed-up over per-token loop |", "|---|---|---|",
             f"| per-token loop | {p['per_token_loop']['tok_s']:.2f} | 1 |"]

@@ -4,7 +4,9 @@
     python bench/verify.py --model default --threads 1   # the embedded model → bench/results/verify_default.json
 
 For N = 2, 4, 8: one grouped pass over N tokens (as a verify: GDN states captured per position) vs N
-single-token steps, both divided by the time of one decode step, in the same run. Also prefill of 512
+single-token steps, both divided by the time of one decode step, in the same run; and the commit that follows
+a verify which keeps all but its last token, the most a commit does (it re-runs the GDN recurrence over the
+kept tokens from the pass's starting state instead of the pass writing a state copy per position). Also prefill of 512
 tokens, grouped (sequential and chunk-parallel GDN) vs the per-token loop, and the quantized weight bytes
 each pass reads: decode is bandwidth-bound, so bytes read is the physical floor of each ratio. Last, an
 instrumented run per N: the share of a pass spent in the routed experts and the distinct experts per layer.
@@ -72,10 +74,12 @@ def _counting_pairs(xr, w, xrow, experts, starts):  # type: ignore[no-untyped-de
     return _pairs(xr, w, xrow, experts, starts)
 
 
-def timed(fn, reps: int) -> tuple[float, int]:
-    """Median seconds of `fn` over `reps` runs, and the weight bytes one run reads."""
+def timed(fn, reps: int, setup=None) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Median seconds of `fn` over `reps` runs (each after an untimed `setup`), and the weight bytes one run reads."""
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         _bytes_read[0] = 0
         t0 = time.perf_counter()
         fn()
@@ -97,12 +101,13 @@ def _timed_experts(x, idx, *a, **k):  # type: ignore[no-untyped-def]
     return y
 
 
-def where_time_goes(n: int, fn, reps: int) -> dict:  # type: ignore[no-untyped-def]
+def where_time_goes(n: int, fn, reps: int, setup) -> dict:  # type: ignore[no-untyped-def]
     """A separate, instrumented run of a pass over n tokens: the share of its time spent in the routed experts
     and how many distinct experts a MoE layer selects (random routing: the bytes they read grow with it)."""
     _in_experts["on"] = True
     shares, passes, distinct = [], [], []
     for _ in range(reps):
+        setup()
         _in_experts["s"], _in_experts["distinct"] = 0.0, []
         t0 = time.perf_counter()
         fn()
@@ -150,39 +155,51 @@ def main() -> None:
     def reset() -> None:
         cache.restore(snap, len(context))
 
-    def step(toks: list[int], capture: bool) -> None:
+    def step(toks: list[int], capture: bool):  # type: ignore[no-untyped-def]
+        return m.forward(toks, cache, logit_rows="all", capture=capture)
+
+    def commit_cost(n: int) -> float:
+        """A verify's commit when it keeps all but its last token, the most a commit re-runs: the GDN states
+        after position n − 2 are re-run from the pass's starting state (engine.cache.StateReplay)."""
         reset()
-        m.forward(toks, cache, logit_rows="all", capture=capture)
+        res = step(draft[:n], True)
+        t0 = time.perf_counter()
+        cache.commit(res.captured, n - 2)
+        return time.perf_counter() - t0
 
     # Each repetition times one decode step, the grouped pass and the per-token loop back to back, and the
     # ratios are taken per repetition: the host's speed drifts, so only same-moment timings are compared.
-    timed(lambda: step(draft[:1], False), 1)  # warm-up
+    # The cache is restored to the context before each, outside the timed region.
+    timed(lambda: step(draft[:1], False), 1, reset)  # warm-up
     rows = []
     t1s: list[float] = []
     b1 = 0
     for n in (2, 4, 8):
         def loop(n: int = n) -> None:
-            reset()
             for t in draft[:n]:
                 m.forward([t], cache, logit_rows="all")
 
-        r_group, r_loop, tgs, tls = [], [], [], []
+        r_group, r_loop, r_commit, tgs, tls, tcs = [], [], [], [], [], []
         for _ in range(args.reps):
-            t1, b1 = timed(lambda: step(draft[:1], False), 1)
-            tg, bg = timed(lambda n=n: step(draft[:n], True), 1)
-            tl, bl = timed(loop, 1)
+            t1, b1 = timed(lambda: step(draft[:1], False), 1, reset)
+            tg, bg = timed(lambda n=n: step(draft[:n], True), 1, reset)
+            tl, bl = timed(loop, 1, reset)
+            tc = commit_cost(n)
             t1s.append(t1)
             tgs.append(tg)
             tls.append(tl)
+            tcs.append(tc)
             r_group.append(tg / t1)
             r_loop.append(tl / t1)
+            r_commit.append(tc / t1)
         rows.append({"n": n, "grouped_s": statistics.median(tgs), "per_token_s": statistics.median(tls),
                      "grouped_over_decode": statistics.median(r_group),
                      "per_token_over_decode": statistics.median(r_loop),
-                     "grouped_bytes_over_decode": bg / b1, "per_token_bytes_over_decode": bl / b1})
+                     "grouped_bytes_over_decode": bg / b1, "per_token_bytes_over_decode": bl / b1,
+                     "commit_rerun_s": statistics.median(tcs), "commit_rerun_over_decode": statistics.median(r_commit)})
         print(rows[-1], flush=True)
     t1 = statistics.median(t1s)
-    breakdown = [where_time_goes(n, lambda n=n: step(draft[:n], n > 1), args.reps) for n in (1, 2, 4, 8)]
+    breakdown = [where_time_goes(n, lambda n=n: step(draft[:n], n > 1), args.reps, reset) for n in (1, 2, 4, 8)]
 
     prompt = rng.integers(0, vocab, 512).tolist()
     prefill = {}

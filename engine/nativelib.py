@@ -28,7 +28,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
     "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
     "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C], _C),
-    "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _C, _C], _C),
+    "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
 }
 
 
@@ -108,18 +108,21 @@ def floats_usable(*ts: torch.Tensor) -> bool:
 
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
                   S: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The delta rule over a pass's n tokens, token by token: q, k [n, H, d_k], v [n, H, d_v], β and e^g
-    [n, H]; from the state S [H, d_k, d_v] to the state after the last token, written into `out` (S itself
-    when None: in place; another buffer keeps S as it was). Returns o [n, H, d_v]."""
-    n, h, dk = k.shape
-    dv = v.shape[-1]
+    """The delta rule over a pass's n tokens, token by token: q, k [n, H_k, d_k] (value head h reads key head
+    h mod H_k), v [n, H, d_v], β and e^g [n, H]; from the state S [H, d_k, d_v] to the state after the last
+    token, written into `out` (S itself when None: in place; another buffer keeps S as it was).
+    Returns o [n, H, d_v]."""
+    n, hk, dk = k.shape
+    h, dv = v.shape[1], v.shape[2]
+    if h % hk:
+        raise ValueError(f"{h} value heads cannot share {hk} key heads")
     q, k, v, beta, decay = (t.contiguous() for t in (q, k, v, beta, decay))
     out = S if out is None else out
     if not (S.is_contiguous() and out.is_contiguous()):
         raise ValueError("the GDN state must be contiguous")
     o = torch.empty(n, h, dv)
     rc = LIB.kq_gdn_recurrent(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
-                              S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, dk, dv, threads(n * h * dk * dv),
+                              S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, hk, dk, dv, threads(n * h * dk * dv),
                               PORTABLE_GDN)
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")

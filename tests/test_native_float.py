@@ -17,10 +17,12 @@ class _W:  # the two GDN weights the recurrence reads
         self.dt_bias = torch.randn(h, generator=gen) * 0.1
 
 
-def _inputs(n: int, h: int, dk: int, dv: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _inputs(n: int, h: int, dk: int, dv: int, seed: int = 0, hk: int | None = None):  # type: ignore[no-untyped-def]
+    """hk: key heads, each shared by h / hk value heads (GGUF's tiled order); h when None."""
     gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(n, h, dk, generator=gen), dim=-1) / dk ** 0.5
-    k = F.normalize(torch.randn(n, h, dk, generator=gen), dim=-1)
+    hk = hk or h
+    q = F.normalize(torch.randn(n, hk, dk, generator=gen), dim=-1) / dk ** 0.5
+    k = F.normalize(torch.randn(n, hk, dk, generator=gen), dim=-1)
     v = torch.randn(n, h, dv, generator=gen)
     b, a = torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen)
     S = torch.randn(h, dk, dv, generator=gen) * 0.1
@@ -32,9 +34,10 @@ def _built() -> None:
     assert nativelib.available(), "the native library was not built (pip install -e . builds it)"
 
 
-@pytest.mark.parametrize("n,h,dk,dv", [(1, 4, 32, 32), (5, 4, 32, 32), (3, 16, 128, 128), (2, 2, 64, 96)])
-def test_native_recurrence_equals_the_torch_loop(monkeypatch, n: int, h: int, dk: int, dv: int) -> None:
-    q, k, v, b, a, w, S = _inputs(n, h, dk, dv)
+@pytest.mark.parametrize("n,h,hk,dk,dv", [(1, 4, 4, 32, 32), (5, 4, 2, 32, 32), (3, 16, 8, 128, 128), (2, 2, 2, 64, 96),
+                                           (4, 6, 3, 64, 64)])
+def test_native_recurrence_equals_the_torch_loop(monkeypatch, n: int, h: int, hk: int, dk: int, dv: int) -> None:
+    q, k, v, b, a, w, S = _inputs(n, h, dk, dv, hk=hk)
     st_nat, st_ref = _state(S), _state(S)
     cap_nat: dict = {}
     cap_ref: dict = {}
@@ -72,7 +75,7 @@ def test_native_recurrence_is_token_and_thread_invariant(monkeypatch, dk: int, d
 @pytest.mark.parametrize("n,dk,dv", [(1, 128, 128), (4, 128, 128), (3, 64, 64)])
 def test_native_recurrence_register_form_equals_the_loop(monkeypatch, n: int, dk: int, dv: int) -> None:
     """The AVX512 form (e, o and Sᵀk in registers) gives the portable loop's bits, replayed states included."""
-    q, k, v, b, a, w, S = _inputs(n, 16, dk, dv, seed=2)
+    q, k, v, b, a, w, S = _inputs(n, 16, dk, dv, seed=2, hk=8)
     got = {}
     for portable in (False, True):
         monkeypatch.setattr(nativelib, "PORTABLE_GDN", portable)

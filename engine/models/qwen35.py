@@ -190,6 +190,18 @@ class GatedDeltaNet:
         self.hp, self.w, self.il = hp, w, layer
         self.chunk = 64  # tokens per chunk of the chunk-parallel delta rule (the trainer may raise it)
         self.n_seq = 1  # training: the pass holds this many independent sequences, each from a zero state
+        self._taps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def taps(self) -> torch.Tensor:
+        """The conv kernel as [K, C], each tap's weights contiguous: a column of the stored (C, K) is strided, and
+        a strided operand sends torch's elementwise product down its slow path (4× the time of the contiguous
+        one at 4 tokens). Made once per kernel tensor, unless it is being trained."""
+        c = self.w.conv
+        if c.requires_grad:
+            return c.t()
+        if self._taps is None or self._taps[0] is not c:
+            self._taps = (c, c.t().contiguous())
+        return self._taps[1]
 
     def __call__(self, x: torch.Tensor, st: GDNState, cb: Hook, capture: CapturedStates | None,
                  chunked: bool) -> torch.Tensor:
@@ -201,9 +213,10 @@ class GatedDeltaNet:
             return self._independent_sequences(mixed, z, b, a, cb)
         # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
         window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
-        conv = window[0:n] * w.conv[:, 0]
+        taps = self.taps()
+        conv = window[0:n] * taps[0]
         for j in range(1, K):
-            conv = conv + window[j:j + n] * w.conv[:, j]
+            conv = conv + window[j:j + n] * taps[j]
         if capture is not None:
             capture.conv[il] = ConvSteps(window, K)  # views of the window, no copy
         st.conv = window[n:]  # rebind, not copy_: the old state may be saved for backward while training
@@ -214,12 +227,10 @@ class GatedDeltaNet:
         v = u[:, 2 * Hk * dk:].reshape(n, Hv, dv)
         q = l2_norm(q, hp.rms_eps) * (1.0 / math.sqrt(dk))
         k = l2_norm(k, hp.rms_eps)
-        r = Hv // Hk
-        q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # GGUF tiled order: v-head h uses k-head h mod H_k
         if chunked and capture is None and n > 1:
             beta = torch.sigmoid(b)
             g = w.a * F.softplus(a + w.dt_bias)
-            o, st.ssm = _delta_rule_chunked(q, k, v, beta, g, st.ssm, self.chunk)
+            o, st.ssm = _delta_rule_chunked(*_tiled(q, k, Hv), v, beta, g, st.ssm, self.chunk)
         else:
             beta, g, o = _delta_rule_recurrent(q, k, v, b, a, w, st, capture.ssm if capture else None, il)
         cb("beta", il, beta)
@@ -238,16 +249,16 @@ class GatedDeltaNet:
         n, C = mixed.shape
         T = n // B
         window = F.pad(mixed.view(B, T, C), (0, 0, K - 1, 0))  # zero conv state before each sequence
-        conv = window[:, 0:T] * w.conv[:, 0]
+        taps = self.taps()
+        conv = window[:, 0:T] * taps[0]
         for j in range(1, K):
-            conv = conv + window[:, j:j + T] * w.conv[:, j]
+            conv = conv + window[:, j:j + T] * taps[j]
         u = F.silu(conv).view(n, C)
         cb("conv_output_silu", il, u)
         q = l2_norm(u[:, :Hk * dk].reshape(n, Hk, dk), hp.rms_eps) * (1.0 / math.sqrt(dk))
         k = l2_norm(u[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk), hp.rms_eps)
         v = u[:, 2 * Hk * dk:].reshape(n, Hv, dv)
-        r = Hv // Hk
-        q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)
+        q, k = _tiled(q, k, Hv)
         beta = torch.sigmoid(b)
         g = w.a * F.softplus(a + w.dt_bias)
 
@@ -263,10 +274,17 @@ class GatedDeltaNet:
         return rowwise_matmul(o.reshape(n, Hv * dv), w.out)
 
 
+def _tiled(q: torch.Tensor, k: torch.Tensor, h_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [n, H_k, d] repeated to the value heads: GGUF's tiled order, v-head h uses k-head h mod H_k."""
+    r = h_v // q.shape[1]
+    return q.repeat(1, r, 1), k.repeat(1, r, 1)
+
+
 def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                           w: GDNWeights, st: GDNState, capture: dict | None,
                           il: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S = st.ssm: [H, d_k, d_v].
+    """One token at a time (spec §3.4): S ← e^g S; e = β(v − Sᵀk); S ← S + k eᵀ; o = Sᵀq. S = st.ssm: [H, d_k, d_v];
+    q, k [n, H_k, d_k] (v-head h uses k-head h mod H_k; the native kernel reads them so, without a repeat).
 
     β = σ(b), g = ssm_a · softplus(α + dt_bias) and e^g are computed for all tokens at once on rows padded to
     full SIMD width (`pointwise`: the same bits for one token or many); the loop body is five kernels on
@@ -297,6 +315,7 @@ def _delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: 
 
         capture[il] = StateReplay(start, live, n, replay)
         return beta, g, o
+    q, k = _tiled(q, k, v.shape[1])
     o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture is not None else None
     # Per-token views made in one call each: [H, 1, 1] decay, [H, 1, d_k] k and q rows, [H, d_k, 1] k column,

@@ -44,13 +44,14 @@ int kq_isa(void);
 #define DEFINE_HEAD(NV)                                                                                           \
 __attribute__((target("avx512f")))                                                                                \
 static void head_dv##NV(const float *q, const float *k, const float *v, const float *beta, const float *decay,    \
-                        const float *S_in, float *Sh, float *o, int64_t n, int64_t H, int64_t h, int64_t dk) {    \
-    const int64_t dv = 16 * NV;                                                                                   \
+                        const float *S_in, float *Sh, float *o, int64_t n, int64_t H, int64_t Hk, int64_t h,      \
+                        int64_t dk) {                                                                             \
+    const int64_t dv = 16 * NV, kh = h % Hk;                                                                      \
     __m512 u[NV], e[NV], acc[NV];                                                                                 \
     for (int c = 0; c < NV; c++) u[c] = _mm512_setzero_ps();                                                      \
     const __m512 dec0 = _mm512_set1_ps(decay[h]);                                                                 \
     for (int64_t i = 0; i < dk; i++) {                                                                            \
-        const __m512 ki = _mm512_set1_ps(k[h * dk + i]);                                                          \
+        const __m512 ki = _mm512_set1_ps(k[kh * dk + i]);                                                         \
         for (int c = 0; c < NV; c++) {                                                                            \
             const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(S_in + i * dv + 16 * c), dec0);                        \
             _mm512_storeu_ps(Sh + i * dv + 16 * c, r);                                                            \
@@ -58,15 +59,15 @@ static void head_dv##NV(const float *q, const float *k, const float *v, const fl
         }                                                                                                         \
     }                                                                                                             \
     for (int64_t t = 0; t < n; t++) {                                                                             \
-        const int64_t th = t * H + h;                                                                             \
-        const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv;                                      \
+        const int64_t th = t * H + h, tk = t * Hk + kh;                                                           \
+        const float *kt = k + tk * dk, *qt = q + tk * dk, *vt = v + th * dv;                                      \
         const __m512 bt = _mm512_set1_ps(beta[th]);                                                               \
         for (int c = 0; c < NV; c++) {                                                                            \
             e[c] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(vt + 16 * c), u[c]), bt);                          \
             acc[c] = _mm512_setzero_ps();                                                                         \
         }                                                                                                         \
         if (t + 1 < n) {                                                                                          \
-            const float *kn = k + (th + H) * dk;                                                                  \
+            const float *kn = k + (tk + Hk) * dk;                                                                 \
             const __m512 decn = _mm512_set1_ps(decay[th + H]);                                                    \
             for (int c = 0; c < NV; c++) u[c] = _mm512_setzero_ps();                                              \
             SWEEP(NV, 1)                                                                                          \
@@ -85,13 +86,13 @@ DEFINE_HEAD(4)
 DEFINE_HEAD(8)
 #endif
 
-/* q, k [n, H, dk]; v [n, H, dv]; beta, decay [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer);
- * o [n, H, dv]. portable: the loop below even where the register form could run (tests compare the two).
+/* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
+ * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. portable: the loop below even where the register form could run (tests compare the two).
  * Returns 0, or -1 if dv > MAX_DV. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float *beta, const float *decay,
-                     const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t dk, int64_t dv,
-                     int n_threads, int portable) {
+                     const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
+                     int64_t dv, int n_threads, int portable) {
     if (dv > MAX_DV) return -1;
     const int avx512 = kq_isa() == 1 && !portable;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
@@ -100,33 +101,34 @@ int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float
         float *Sh = S_out + h * dk * dv;
 #if defined(__x86_64__)
         if (avx512 && (dv == 64 || dv == 128)) {
-            (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, h, dk);
+            (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, Hk, h, dk);
             continue;
         }
 #endif
         (void)avx512;
+        const int64_t kh = h % Hk;
         float u[MAX_DV], e[MAX_DV];
         /* token 0's decay and Sᵀk; later tokens' are done in the previous token's update sweep */
         for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
         for (int64_t i = 0; i < dk; i++) {
             const float *in = Sin + i * dv;
             float *row = Sh + i * dv;
-            const float ki = k[h * dk + i], dec = decay[h];
+            const float ki = k[kh * dk + i], dec = decay[h];
             for (int64_t j = 0; j < dv; j++) {
                 row[j] = in[j] * dec;
                 u[j] += row[j] * ki;
             }
         }
         for (int64_t t = 0; t < n; t++) {
-            const int64_t th = t * H + h;
-            const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv, bt = beta[th];
+            const int64_t th = t * H + h, tk = t * Hk + kh;
+            const float *kt = k + tk * dk, *qt = q + tk * dk, *vt = v + th * dv, bt = beta[th];
             float *ot = o + th * dv;
             for (int64_t j = 0; j < dv; j++) {
                 e[j] = (vt[j] - u[j]) * bt;
                 ot[j] = 0.f;
             }
             const int next = t + 1 < n;
-            const float *kn = next ? k + (th + H) * dk : NULL;
+            const float *kn = next ? k + (tk + Hk) * dk : NULL;
             const float decn = next ? decay[th + H] : 0.f;
             if (next)
                 for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
