@@ -88,10 +88,14 @@ def _kquant(d: dict) -> list[str]:
            "torch: dequantize-then-float; for Q8_0 rows of ≤ 512 values the torch integer path (`engine.q8dot`).", "",
            f"Command: `{d['command']}` ({d['date']}), {d['threads']} thread(s), kernels: {d['kernels']}, best of "
            f"{d['rounds']} rounds, the two paths alternating.", "",
-           "| weight [out × in] | M rows | native ms | torch ms | × | native GB/s of weights |", "|---|---|---|---|---|---|"]
+           "Q4_K native runs packed for AVX512-VNNI where the CPU has it; *stored* is the same kernel family on the "
+           "stored block order (× packed = stored / native).", "",
+           "| weight [out × in] | M rows | native ms | torch ms | × | native GB/s of weights | stored ms | × packed |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in d["products"]:
+        stored = (f"{r['stored_order_ms']:.3f} | {r['packed_speedup']:.2f}" if "stored_order_ms" in r else "– | –")
         out.append(f"| {r['out']} × {r['in']} {r['type']} ({r['what']}) | {r['m']} | {r['native_ms']:.3f} | "
-                   f"{r['torch_ms']:.3f} | {r['speedup']:.1f} | {r['native_gb_s']:.1f} |")
+                   f"{r['torch_ms']:.3f} | {r['speedup']:.1f} | {r['native_gb_s']:.1f} | {stored} |")
     return out + [""]
 
 

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine import nativelib
 from engine.lastinputs import LastInputs
-from engine.quant import QTensor
+from engine.quant import QTensor, release_pages
 
 QK = 256
 Q8_0_BLOCK = 32
@@ -29,6 +29,9 @@ TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)
 _LIB = nativelib.LIB
 # True: run the portable C products even where the AVX512 ones can (tests compare the two).
 PORTABLE = False
+# False: Q4_K weights run in their stored order even where the packed VNNI products can (tests compare the two).
+PACK = True
+PACKED_Q4_K = 112  # kquant.c's T_Q4_K_PACKED
 
 
 def isa() -> str:
@@ -61,12 +64,21 @@ class Q8KRows:
     def rows(self) -> int:
         return self.q.shape[0]
 
+    _packed: torch.Tensor | None = None
+
     def q4k_order(self) -> torch.Tensor:
         """The quants in the order Q4_K blocks hold their values (made once, for the first Q4_K weight)."""
         if self._q4k is None:
             self._q4k = torch.empty_like(self.q)
             _LIB.kq_q4k_order(self.q.data_ptr(), self.q.shape[0], self.q.shape[1], self._q4k.data_ptr())  # type: ignore[union-attr]
         return self._q4k
+
+    def packed_order(self) -> torch.Tensor:
+        """The quants in the order packed Q4_K blocks hold their values (`pack`; made once)."""
+        if self._packed is None:
+            self._packed = torch.empty_like(self.q)
+            _LIB.kq_q4k_packed_order(self.q.data_ptr(), self.q.shape[0], self.q.shape[1], self._packed.data_ptr())  # type: ignore[union-attr]
+        return self._packed
 
 
 _MEMO: LastInputs[Q8KRows] = LastInputs()
@@ -116,18 +128,49 @@ def _bsums(xr: Q8KRows) -> int:
     return xr.bsums.data_ptr() if xr.bsums is not None else 0
 
 
-def _perm(xr: Q8KRows, w: QTensor) -> int:
-    return xr.q4k_order().data_ptr() if w.qtype == QT.Q4_K and not PORTABLE and _LIB.kq_isa() == 1 else 0  # type: ignore[union-attr]
+def _perm(xr: Q8KRows, code: int) -> int:
+    if code == PACKED_Q4_K:
+        return xr.packed_order().data_ptr()
+    return xr.q4k_order().data_ptr() if code == QT.Q4_K and not PORTABLE and _LIB.kq_isa() == 1 else 0  # type: ignore[union-attr]
+
+
+def packs() -> bool:
+    """Whether Q4_K weights run packed (`pack`): with AVX512-VNNI, unless the portable C or the stored order is
+    asked for."""
+    return PACK and not PORTABLE and _LIB is not None and _LIB.q8_isa() == 2
+
+
+def pack(w: QTensor) -> None:
+    """Keep a CPU Q4_K weight's blocks with their quants reordered for the VNNI products (kq_repack_q4k; the same
+    bytes in number), for the products to read instead of the stored ones. Where the stored bytes are a view of
+    the model file their resident pages are dropped (engine.quant.release_pages): the file keeps them, and other
+    readers (an embedding lookup, a copy to an accelerator) still find them there."""
+    if w.packed is not None or w.qtype != QT.Q4_K or w.raw.device.type != "cpu" or not packs():
+        return
+    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    packed = torch.empty_like(raw)
+    _LIB.kq_repack_q4k(raw.data_ptr(), raw.numel() // 144, packed.data_ptr(), torch.get_num_threads())  # type: ignore[union-attr]
+    w.packed = packed
+    release_pages(w.raw)
+
+
+def _weight(w: QTensor) -> tuple[torch.Tensor, int]:
+    """The bytes the products read and their kernel type code: Q4_K packed where `packs()` (made on first use),
+    else the stored blocks."""
+    if w.qtype == QT.Q4_K and packs():
+        pack(w)
+        return w.packed, PACKED_Q4_K  # type: ignore[return-value]
+    return (w.raw if w.raw.is_contiguous() else w.raw.contiguous()), int(w.qtype)
 
 
 def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y = x @ W.T for float x [..., in] and a Q4_K/Q6_K/Q8_0 weight W [out, in] on the CPU."""
     xr = quantize_for(x, w.qtype)
     n_out = w.n_rows
-    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    raw, code = _weight(w)
     y = torch.empty(xr.rows, n_out)
-    _LIB.kq_matmul(int(w.qtype), raw.data_ptr(), raw.numel() // n_out, n_out, xr.q.data_ptr(),  # type: ignore[union-attr]
-                   xr.d.data_ptr(), _bsums(xr), _perm(xr, w), w.n_cols, xr.rows, y.data_ptr(), n_out,
+    _LIB.kq_matmul(code, raw.data_ptr(), raw.numel() // n_out, n_out, xr.q.data_ptr(),  # type: ignore[union-attr]
+                   xr.d.data_ptr(), _bsums(xr), _perm(xr, code), w.n_cols, xr.rows, y.data_ptr(), n_out,
                    nativelib.threads(n_out * w.n_cols), PORTABLE)
     return y.reshape(*x.shape[:-1], n_out)
 
@@ -138,14 +181,14 @@ def matmul_pairs(xr: Q8KRows, w: QTensor, xrow: torch.Tensor, experts: torch.Ten
     expert's matrix in the stack W [E, rows, in]."""
     e_all = w.shape[0]
     rows = w.n_rows // e_all
-    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    raw, code = _weight(w)
     expert_bytes = raw.numel() // e_all
     p_n = xrow.shape[0]
     out = torch.empty(p_n, rows)
     xrow, experts, starts = _i64(xrow), _i64(experts), _i64(starts)
     n_threads = nativelib.threads(p_n * rows * w.n_cols)
-    _LIB.kq_matmul_pairs(int(w.qtype), raw.data_ptr(), expert_bytes, expert_bytes // rows, rows,  # type: ignore[union-attr]
-                         xr.q.data_ptr(), xr.d.data_ptr(), _bsums(xr), _perm(xr, w), w.n_cols,
+    _LIB.kq_matmul_pairs(code, raw.data_ptr(), expert_bytes, expert_bytes // rows, rows,  # type: ignore[union-attr]
+                         xr.q.data_ptr(), xr.d.data_ptr(), _bsums(xr), _perm(xr, code), w.n_cols,
                          xrow.data_ptr(), experts.shape[0], experts.data_ptr(), starts.data_ptr(), out.data_ptr(),
                          n_threads, PORTABLE)
     return out

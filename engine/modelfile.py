@@ -202,6 +202,9 @@ class ModelFile:
             self.reader = GGUFReader(self.path)
         except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
             raise ModelFormatError(f"{self.path.name}: damaged or truncated GGUF ({_why(e)})") from None
+        from engine.quant import register_file_mapping
+
+        register_file_mapping(self.reader.data)
         self.tensors: dict[str, TensorInfo] = {}
         for t in self.reader.tensors:
             end = int(t.data_offset) + int(t.n_bytes)

@@ -13,6 +13,7 @@ import functools
 import math
 import sys
 import warnings
+import weakref
 from typing import Callable
 
 import gguf.quants as gq
@@ -54,6 +55,40 @@ def _tune_malloc() -> None:
 
 
 _tune_malloc()
+
+
+# Address ranges of read-only GGUF file mappings, each with a weak reference to the array that holds the mapping:
+# a range counts only while its mapping lives (a later mapping may reuse the addresses).
+_FILE_MAPPINGS: list[tuple[weakref.ref, int, int]] = []
+_MADV_DONTNEED = 4
+
+
+def register_file_mapping(arr: np.ndarray) -> None:
+    """Record `arr` (a read-only memory map of a model file) as bytes that `release_pages` may drop."""
+    start = arr.ctypes.data
+    _FILE_MAPPINGS[:] = [m for m in _FILE_MAPPINGS if m[0]() is not None] + [(weakref.ref(arr), start, start + arr.nbytes)]
+
+
+def release_pages(t: torch.Tensor) -> bool:
+    """Drop the resident pages of t's bytes when t views a registered file mapping: they are clean copies of the
+    file and come back from it if read again. For weights that the engine reads from another copy (kquant's packed
+    Q4_K) so they stop counting twice in the process's memory. Anything else (t's own memory) is left alone."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    if not any(ref() is not None and start <= lo and hi <= end for ref, start, end in _FILE_MAPPINGS):
+        return False
+    page = 4096
+    a, b = -(-lo // page) * page, hi // page * page
+    if b <= a:
+        return False
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(a, b - a, _MADV_DONTNEED) == 0
 
 
 def type_name(qtype: QT | int) -> str:
@@ -513,7 +548,7 @@ class QTensor:
     a device copy after `.to()`); `shape` is the logical torch shape, reversed(ne).
     """
 
-    __slots__ = ("qtype", "shape", "raw", "planes", "fused")
+    __slots__ = ("qtype", "shape", "raw", "planes", "fused", "packed")
 
     def __init__(self, data: np.ndarray | torch.Tensor, qtype: QT | int, shape: tuple[int, ...]) -> None:
         self.qtype: QT = check_supported(qtype)
@@ -523,6 +558,7 @@ class QTensor:
         self.raw: torch.Tensor = _as_byte_rows(data, self.n_rows, row_nbytes(self.qtype, self.shape[-1]))
         self.planes = None  # engine.q8dot's int8 copy of a Q8_0 tensor's quants, made on first use
         self.fused: dict | None = None  # engine.q8dot: this and other weights stacked, by the others' ids
+        self.packed: torch.Tensor | None = None  # engine.kquant: Q4_K quants reordered for the VNNI products
 
     @property
     def n_rows(self) -> int:

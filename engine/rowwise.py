@@ -13,7 +13,7 @@ import threading
 import torch
 
 from engine import kquant, q8dot
-from engine.quant import TILE_ELEMENTS, QTensor
+from engine.quant import TILE_ELEMENTS, QTensor, release_pages
 
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -150,6 +150,10 @@ def _stacked(ws: tuple[QTensor, ...]) -> QTensor:
     if w is None:
         raw = torch.cat([w.raw.reshape(w.n_rows, -1) for w in ws])
         w = fused[key] = QTensor(raw, ws[0].qtype, (raw.shape[0], ws[0].n_cols))
+        if ws[0].packed is not None:  # the stack is read packed: the parts' file pages it read are dropped again
+            kquant.pack(w)
+            for part in ws:
+                release_pages(part.raw)
     return w
 
 

@@ -75,12 +75,24 @@ def test_activations_quantize_as_ggml_q8_0() -> None:
     assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+# The kernel forms: Q4_K packed for the VNNI products (kquant.pack; where the CPU has VNNI), the stored block
+# order on AVX512, and the portable C.
+MODES = {"packed": (True, False), "stored": (False, False), "portable": (True, True)}
+
+
+def _mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    pack, portable = MODES[mode]
+    monkeypatch.setattr(kquant, "PACK", pack)
+    monkeypatch.setattr(kquant, "PORTABLE", portable)
+    assert kquant.packs() == (mode == "packed" and nativelib.LIB.q8_isa() == 2)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_products_equal_the_dequantized_product(monkeypatch, qt: T, portable: bool) -> None:
+def test_products_equal_the_dequantized_product(monkeypatch, qt: T, mode: str) -> None:
     """Against float64 products of the rounded activations and the gguf-exact dequantized weight: only the
     float32 rounding of the per-block scaling separates them."""
-    monkeypatch.setattr(kquant, "PORTABLE", portable)
+    _mode(monkeypatch, mode)
     w = _weight(qt, 72, 1024)
     x = _x(5, 1024)
     ref = round_activations(x, qt.name).double() @ w.dequantize().double().t()
@@ -90,12 +102,12 @@ def test_products_equal_the_dequantized_product(monkeypatch, qt: T, portable: bo
     assert err < 2e-6 * ref.abs().max().item(), err
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, portable: bool) -> None:
+def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, mode: str) -> None:
     """Row i of an M-row product has the bits of a one-row product, for M past the kernel's row tile (64)
     and for one or two threads."""
-    monkeypatch.setattr(kquant, "PORTABLE", portable)
+    _mode(monkeypatch, mode)
     w = _weight(qt, 40, 512, seed=2)
     x = _x(70, 512, seed=3)
     ref = torch.cat([kquant.matmul(x[i:i + 1].clone(), w) for i in range(70)])
@@ -105,9 +117,11 @@ def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, portable: bool)
         assert torch.equal(kquant.matmul(x.clone(), w), ref), threads
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_expert_pairs_equal_products_per_expert(qt: T) -> None:
+def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -> None:
     """matmul_pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
+    _mode(monkeypatch, mode)
     e_n, rows, k = 6, 24, 512
     rng = np.random.default_rng(4)
     stack = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
@@ -121,3 +135,34 @@ def test_expert_pairs_equal_products_per_expert(qt: T) -> None:
         for p in range(int(starts[g]), int(starts[g + 1])):
             one = kquant.matmul(x[int(xrow[p])].unsqueeze(0).clone(), stack[e])
             assert torch.equal(out[p], one[0]), (e, p)
+
+
+def test_packed_q4_k_is_the_stored_weight_reordered(monkeypatch) -> None:
+    """The packed products agree with the stored-order ones to float32 rounding (only the lanes' float sums are
+    grouped differently), and packing a file-backed weight drops its resident pages while its bytes stay
+    readable from the file; a weight in the process's own memory is left alone."""
+    from engine.quant import release_pages
+
+    w = _weight(T.Q4_K, 96, 2048, seed=6)
+    x = _x(3, 2048, seed=7)
+    monkeypatch.setattr(kquant, "PACK", False)
+    stored = kquant.matmul(x, w)
+    monkeypatch.setattr(kquant, "PACK", True)
+    packed = kquant.matmul(x.clone(), w)
+    assert (w.packed is not None) == kquant.packs()
+    torch.testing.assert_close(packed, stored, rtol=1e-5, atol=1e-5 * stored.abs().max().item())
+    before = w.raw.clone()
+    assert not release_pages(w.raw) and torch.equal(w.raw, before)  # numpy memory, not a file mapping
+
+
+def test_packing_a_file_backed_weight_drops_its_pages_not_its_bytes() -> None:
+    from engine.modelfile import open_model
+    from engine.quant import release_pages
+    from tests.fixtures import KQUANT_MOE, fixture_path
+
+    mf = open_model(fixture_path(KQUANT_MOE))
+    name = next(n for n, i in mf.tensors.items() if i.qtype == T.Q4_K and i.n_bytes >= 1 << 16)
+    w = mf.tensor(name)
+    before = w.raw.clone()
+    assert release_pages(w.raw)  # a view of the file mapping
+    assert torch.equal(w.raw, before)  # read back from the file

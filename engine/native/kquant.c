@@ -24,6 +24,9 @@
 #define M_TILE 64
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+/* Q4_K blocks with their quants in the packed order of kq_repack_q4k (not a ggml type: ours, for the VNNI
+ * products) */
+enum { T_Q4_K_PACKED = 112 };
 
 /* q8_0.c: Q8_0 weight rows times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
@@ -310,6 +313,94 @@ static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     }
 }
 
+/* Q4_K blocks repacked (kq_repack_q4k) so that int32 lane l of each of a block's four 64-value vectors holds
+ * values of one half of sub-block l/2 (values 16l … 16l+15 in natural order): dpbusd adds the four vectors'
+ * products into one accumulator whose lanes need only their sub-block's scale, one mullo per row and block
+ * instead of a madd per vector (four dpbusd and one mullo against four maddubs and four madd: the row cost of
+ * a multi-token pass). Exact integers as before; the lanes' float sums are grouped differently from the
+ * unpacked form's, so the two differ in the last bits, each the same whatever the number of rows. */
+#define VNNI_TARGET "avx512f,avx512bw,f16c,avx512vnni"
+
+__attribute__((target(VNNI_TARGET)))
+static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lane_sc = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
+                                                                14, 15, 15));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 144;
+        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
+        uint32_t u[3];
+        memcpy(u, blk + 4, 12);
+        const __m128i sm = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
+                                          (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
+                                          (int)(u[1] & 0x3f3f3f3f),
+                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+        const __m512i sc = _mm512_permutexvar_epi32(lane_sc, _mm512_cvtepu8_epi32(sm));
+        const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
+            im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm))));
+        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+        const __m512i v0 = _mm512_and_si512(q0, m4), v1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i v2 = _mm512_and_si512(q1, m4), v3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        for (int64_t i = 0; i < tn; i++) {
+            const int8_t *x = rows[i].q + b * QK;
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(x));
+            p = _mm512_dpbusd_epi32(p, v1, _mm512_loadu_si512(x + 64));
+            p = _mm512_dpbusd_epi32(p, v2, _mm512_loadu_si512(x + 128));
+            p = _mm512_dpbusd_epi32(p, v3, _mm512_loadu_si512(x + 192));
+            p = _mm512_mullo_epi32(p, sc);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+            const float dx = rows[i].d[b];
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
+        }
+    }
+}
+
+/* Value index (within its block of 256) of packed byte p of vector c (c = 0, 1: low, high nibbles of the
+ * first 64 quant bytes; 2, 3: of the second 64): sub-block p/8, its half (p/4) % 2, four values per vector. */
+static inline int packed_value(int c, int p) { return 32 * (p / 8) + 16 * ((p / 4) % 2) + 4 * c + p % 4; }
+
+/* Q4_K blocks with their quants reordered for rows_q4_k_packed: the same 144 bytes per block (scales and
+ * their encoding unchanged), the 128 quant bytes permuted. Value j = 16g + 4c + e (g < 16, c, e < 4) goes to
+ * byte 4g + e of vector c: as 32-bit words of four values, vector c takes words c, 4 + c, …, 60 + c. */
+__attribute__((target("avx512f,avx512bw")))
+static void repack_block(const uint8_t *src, uint8_t *dst) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i vals[4];  /* values 64k … 64k+63 in natural order, one per byte */
+    for (int k = 0; k < 4; k++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * k));
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+        vals[k] = _mm512_and_si512(w, m4);
+    }
+    __m512i vec[4];
+    for (int c = 0; c < 4; c++) {
+        /* words c, 4 + c, …: 16 words from each pair of value vectors */
+        const __m512i idx = _mm512_setr_epi32(c, 4 + c, 8 + c, 12 + c, 16 + c, 20 + c, 24 + c, 28 + c, c, 4 + c, 8 + c,
+                                              12 + c, 16 + c, 20 + c, 24 + c, 28 + c);
+        const __m512i lo = _mm512_permutex2var_epi32(vals[0], idx, vals[1]);  /* g = 0…7 */
+        const __m512i hi = _mm512_permutex2var_epi32(vals[2], idx, vals[3]);  /* g = 8…15 */
+        vec[c] = _mm512_shuffle_i64x2(lo, hi, 0x44);  /* lo's first 8 words, then hi's */
+    }
+    memcpy(dst, src, 16);
+    _mm512_storeu_si512(dst + 16, _mm512_or_si512(vec[0], _mm512_slli_epi16(vec[1], 4)));
+    _mm512_storeu_si512(dst + 80, _mm512_or_si512(vec[2], _mm512_slli_epi16(vec[3], 4)));
+}
+
+/* Packed weights are made only where the VNNI products run, so with AVX512 (engine.kquant.packs). */
+void kq_repack_q4k(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int n_threads) {
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t b = 0; b < n_blocks; b++) repack_block(src + b * 144, dst + b * 144);
+}
+
+/* The quants of rows [m, k] in the packed order: per block of 256, vector c's byte p is value packed_value(c, p). */
+void kq_q4k_packed_order(const int8_t *q, int64_t m, int64_t k, int8_t *out) {
+    for (int64_t b = 0; b < m * k / QK; b++)
+        for (int c = 0; c < 4; c++)
+            for (int p = 0; p < 64; p++) out[b * QK + 64 * c + p] = q[b * QK + packed_value(c, p)];
+}
+
 /* Row r of the result is the horizontal sum of v[r], for 16 vectors at once, each with exactly the additions of
  * _mm512_reduce_add_ps (halves, then quarters, then pairs of the last four lanes: the same bits), in a
  * quarter of the instructions of 16 separate reductions and without their serial dependency chains. */
@@ -348,7 +439,7 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                               const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
                               int64_t ldo) {
     const int64_t nb = a->k / QK;
-    const int8_t *xq = qtype == T_Q4_K ? xperm : a->q;
+    const int8_t *xq = qtype == T_Q4_K || qtype == T_Q4_K_PACKED ? xperm : a->q;
     Row rows[M_TILE];
     for (int64_t rc = r0; rc < r1; rc += ROW_CHUNK) {
         const int64_t rn = r1 - rc < ROW_CHUNK ? r1 - rc : ROW_CHUNK;
@@ -366,6 +457,7 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                 const char *ahead = (const char *)w + r * row_bytes + PREFETCH_BYTES;
                 for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 if (qtype == T_Q4_K) rows_q4_k(w + r * row_bytes, nb, rows, tn, acc);
+                else if (qtype == T_Q4_K_PACKED) rows_q4_k_packed(w + r * row_bytes, nb, rows, tn, acc);
                 else rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
             }
             const __mmask16 keep = (__mmask16)((1u << rn) - 1);
@@ -412,7 +504,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #if defined(__x86_64__)
-    if (!portable && kq_isa() == 1) {
+    if ((!portable && kq_isa() == 1) || qtype == T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
         return;
     }
