@@ -229,6 +229,15 @@ static inline float fp16_f16c(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* A Q4_K block's 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
+__attribute__((target(AVX512_TARGET)))
+static inline __m128i q4_k_scales(const uint8_t *blk) {
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    return _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f), (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
+                          (int)(u[1] & 0x3f3f3f3f), (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+}
+
 /* Σ over a row's four 64-value vectors of scale·value·quant, int32 lanes */
 __attribute__((target(AVX512_TARGET)))
 static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *x) {
@@ -253,12 +262,7 @@ static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
         const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
-        uint32_t u[3];
-        memcpy(u, blk + 4, 12);  /* the 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
-        const __m128i sm = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
-                                          (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
-                                          (int)(u[1] & 0x3f3f3f3f),
-                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+        const __m128i sm = q4_k_scales(blk);
         const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
         const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
@@ -330,12 +334,7 @@ static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
         const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
-        uint32_t u[3];
-        memcpy(u, blk + 4, 12);
-        const __m128i sm = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),
-                                          (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
-                                          (int)(u[1] & 0x3f3f3f3f),
-                                          (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+        const __m128i sm = q4_k_scales(blk);
         const __m512i sc = _mm512_permutexvar_epi32(lane_sc, _mm512_cvtepu8_epi32(sm));
         const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
             im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm))));
