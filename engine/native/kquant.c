@@ -433,7 +433,8 @@ static inline __m512 sum16(const __m512 *v, int64_t stride) {
  * [weight row][activation row], summed across lanes 16 weight rows at a time. */
 static __thread __m512 ACC[ROW_CHUNK * M_TILE] __attribute__((aligned(64)));
 
-__attribute__((target(AVX512_TARGET)))
+/* no-tree-loop-distribute-patterns: GCC would make the accumulators' zeroing a memset call per weight row */
+__attribute__((target(AVX512_TARGET), optimize("no-tree-loop-distribute-patterns")))
 static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                               const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
                               int64_t ldo) {
