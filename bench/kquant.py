@@ -5,7 +5,7 @@
 One product per weight shape of the mid-size benchmark model (bench/synthetic.py MID: Q4_K with Q6_K expert
 down projections and LM head), of the embedded model (Q8_0) and of a Q8_0 attention projection of a real
 model's width, and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk), the paths
-alternating round by round (best round counts). On AVX512-VNNI "native" Q4_K runs packed (`kquant.pack`) and
+alternating round by round (best round counts). On AVX512-VNNI "native" Q4_K and Q6_K run packed (`kquant.pack`) and
 "stored" is the same product in the stored block order. "torch" is `rowwise_matmul` with the native path switched off
 (`engine.kquant.usable` → False: dequantize-then-float for K-quants, the torch integer path engine.q8dot for
 Q8_0 rows of ≤ 512 values and dequantize-then-float for wider ones); "native" is `rowwise_matmul` as the
@@ -59,7 +59,7 @@ def main() -> None:
             x = torch.randn(m, k)
             big = n_out * k * m
             reps = max(1, min(200, int(2e9 // (big * 40))))
-            paths = ["native", "torch"] + (["stored"] if qt == QT.Q4_K and kquant.packs() else [])
+            paths = ["native", "torch"] + (["stored"] if qt in kquant.PACKED and kquant.packs() else [])
             t = {p: float("inf") for p in paths}
             for _ in range(args.rounds):
                 for path in paths:
@@ -70,7 +70,7 @@ def main() -> None:
             row = {"type": qt.name, "out": n_out, "in": k, "what": what, "m": m,
                    "native_ms": t["native"] * 1e3, "torch_ms": t["torch"] * 1e3,
                    "speedup": t["torch"] / t["native"], "native_gb_s": w.nbytes / t["native"] / 1e9}
-            if "stored" in t:  # Q4_K packed for VNNI (native) against the stored block order
+            if "stored" in t:  # packed for VNNI (native) against the stored block order
                 row.update(stored_order_ms=t["stored"] * 1e3, packed_speedup=t["stored"] / t["native"])
             rows_out.append(row)
             print(json.dumps(rows_out[-1]))

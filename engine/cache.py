@@ -1,8 +1,9 @@
 """Per-sequence inference state: KV cache of the attention layers, conv + recurrent state of the GDN layers.
 
 Everything is preallocated from the context length, so a decode step allocates nothing large. The
-attention cache is truncated by length (free rollback); GDN states are small fixed-size tensors that
-a multi-token pass can capture per position, and one of those captures is committed afterwards.
+attention cache is truncated by length (free rollback); GDN states are small fixed-size tensors that a
+multi-token pass can give per position (conv states as views of its input window, recurrent states re-run from
+the pass's starting state when asked for), and the one at the last kept position is committed afterwards.
 """
 from __future__ import annotations
 

@@ -29,9 +29,10 @@ TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)
 _LIB = nativelib.LIB
 # True: run the portable C products even where the AVX512 ones can (tests compare the two).
 PORTABLE = False
-# False: Q4_K weights run in their stored order even where the packed VNNI products can (tests compare the two).
+# False: Q4_K / Q6_K weights run in their stored order even where the packed VNNI products can (tests compare).
 PACK = True
-PACKED_Q4_K = 112  # kquant.c's T_Q4_K_PACKED
+PACKED = {QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q4_K_PACKED, T_Q6_K_PACKED
+BLOCK_BYTES = {QT.Q4_K: 144, QT.Q6_K: 210}
 
 
 def isa() -> str:
@@ -41,6 +42,8 @@ def isa() -> str:
     if PORTABLE:
         return "portable C"
     kq = {1: "avx512bw", 0: "portable C"}[_LIB.kq_isa()]
+    if kq != "portable C" and packs():
+        kq += " (Q4_K, Q6_K packed for avx512vnni)"
     return f"{kq}, Q8_0 {({2: 'avx512vnni', 0: 'portable C'})[_LIB.q8_isa()]}"
 
 
@@ -74,7 +77,7 @@ class Q8KRows:
         return self._q4k
 
     def packed_order(self) -> torch.Tensor:
-        """The quants in the order packed Q4_K blocks hold their values (`pack`; made once)."""
+        """The quants in the order packed Q4_K / Q6_K blocks hold their values (`pack`; made once)."""
         if self._packed is None:
             self._packed = torch.empty_like(self.q)
             _LIB.kq_q4k_packed_order(self.q.data_ptr(), self.q.shape[0], self.q.shape[1], self._packed.data_ptr())  # type: ignore[union-attr]
@@ -129,37 +132,38 @@ def _bsums(xr: Q8KRows) -> int:
 
 
 def _perm(xr: Q8KRows, code: int) -> int:
-    if code == PACKED_Q4_K:
+    if code in PACKED.values():
         return xr.packed_order().data_ptr()
     return xr.q4k_order().data_ptr() if code == QT.Q4_K and not PORTABLE and _LIB.kq_isa() == 1 else 0  # type: ignore[union-attr]
 
 
 def packs() -> bool:
-    """Whether Q4_K weights run packed (`pack`): with AVX512-VNNI, unless the portable C or the stored order is
-    asked for."""
+    """Whether Q4_K and Q6_K weights run packed (`pack`): with AVX512-VNNI, unless the portable C or the stored
+    order is asked for."""
     return PACK and not PORTABLE and _LIB is not None and _LIB.q8_isa() == 2
 
 
 def pack(w: QTensor) -> None:
-    """Keep a CPU Q4_K weight's blocks with their quants reordered for the VNNI products (kq_repack_q4k; the same
-    bytes in number), for the products to read instead of the stored ones. Where the stored bytes are a view of
-    the model file their resident pages are dropped (engine.quant.release_pages): the file keeps them, and other
-    readers (an embedding lookup, a copy to an accelerator) still find them there."""
-    if w.packed is not None or w.qtype != QT.Q4_K or w.raw.device.type != "cpu" or not packs():
+    """Keep a CPU Q4_K / Q6_K weight's blocks with their values reordered for the VNNI products (kq_repack; the
+    same bytes in number), for the products to read instead of the stored ones. Where the stored bytes are a
+    view of the model file their resident pages are dropped (engine.quant.release_pages): the file keeps them,
+    and other readers (an embedding lookup, a copy to an accelerator) still find them there."""
+    if w.packed is not None or w.qtype not in PACKED or w.raw.device.type != "cpu" or not packs():
         return
     raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
     packed = torch.empty_like(raw)
-    _LIB.kq_repack_q4k(raw.data_ptr(), raw.numel() // 144, packed.data_ptr(), torch.get_num_threads())  # type: ignore[union-attr]
+    _LIB.kq_repack(int(w.qtype), raw.data_ptr(), raw.numel() // BLOCK_BYTES[w.qtype], packed.data_ptr(),  # type: ignore[union-attr]
+                   torch.get_num_threads())
     w.packed = packed
     release_pages(w.raw)
 
 
 def _weight(w: QTensor) -> tuple[torch.Tensor, int]:
-    """The bytes the products read and their kernel type code: Q4_K packed where `packs()` (made on first use),
-    else the stored blocks."""
-    if w.qtype == QT.Q4_K and packs():
+    """The bytes the products read and their kernel type code: Q4_K / Q6_K packed where `packs()` (made on first
+    use), else the stored blocks."""
+    if w.qtype in PACKED and packs():
         pack(w)
-        return w.packed, PACKED_Q4_K  # type: ignore[return-value]
+        return w.packed, PACKED[w.qtype]  # type: ignore[return-value]
     return (w.raw if w.raw.is_contiguous() else w.raw.contiguous()), int(w.qtype)
 
 

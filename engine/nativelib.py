@@ -24,7 +24,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "kq_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
     "kq_q4k_order": ([_P, _I, _I, _P], None),
     "kq_q4k_packed_order": ([_P, _I, _I, _P], None),
-    "kq_repack_q4k": ([_P, _I, _P, _C], None),
+    "kq_repack": ([_C, _P, _I, _P, _C], None),
     "kq_isa": ([], _C),
     "q8_isa": ([], _C),
     "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),

@@ -558,7 +558,7 @@ class QTensor:
         self.raw: torch.Tensor = _as_byte_rows(data, self.n_rows, row_nbytes(self.qtype, self.shape[-1]))
         self.planes = None  # engine.q8dot's int8 copy of a Q8_0 tensor's quants, made on first use
         self.fused: dict | None = None  # engine.q8dot: this and other weights stacked, by the others' ids
-        self.packed: torch.Tensor | None = None  # engine.kquant: Q4_K quants reordered for the VNNI products
+        self.packed: torch.Tensor | None = None  # engine.kquant: Q4_K / Q6_K values reordered for the VNNI products
 
     @property
     def n_rows(self) -> int:

@@ -75,7 +75,7 @@ def test_activations_quantize_as_ggml_q8_0() -> None:
     assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
 
 
-# The kernel forms: Q4_K packed for the VNNI products (kquant.pack; where the CPU has VNNI), the stored block
+# The kernel forms: Q4_K / Q6_K packed for the VNNI products (kquant.pack; where the CPU has VNNI), the stored block
 # order on AVX512, and the portable C.
 MODES = {"packed": (True, False), "stored": (False, False), "portable": (True, True)}
 
@@ -137,13 +137,13 @@ def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -
             assert torch.equal(out[p], one[0]), (e, p)
 
 
-def test_packed_q4_k_is_the_stored_weight_reordered(monkeypatch) -> None:
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_packed_weights_are_the_stored_ones_reordered(monkeypatch, qt: T) -> None:
     """The packed products agree with the stored-order ones to float32 rounding (only the lanes' float sums are
-    grouped differently), and packing a file-backed weight drops its resident pages while its bytes stay
-    readable from the file; a weight in the process's own memory is left alone."""
+    grouped differently); packing leaves a weight in the process's own memory alone."""
     from engine.quant import release_pages
 
-    w = _weight(T.Q4_K, 96, 2048, seed=6)
+    w = _weight(qt, 96, 2048, seed=6)
     x = _x(3, 2048, seed=7)
     monkeypatch.setattr(kquant, "PACK", False)
     stored = kquant.matmul(x, w)

@@ -194,8 +194,8 @@ class GatedDeltaNet:
 
     def taps(self) -> torch.Tensor:
         """The conv kernel as [K, C], each tap's weights contiguous: a column of the stored (C, K) is strided, and
-        a strided operand sends torch's elementwise product down its slow path (4× the time of the contiguous
-        one at 4 tokens). Made once per kernel tensor, unless it is being trained."""
+        a strided operand sends torch's elementwise product down its slow path (several times the time of the
+        contiguous one on a verify pass's rows). Made once per kernel tensor, unless it is being trained."""
         c = self.w.conv
         if c.requires_grad:
             return c.t()
@@ -526,8 +526,8 @@ class Qwen35Model:
         return r
 
     def _t(self, name: str, dev: torch.device) -> Weight:
-        """A weight on `dev`, still in its stored format (a trained parameter already there is kept). Q4_K weights on
-        the CPU are packed for the VNNI products now (engine.kquant.pack), where they would be on first use."""
+        """A weight on `dev`, still in its stored format (a trained parameter already there is kept). Q4_K / Q6_K
+        weights on the CPU are packed for the VNNI products now (engine.kquant.pack), not on first use."""
         w = self.mf.tensor(name).to(dev)
         if isinstance(w, QTensor):
             kquant.pack(w)

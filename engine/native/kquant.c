@@ -24,9 +24,9 @@
 #define M_TILE 64
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
-/* Q4_K blocks with their quants in the packed order of kq_repack_q4k (not a ggml type: ours, for the VNNI
+/* Q4_K and Q6_K blocks with their values in the packed order of kq_repack (not ggml types: ours, for the VNNI
  * products) */
-enum { T_Q4_K_PACKED = 112 };
+enum { T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
 /* q8_0.c: Q8_0 weight rows times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
@@ -238,6 +238,22 @@ static inline __m128i q4_k_scales(const uint8_t *blk) {
                           (int)(u[1] & 0x3f3f3f3f), (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
 }
 
+/* A Q6_K block's 256 values (q + 32, 0…63) as four vectors of 64 bytes in the order the block stores them:
+ * vector 2n takes the low nibbles of ql[64n…] with qh[32n…] bits 0-1 (first 32) and 2-3, vector 2n + 1 the
+ * high nibbles with bits 4-5 and 6-7 (the natural order; in a packed block, kq_repack, the packed one). */
+__attribute__((target(AVX512_TARGET)))
+static inline void q6_k_values(const uint8_t *blk, __m512i *v) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+        const __m512i q = _mm512_loadu_si512(blk + 64 * n);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+        const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+        v[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m3), 4));
+        v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m3), 4));
+    }
+}
+
 /* Σ over a row's four 64-value vectors of scale·value·quant, int32 lanes */
 __attribute__((target(AVX512_TARGET)))
 static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *x) {
@@ -282,9 +298,34 @@ static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     }
 }
 
+/* A Q6_K block unpacked for the products: its scale d, its 16 int8 sub-block scales (and as int16), its values */
+typedef struct {
+    float d;
+    __m128i sc8;
+    __m256i sc16;
+    __m512i v[4];
+} Q6Block;
+
+__attribute__((target(AVX512_TARGET)))
+static inline void q6_k_block(const uint8_t *blk, Q6Block *k) {
+    k->d = fp16_f16c(blk + 208);
+    k->sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    k->sc16 = _mm256_cvtepi8_epi16(k->sc8);
+    q6_k_values(blk, k->v);
+}
+
+/* One activation row's float sum after its exact Σ scale·value·quant p over block b: the +32 offset of the values
+ * taken off with the row's sums of 16 (32 · Σ sc·bsum), then p scaled by d·d_x into the sum. */
+__attribute__((target(AVX512_TARGET)))
+static inline __m512 q6_k_row(const Q6Block *k, __m512i p, const Row *row, int64_t b, __m512 acc) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)(row->bs + b * 16));
+    const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, k->sc16), 5);
+    p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(c));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(row->d[b] * k->d), acc);
+}
+
 __attribute__((target(AVX512_TARGET)))
 static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
     /* lane i of 32 (2 values each) of a 64-value vector belongs to its sub-block of 16: i / 8 */
     const __m512i idx0 = _mm512_setr_epi32(0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00010001, 0x00010001,
                                            0x00010001, 0x00010001, 0x00020002, 0x00020002, 0x00020002, 0x00020002,
@@ -292,38 +333,32 @@ static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     const __m512i id16[4] = {idx0, _mm512_add_epi16(idx0, _mm512_set1_epi16(4)),
                              _mm512_add_epi16(idx0, _mm512_set1_epi16(8)), _mm512_add_epi16(idx0, _mm512_set1_epi16(12))};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 210;
-        const float d = fp16_f16c(blk + 208);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const __m512i scw = _mm512_castsi256_si512(sc16);
-        __m512i v[4], s[4];
-        for (int n = 0; n < 2; n++) {
-            const __m512i q = _mm512_loadu_si512(blk + 64 * n);
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-            const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
-            v[2 * n] = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_slli_epi16(_mm512_and_si512(hh, m3), 4));
-            v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
-                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m3), 4));
-        }
+        Q6Block k;
+        q6_k_block(row + b * 210, &k);
+        const __m512i scw = _mm512_castsi256_si512(k.sc16);
+        __m512i s[4];
         for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi16(id16[t], scw);
-        for (int64_t i = 0; i < tn; i++) {
-            __m512i p = row_sum(v, s, rows[i].q + b * QK);
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
-            const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);  /* 32 · Σ sc·bsum (values are q+32) */
-            p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(c));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(rows[i].d[b] * d), acc[i]);
-        }
+        for (int64_t i = 0; i < tn; i++)
+            acc[i] = q6_k_row(&k, row_sum(k.v, s, rows[i].q + b * QK), rows + i, b, acc[i]);
     }
 }
 
-/* Q4_K blocks repacked (kq_repack_q4k) so that int32 lane l of each of a block's four 64-value vectors holds
+/* Q4_K blocks repacked (kq_repack) so that int32 lane l of each of a block's four 64-value vectors holds
  * values of one half of sub-block l/2 (values 16l … 16l+15 in natural order): dpbusd adds the four vectors'
  * products into one accumulator whose lanes need only their sub-block's scale, one mullo per row and block
  * instead of a madd per vector (four dpbusd and one mullo against four maddubs and four madd: the row cost of
  * a multi-token pass). Exact integers as before; the lanes' float sums are grouped differently from the
  * unpacked form's, so the two differ in the last bits, each the same whatever the number of rows. */
 #define VNNI_TARGET "avx512f,avx512bw,f16c,avx512vnni"
+
+/* Σ over a packed block's four value vectors of value·quant per int32 lane (four dpbusd, one accumulator) */
+__attribute__((target(VNNI_TARGET)))
+static inline __m512i dot4_vnni(const __m512i *v, const int8_t *x) {
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512(x));
+    p = _mm512_dpbusd_epi32(p, v[1], _mm512_loadu_si512(x + 64));
+    p = _mm512_dpbusd_epi32(p, v[2], _mm512_loadu_si512(x + 128));
+    return _mm512_dpbusd_epi32(p, v[3], _mm512_loadu_si512(x + 192));
+}
 
 __attribute__((target(VNNI_TARGET)))
 static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
@@ -339,15 +374,10 @@ static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, in
         const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
             im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm))));
         const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-        const __m512i v0 = _mm512_and_si512(q0, m4), v1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
-        const __m512i v2 = _mm512_and_si512(q1, m4), v3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
         for (int64_t i = 0; i < tn; i++) {
-            const int8_t *x = rows[i].q + b * QK;
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(x));
-            p = _mm512_dpbusd_epi32(p, v1, _mm512_loadu_si512(x + 64));
-            p = _mm512_dpbusd_epi32(p, v2, _mm512_loadu_si512(x + 128));
-            p = _mm512_dpbusd_epi32(p, v3, _mm512_loadu_si512(x + 192));
-            p = _mm512_mullo_epi32(p, sc);
+            const __m512i p = _mm512_mullo_epi32(dot4_vnni(v, rows[i].q + b * QK), sc);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
             const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
             const float dx = rows[i].d[b];
@@ -357,40 +387,86 @@ static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, in
     }
 }
 
+/* Q6_K blocks repacked (kq_repack) the same way: lane l of each of the four value vectors holds four values
+ * of sub-block l, so the four vectors' dpbusd products add into one accumulator and one mullo applies the 16
+ * sub-block scales. */
+__attribute__((target(VNNI_TARGET)))
+static void rows_q6_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
+    for (int64_t b = 0; b < nb; b++) {
+        Q6Block k;
+        q6_k_block(row + b * 210, &k);
+        const __m512i sc = _mm512_cvtepi8_epi32(k.sc8);
+        for (int64_t i = 0; i < tn; i++)
+            acc[i] = q6_k_row(&k, _mm512_mullo_epi32(dot4_vnni(k.v, rows[i].q + b * QK), sc), rows + i, b, acc[i]);
+    }
+}
+
 /* Value index (within its block of 256) of packed byte p of vector c (c = 0, 1: low, high nibbles of the
  * first 64 quant bytes; 2, 3: of the second 64): sub-block p/8, its half (p/4) % 2, four values per vector. */
 static inline int packed_value(int c, int p) { return 32 * (p / 8) + 16 * ((p / 4) % 2) + 4 * c + p % 4; }
 
-/* Q4_K blocks with their quants reordered for rows_q4_k_packed: the same 144 bytes per block (scales and
- * their encoding unchanged), the 128 quant bytes permuted. Value j = 16g + 4c + e (g < 16, c, e < 4) goes to
- * byte 4g + e of vector c: as 32-bit words of four values, vector c takes words c, 4 + c, …, 60 + c. */
+/* Natural-order values (64 per vector) into the packed order: value j = 16g + 4c + e (g < 16, c, e < 4) goes to
+ * byte 4g + e of vector c; as 32-bit words of four values, vector c takes words c, 4 + c, …, 60 + c. */
 __attribute__((target("avx512f,avx512bw")))
-static void repack_block(const uint8_t *src, uint8_t *dst) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i vals[4];  /* values 64k … 64k+63 in natural order, one per byte */
-    for (int k = 0; k < 4; k++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * k));
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-        vals[k] = _mm512_and_si512(w, m4);
-    }
-    __m512i vec[4];
+static inline void pack_values(const __m512i *vals, __m512i *vec) {
     for (int c = 0; c < 4; c++) {
-        /* words c, 4 + c, …: 16 words from each pair of value vectors */
         const __m512i idx = _mm512_setr_epi32(c, 4 + c, 8 + c, 12 + c, 16 + c, 20 + c, 24 + c, 28 + c, c, 4 + c, 8 + c,
                                               12 + c, 16 + c, 20 + c, 24 + c, 28 + c);
         const __m512i lo = _mm512_permutex2var_epi32(vals[0], idx, vals[1]);  /* g = 0…7 */
         const __m512i hi = _mm512_permutex2var_epi32(vals[2], idx, vals[3]);  /* g = 8…15 */
         vec[c] = _mm512_shuffle_i64x2(lo, hi, 0x44);  /* lo's first 8 words, then hi's */
     }
+}
+
+/* Q4_K blocks with their quants reordered for rows_q4_k_packed: the same 144 bytes per block (scales and
+ * their encoding unchanged), the 128 quant bytes permuted; vectors 0, 1 are the low and high nibbles of the first
+ * 64 quant bytes, 2, 3 of the second. */
+__attribute__((target("avx512f,avx512bw")))
+static void repack_q4k_block(const uint8_t *src, uint8_t *dst) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i vals[4], vec[4];  /* vals: values 64k … 64k+63 in natural order, one per byte */
+    for (int k = 0; k < 4; k++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * k));
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+        vals[k] = _mm512_and_si512(w, m4);
+    }
+    pack_values(vals, vec);
     memcpy(dst, src, 16);
     _mm512_storeu_si512(dst + 16, _mm512_or_si512(vec[0], _mm512_slli_epi16(vec[1], 4)));
     _mm512_storeu_si512(dst + 80, _mm512_or_si512(vec[2], _mm512_slli_epi16(vec[3], 4)));
 }
 
+/* Q6_K blocks reordered for rows_q6_k_packed: the packed value vectors encoded back into ql / qh so that
+ * q6_k_values decodes them (scales and d unchanged). */
+__attribute__((target(AVX512_TARGET)))
+static void repack_q6k_block(const uint8_t *src, uint8_t *dst) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
+    __m512i vals[4], vec[4];
+    q6_k_values(src, vals);  /* a stored block decodes in natural order */
+    pack_values(vals, vec);
+    for (int n = 0; n < 2; n++) {
+        const __m512i e = vec[2 * n], o = vec[2 * n + 1];
+        _mm512_storeu_si512(dst + 64 * n, _mm512_or_si512(_mm512_and_si512(e, m4),
+                                                          _mm512_slli_epi16(_mm512_and_si512(o, m4), 4)));
+        const __m512i he = _mm512_and_si512(_mm512_srli_epi16(e, 4), m3), ho = _mm512_and_si512(_mm512_srli_epi16(o, 4), m3);
+        /* qh byte q: bits 0-1 of value q, 2-3 of value q + 32 (vector e), 4-5 and 6-7 the same of vector o */
+        const __m256i lo = _mm256_or_si256(_mm512_castsi512_si256(he),
+                                           _mm256_slli_epi16(_mm512_extracti64x4_epi64(he, 1), 2));
+        const __m256i hi = _mm256_or_si256(_mm512_castsi512_si256(ho),
+                                           _mm256_slli_epi16(_mm512_extracti64x4_epi64(ho, 1), 2));
+        _mm256_storeu_si256((__m256i *)(dst + 128 + 32 * n), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+    }
+    memcpy(dst + 192, src + 192, 18);
+}
+
 /* Packed weights are made only where the VNNI products run, so with AVX512 (engine.kquant.packs). */
-void kq_repack_q4k(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int n_threads) {
+void kq_repack(int qtype, const uint8_t *src, int64_t n_blocks, uint8_t *dst, int n_threads) {
+    const int64_t bytes = qtype == T_Q4_K ? 144 : 210;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t b = 0; b < n_blocks; b++) repack_block(src + b * 144, dst + b * 144);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (qtype == T_Q4_K) repack_q4k_block(src + b * bytes, dst + b * bytes);
+        else repack_q6k_block(src + b * bytes, dst + b * bytes);
+    }
 }
 
 /* The quants of rows [m, k] in the packed order: per block of 256, vector c's byte p is value packed_value(c, p). */
@@ -439,7 +515,7 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                               const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
                               int64_t ldo) {
     const int64_t nb = a->k / QK;
-    const int8_t *xq = qtype == T_Q4_K || qtype == T_Q4_K_PACKED ? xperm : a->q;
+    const int8_t *xq = qtype == T_Q4_K || qtype >= T_Q4_K_PACKED ? xperm : a->q;  /* packed: xperm is that order */
     Row rows[M_TILE];
     for (int64_t rc = r0; rc < r1; rc += ROW_CHUNK) {
         const int64_t rn = r1 - rc < ROW_CHUNK ? r1 - rc : ROW_CHUNK;
@@ -458,6 +534,7 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                 for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 if (qtype == T_Q4_K) rows_q4_k(w + r * row_bytes, nb, rows, tn, acc);
                 else if (qtype == T_Q4_K_PACKED) rows_q4_k_packed(w + r * row_bytes, nb, rows, tn, acc);
+                else if (qtype == T_Q6_K_PACKED) rows_q6_k_packed(w + r * row_bytes, nb, rows, tn, acc);
                 else rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
             }
             const __mmask16 keep = (__mmask16)((1u << rn) - 1);
@@ -504,7 +581,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #if defined(__x86_64__)
-    if ((!portable && kq_isa() == 1) || qtype == T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
+    if ((!portable && kq_isa() == 1) || qtype >= T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
         return;
     }
