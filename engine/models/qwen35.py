@@ -526,12 +526,8 @@ class Qwen35Model:
         return r
 
     def _t(self, name: str, dev: torch.device) -> Weight:
-        """A weight on `dev`, still in its stored format (a trained parameter already there is kept). Q4_K / Q6_K
-        weights on the CPU are packed for the VNNI products now (engine.kquant.pack), not on first use."""
-        w = self.mf.tensor(name).to(dev)
-        if isinstance(w, QTensor):
-            kquant.pack(w)
-        return w
+        """A weight on `dev`, still in its stored format (a trained parameter already there is kept)."""
+        return self.mf.tensor(name).to(dev)
 
     def _ffn(self, p: str, il: int, dev: torch.device) -> MoE | DenseFFN:
         mf, hp, t = self.mf, self.hp, self._t
