@@ -3,7 +3,9 @@
     python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--out bench/results/decode.json]
 
 Also the peak RSS of loading the model (in a fresh process), which must stay ≤ 1.3 × the file size:
-weights stay quantized and memory-mapped.
+weights stay quantized and memory-mapped. Our prefill, the first pass over the model, includes packing the
+Q4_K / Q6_K weights for the VNNI products on their first use (engine.kquant.pack), as it includes reading the
+mapped file; llama.cpp repacks its weights while loading, outside its timed prefill.
 """
 from __future__ import annotations
 
