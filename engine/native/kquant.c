@@ -500,9 +500,9 @@ static inline __m512 sum16(const __m512 *v, int64_t stride) {
 
 /* Weight bytes requested ahead of the row being multiplied. The hardware prefetcher alone left the products
  * waiting on memory between a thread's short runs of rows (a routed expert's slice is a few KiB to a few
- * hundred), the more so while other processes load the memory bus: measured on the mid-size MoE, 4 KiB ahead
- * took a 4-token pass's routed experts from 22 to 16 ms (8 and 16 KiB: less). Past the end of a matrix the
- * requests are wasted, never faulting. */
+ * hundred). In in-process A/B runs on the mid-size MoE, 4 KiB ahead cut the routed experts' time of a 4-token
+ * pass by about a quarter while other processes loaded the memory bus, and changed nothing measurable when the
+ * host was quiet (2, 8 and 16 KiB: no better). Past the end of a matrix the requests are wasted, never faulting. */
 #define PREFETCH_BYTES 4096
 
 /* Each thread's float sums of the weight rows of one chunk (≤ ROW_CHUNK) for the tile's activation rows,
