@@ -62,12 +62,11 @@ class Q8KRows:
     d: torch.Tensor
     bsums: torch.Tensor | None
     _q4k: torch.Tensor | None = None
+    _packed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
         return self.q.shape[0]
-
-    _packed: torch.Tensor | None = None
 
     def q4k_order(self) -> torch.Tensor:
         """The quants in the order Q4_K blocks hold their values (made once, for the first Q4_K weight)."""

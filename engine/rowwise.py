@@ -143,17 +143,16 @@ def project(x: torch.Tensor, ws: tuple[Weight, ...]) -> list[torch.Tensor]:
 
 def _stacked(ws: tuple[QTensor, ...]) -> QTensor:
     """The weights' rows in one tensor, made once and kept with the first weight (the set belongs to one layer,
-    so it lives and dies with it)."""
+    so it lives and dies with it). Where the parts are views of the model file, their resident pages are dropped
+    once copied (engine.quant.release_pages; they reload from the file if something else reads them)."""
     key = tuple(id(w) for w in ws[1:])
     fused = ws[0].fused = ws[0].fused or {}
     w = fused.get(key)
     if w is None:
         raw = torch.cat([w.raw.reshape(w.n_rows, -1) for w in ws])
         w = fused[key] = QTensor(raw, ws[0].qtype, (raw.shape[0], ws[0].n_cols))
-        if ws[0].packed is not None:  # the stack is read packed: the parts' file pages it read are dropped again
-            kquant.pack(w)
-            for part in ws:
-                release_pages(part.raw)
+        for part in ws:  # the products read the stack: the parts' file pages it was copied from can go
+            release_pages(part.raw)
     return w
 
 

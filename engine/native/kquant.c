@@ -264,37 +264,59 @@ static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *
     return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
 }
 
+/* A Q4_K block unpacked for the products: its scales d and dmin, its 6-bit scales and mins as int16 lanes
+ * [sc0..7, mn0..7], each min twice (one per sum of 16 activations), and its values in the block's order
+ * (vectors 0, 1: low, high nibbles of the first 64 quant bytes; 2, 3: of the second 64) */
+typedef struct {
+    float d, dmin;
+    __m128i sm;
+    __m256i mins;
+    __m512i v[4];
+} Q4Block;
+
+__attribute__((target(AVX512_TARGET)))
+static inline void q4_k_block(const uint8_t *blk, Q4Block *k) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
+                                                                14, 15, 15));
+    k->d = fp16_f16c(blk);
+    k->dmin = fp16_f16c(blk + 2);
+    k->sm = q4_k_scales(blk);
+    k->mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(k->sm))));
+    const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+    k->v[0] = _mm512_and_si512(q0, m4);
+    k->v[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+    k->v[2] = _mm512_and_si512(q1, m4);
+    k->v[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+}
+
+/* One activation row's float sum after its exact Σ scale·value·quant p over block b, then the mins' term as
+ * ggml computes it: Σ min·bsum in integers, then one float product. */
+__attribute__((target(AVX512_TARGET)))
+static inline __m512 q4_k_row(const Q4Block *k, __m512i p, const Row *row, int64_t b, __m512 acc) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)(row->bs + b * 16));
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, k->mins));
+    const float dx = row->d[b];
+    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * k->d), acc);
+    return _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * k->dmin), f);
+}
+
 __attribute__((target(AVX512_TARGET)))
 static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     /* 16-bit lanes of [sc0..7, mn0..7] picked for each product: the scales of the two sub-blocks a 64-value
-     * vector holds (lanes 0-15, 16-31); and each min twice, once per sum of 16 activations */
+     * vector holds (lanes 0-15, 16-31) */
     const __m512i id16[4] = {_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
                              _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1),
                              _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
                              _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
-    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
-                                                                14, 15, 15));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 144;
-        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
-        const __m128i sm = q4_k_scales(blk);
-        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
-                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+        Q4Block k;
+        q4_k_block(row + b * 144, &k);
+        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(k.sm));
         __m512i s[4];
         for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(id16[c], w16);
-        const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, w16));
-        for (int64_t i = 0; i < tn; i++) {
-            const __m512i p = row_sum(v, s, rows[i].q + b * QK);
-            /* the mins' term as ggml computes it: Σ min·bsum in integers, then one float product */
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
-            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
-            const float dx = rows[i].d[b];
-            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
-        }
+        for (int64_t i = 0; i < tn; i++)
+            acc[i] = q4_k_row(&k, row_sum(k.v, s, rows[i].q + b * QK), rows + i, b, acc[i]);
     }
 }
 
@@ -362,28 +384,13 @@ static inline __m512i dot4_vnni(const __m512i *v, const int8_t *x) {
 
 __attribute__((target(VNNI_TARGET)))
 static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i lane_sc = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
-                                                                14, 15, 15));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 144;
-        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
-        const __m128i sm = q4_k_scales(blk);
-        const __m512i sc = _mm512_permutexvar_epi32(lane_sc, _mm512_cvtepu8_epi32(sm));
-        const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
-            im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm))));
-        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
-                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
-        for (int64_t i = 0; i < tn; i++) {
-            const __m512i p = _mm512_mullo_epi32(dot4_vnni(v, rows[i].q + b * QK), sc);
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
-            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
-            const float dx = rows[i].d[b];
-            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
-        }
+        Q4Block k;
+        q4_k_block(row + b * 144, &k);
+        const __m512i sc = _mm512_permutexvar_epi32(lane_sc, _mm512_cvtepu8_epi32(k.sm));
+        for (int64_t i = 0; i < tn; i++)
+            acc[i] = q4_k_row(&k, _mm512_mullo_epi32(dot4_vnni(k.v, rows[i].q + b * QK), sc), rows + i, b, acc[i]);
     }
 }
 
