@@ -32,7 +32,6 @@ PORTABLE = False
 # False: Q4_K / Q6_K weights run in their stored order even where the packed VNNI products can (tests compare).
 PACK = True
 PACKED = {QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q4_K_PACKED, T_Q6_K_PACKED
-BLOCK_BYTES = {QT.Q4_K: 144, QT.Q6_K: 210}
 
 
 def isa() -> str:
@@ -62,7 +61,6 @@ class Q8KRows:
     d: torch.Tensor
     bsums: torch.Tensor | None
     _q4k: torch.Tensor | None = None
-    _packed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -74,13 +72,6 @@ class Q8KRows:
             self._q4k = torch.empty_like(self.q)
             _LIB.kq_q4k_order(self.q.data_ptr(), self.q.shape[0], self.q.shape[1], self._q4k.data_ptr())  # type: ignore[union-attr]
         return self._q4k
-
-    def packed_order(self) -> torch.Tensor:
-        """The quants in the order packed Q4_K / Q6_K blocks hold their values (`pack`; made once)."""
-        if self._packed is None:
-            self._packed = torch.empty_like(self.q)
-            _LIB.kq_q4k_packed_order(self.q.data_ptr(), self.q.shape[0], self.q.shape[1], self._packed.data_ptr())  # type: ignore[union-attr]
-        return self._packed
 
 
 _MEMO: LastInputs[Q8KRows] = LastInputs()
@@ -131,8 +122,6 @@ def _bsums(xr: Q8KRows) -> int:
 
 
 def _perm(xr: Q8KRows, code: int) -> int:
-    if code in PACKED.values():
-        return xr.packed_order().data_ptr()
     return xr.q4k_order().data_ptr() if code == QT.Q4_K and not PORTABLE and _LIB.kq_isa() == 1 else 0  # type: ignore[union-attr]
 
 
@@ -142,16 +131,22 @@ def packs() -> bool:
     return PACK and not PORTABLE and _LIB is not None and _LIB.q8_isa() == 2
 
 
+GROUP = 16  # rows interleaved in a packed weight (kquant.c)
+
+
 def pack(w: QTensor) -> None:
-    """Keep a CPU Q4_K / Q6_K weight's blocks with their values reordered for the VNNI products (kq_repack; the
-    same bytes in number), for the products to read instead of the stored ones. Where the stored bytes are a
-    view of the model file their resident pages are dropped (engine.quant.release_pages): the file keeps them,
-    and other readers (an embedding lookup, a copy to an accelerator) still find them there."""
-    if w.packed is not None or w.qtype not in PACKED or w.raw.device.type != "cpu" or not packs():
+    """Keep a CPU Q4_K / Q6_K weight's blocks interleaved 16 rows at a time for the VNNI products (kq_repack; the
+    same bytes in number, Q6_K with 1 % of padding), for the products to read instead of the stored ones.
+    Only matrices of whole groups (rows per matrix, per expert in a stack, a multiple of 16) are packed. Where
+    the stored bytes are a view of the model file their resident pages are dropped (engine.quant.release_pages):
+    the file keeps them, and other readers (an embedding lookup, a copy to an accelerator) still find them there."""
+    if w.packed is not None or w.qtype not in PACKED or w.raw.device.type != "cpu" or not packs() \
+            or len(w.shape) < 2 or w.shape[-2] % GROUP:
         return
     raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-    packed = torch.empty_like(raw)
-    _LIB.kq_repack(int(w.qtype), raw.data_ptr(), raw.numel() // BLOCK_BYTES[w.qtype], packed.data_ptr(),  # type: ignore[union-attr]
+    nb = w.n_cols // QK
+    packed = torch.empty(w.n_rows * nb * _LIB.kq_packed_bytes(int(w.qtype)), dtype=torch.uint8)  # type: ignore[union-attr]
+    _LIB.kq_repack(int(w.qtype), raw.data_ptr(), w.n_rows, nb, packed.data_ptr(),  # type: ignore[union-attr]
                    torch.get_num_threads())
     w.packed = packed
     release_pages(w.raw)
@@ -162,7 +157,8 @@ def _weight(w: QTensor) -> tuple[torch.Tensor, int]:
     use), else the stored blocks."""
     if w.qtype in PACKED and packs():
         pack(w)
-        return w.packed, PACKED[w.qtype]  # type: ignore[return-value]
+        if w.packed is not None:
+            return w.packed, PACKED[w.qtype]
     return (w.raw if w.raw.is_contiguous() else w.raw.contiguous()), int(w.qtype)
 
 

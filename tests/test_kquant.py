@@ -75,8 +75,8 @@ def test_activations_quantize_as_ggml_q8_0() -> None:
     assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
 
 
-# The kernel forms: Q4_K / Q6_K packed for the VNNI products (kquant.pack; where the CPU has VNNI), the stored block
-# order on AVX512, and the portable C.
+# The kernel forms: Q4_K / Q6_K packed for the VNNI products (kquant.pack: 16 rows interleaved, where the CPU has
+# VNNI, for matrices of whole 16-row groups), the stored block order on AVX512, and the portable C.
 MODES = {"packed": (True, False), "stored": (False, False), "portable": (True, True)}
 
 
@@ -87,17 +87,25 @@ def _mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     assert kquant.packs() == (mode == "packed" and nativelib.LIB.q8_isa() == 2)  # type: ignore[union-attr]
 
 
+def _packed_as_expected(w: QTensor) -> None:
+    """A weight is packed exactly when the packed products run and its matrices are whole groups of 16 rows."""
+    assert (w.packed is not None) == (kquant.packs() and w.qtype in kquant.PACKED and w.shape[-2] % kquant.GROUP == 0)
+
+
+@pytest.mark.parametrize("rows", [80, 72], ids=["whole-groups", "partial-group"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_products_equal_the_dequantized_product(monkeypatch, qt: T, mode: str) -> None:
+def test_products_equal_the_dequantized_product(monkeypatch, qt: T, mode: str, rows: int) -> None:
     """Against float64 products of the rounded activations and the gguf-exact dequantized weight: only the
-    float32 rounding of the per-block scaling separates them."""
+    float32 rounding of the per-block scaling separates them. 72 rows are not whole packed groups: they stay in
+    the stored order."""
     _mode(monkeypatch, mode)
-    w = _weight(qt, 72, 1024)
+    w = _weight(qt, rows, 1024)
     x = _x(5, 1024)
     ref = round_activations(x, qt.name).double() @ w.dequantize().double().t()
     y = kquant.matmul(x, w)
-    assert y.dtype == torch.float32 and y.shape == (5, 72)
+    _packed_as_expected(w)
+    assert y.dtype == torch.float32 and y.shape == (5, rows)
     err = (y.double() - ref).abs().max().item()
     assert err < 2e-6 * ref.abs().max().item(), err
 
@@ -108,9 +116,10 @@ def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, mode: str) -> N
     """Row i of an M-row product has the bits of a one-row product, for M past the kernel's row tile (64)
     and for one or two threads."""
     _mode(monkeypatch, mode)
-    w = _weight(qt, 40, 512, seed=2)
+    w = _weight(qt, 48, 512, seed=2)
     x = _x(70, 512, seed=3)
     ref = torch.cat([kquant.matmul(x[i:i + 1].clone(), w) for i in range(70)])
+    _packed_as_expected(w)
     for threads in (1, 2):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         monkeypatch.setattr(nativelib, "threads", lambda work: threads)
@@ -122,7 +131,7 @@ def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, mode: str) -> N
 def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -> None:
     """matmul_pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
     _mode(monkeypatch, mode)
-    e_n, rows, k = 6, 24, 512
+    e_n, rows, k = 6, 32, 512
     rng = np.random.default_rng(4)
     stack = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
     x = _x(7, k, seed=5)
@@ -131,6 +140,7 @@ def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -
     xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
     starts = torch.tensor([0, 2, 3, 8])
     out = kquant.matmul_pairs(xr, stack, xrow, experts, starts)
+    _packed_as_expected(stack)
     for g, e in enumerate(experts.tolist()):
         for p in range(int(starts[g]), int(starts[g + 1])):
             one = kquant.matmul(x[int(xrow[p])].unsqueeze(0).clone(), stack[e])
@@ -139,7 +149,7 @@ def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -
 
 @pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_packed_weights_are_the_stored_ones_reordered(monkeypatch, qt: T) -> None:
-    """The packed products agree with the stored-order ones to float32 rounding (only the lanes' float sums are
+    """The packed products agree with the stored-order ones to float32 rounding (the same integers, the float sums
     grouped differently); packing leaves a weight in the process's own memory alone."""
     from engine.quant import release_pages
 

@@ -24,8 +24,7 @@
 #define M_TILE 64
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
-/* Q4_K and Q6_K blocks with their values in the packed order of kq_repack (not ggml types: ours, for the VNNI
- * products) */
+/* Q4_K and Q6_K weights packed by kq_repack, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
 enum { T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
 /* q8_0.c: Q8_0 weight rows times Q8_0 activation rows */
@@ -240,7 +239,7 @@ static inline __m128i q4_k_scales(const uint8_t *blk) {
 
 /* A Q6_K block's 256 values (q + 32, 0…63) as four vectors of 64 bytes in the order the block stores them:
  * vector 2n takes the low nibbles of ql[64n…] with qh[32n…] bits 0-1 (first 32) and 2-3, vector 2n + 1 the
- * high nibbles with bits 4-5 and 6-7 (the natural order; in a packed block, kq_repack, the packed one). */
+ * high nibbles with bits 4-5 and 6-7 (the natural order). */
 __attribute__((target(AVX512_TARGET)))
 static inline void q6_k_values(const uint8_t *blk, __m512i *v) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
@@ -365,122 +364,268 @@ static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     }
 }
 
-/* Q4_K blocks repacked (kq_repack) so that int32 lane l of each of a block's four 64-value vectors holds
- * values of one half of sub-block l/2 (values 16l … 16l+15 in natural order): dpbusd adds the four vectors'
- * products into one accumulator whose lanes need only their sub-block's scale, one mullo per row and block
- * instead of a madd per vector (four dpbusd and one mullo against four maddubs and four madd: the row cost of
- * a multi-token pass). Exact integers as before; the lanes' float sums are grouped differently from the
- * unpacked form's, so the two differ in the last bits, each the same whatever the number of rows. */
-#define VNNI_TARGET "avx512f,avx512bw,f16c,avx512vnni"
+/* Weight bytes requested ahead of the row being multiplied. The hardware prefetcher alone left the products
+ * waiting on memory between a thread's short runs of rows (a routed expert's slice is a few KiB to a few
+ * hundred). In in-process A/B runs on the mid-size MoE, 4 KiB ahead cut the routed experts' time of a 4-token
+ * pass by about a quarter while other processes loaded the memory bus, and changed nothing measurable when the
+ * host was quiet (2, 8 and 16 KiB: no better). Past the end of a matrix the requests are wasted, never faulting. */
+#define PREFETCH_BYTES 4096
 
-/* Σ over a packed block's four value vectors of value·quant per int32 lane (four dpbusd, one accumulator) */
-__attribute__((target(VNNI_TARGET)))
-static inline __m512i dot4_vnni(const __m512i *v, const int8_t *x) {
-    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512(x));
-    p = _mm512_dpbusd_epi32(p, v[1], _mm512_loadu_si512(x + 64));
-    p = _mm512_dpbusd_epi32(p, v[2], _mm512_loadu_si512(x + 128));
-    return _mm512_dpbusd_epi32(p, v[3], _mm512_loadu_si512(x + 192));
-}
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
-__attribute__((target(VNNI_TARGET)))
-static void rows_q4_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
-    const __m512i lane_sc = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    for (int64_t b = 0; b < nb; b++) {
-        Q4Block k;
-        q4_k_block(row + b * 144, &k);
-        const __m512i sc = _mm512_permutexvar_epi32(lane_sc, _mm512_cvtepu8_epi32(k.sm));
-        for (int64_t i = 0; i < tn; i++)
-            acc[i] = q4_k_row(&k, _mm512_mullo_epi32(dot4_vnni(k.v, rows[i].q + b * QK), sc), rows + i, b, acc[i]);
+/* ---- packed: 16 rows interleaved, for AVX512-VNNI ----------------------------------------------------
+ *
+ * A packed weight (kq_repack) is made of groups of 16 rows (a row chunk of ROW_CHUNK = 16 rows; an expert's
+ * matrix is whole groups), each group its rows' bytes (Q6_K: and a little padding): for each block index b the
+ * 16 rows' blocks b are stored together, interleaved so that int32 lane l of every vector belongs to row l. A dpbusd of a vector of
+ * values against a broadcast of 4 activation quants then adds 4 products for each of the 16 rows, and every
+ * scale, min and float step that the per-row layout took once per row (a madd, a conversion, two fmadds per row
+ * and block) is one instruction for 16 rows. The integers are those of the stored layout; each output's float
+ * sum is one lane accumulated block by block (as ggml's dot products do, and unlike the stored layout's lanes
+ * reduced at the end), the same whatever the number of activation rows.
+ *
+ * Q4_K group block (16 · 144 bytes): d [16] fp16, dmin [16] fp16; the 12 scale bytes of each row as three 32-bit
+ * words, word w of row l at 64 + 4 (16 w + l); then per sub-block j (32 values) four 64-byte vectors p, byte 4l + e
+ * = value 32j + 4p + e of row l | value 32j + 16 + 4p + e << 4.
+ * Q6_K group block (Q6K_GROUP_BYTES: 16 · 210 bytes and 32 of padding, 212 per row and block): per 32 values u
+ * (sub-blocks 2u, 2u+1), in pairs of u in the order the kernel reads them (Q6K_UNIT: with the low nibbles, the high
+ * bits and the scales in three regions of the block, products reading from memory ran at about half the speed),
+ * four 64-byte vectors p of low nibbles as Q4_K's, two vectors h of high bit pairs, byte 4l + e holding bits 4-5 of value 32u + 4(h + 2s) + e at bits 2s, 2s+1
+ * (s < 4), and the two sub-blocks' int8 scales, [sub-block][row]; at 3328 d [16] fp16. */
+#define GROUP 16
+_Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed groups");
+/* a packed Q6_K group block: 16 · 210 bytes and 32 of padding, so that every group block starts on a cache line
+ * and no 64-byte load of it straddles two */
+#define Q6K_GROUP_BYTES 3392
+/* where the bytes of values 32u … 32u+31 start in a packed Q6_K group block: pairs of them (832 bytes, whole lines) */
+#define Q6K_UNIT(u) (832 * ((u) / 2) + 256 * ((u) & 1))
+#ifndef X16_PREFETCH
+#define X16_PREFETCH 16384
+#endif
+#define X16_TILE 4  /* activation rows per pass over a group block (their sums stay in registers) */
+
+static void repack_q4k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    Block blk[GROUP];
+    for (int l = 0; l < GROUP; l++) unpack_q4_k(src + l * nb * 144, &blk[l]);
+    for (int l = 0; l < GROUP; l++) {
+        const uint8_t *b = src + l * nb * 144;
+        memcpy(dst + 2 * l, b, 2);
+        memcpy(dst + 32 + 2 * l, b + 2, 2);
+        for (int w = 0; w < 3; w++) memcpy(dst + 64 + 4 * (GROUP * w + l), b + 4 + 4 * w, 4);
     }
+    uint8_t *q = dst + 256;
+    for (int j = 0; j < 8; j++)
+        for (int p = 0; p < 4; p++)
+            for (int l = 0; l < GROUP; l++)
+                for (int e = 0; e < 4; e++)
+                    *q++ = (uint8_t)(blk[l].v[32 * j + 4 * p + e] | blk[l].v[32 * j + 16 + 4 * p + e] << 4);
 }
 
-/* Q6_K blocks repacked (kq_repack) the same way: lane l of each of the four value vectors holds four values
- * of sub-block l, so the four vectors' dpbusd products add into one accumulator and one mullo applies the 16
- * sub-block scales. */
-__attribute__((target(VNNI_TARGET)))
-static void rows_q6_k_packed(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
-    for (int64_t b = 0; b < nb; b++) {
-        Q6Block k;
-        q6_k_block(row + b * 210, &k);
-        const __m512i sc = _mm512_cvtepi8_epi32(k.sc8);
-        for (int64_t i = 0; i < tn; i++)
-            acc[i] = q6_k_row(&k, _mm512_mullo_epi32(dot4_vnni(k.v, rows[i].q + b * QK), sc), rows + i, b, acc[i]);
+static void repack_q6k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    Block blk[GROUP];
+    for (int l = 0; l < GROUP; l++) unpack_q6_k(src + l * nb * 210, &blk[l]);
+    for (int u = 0; u < 8; u++) {
+        uint8_t *lo = dst + Q6K_UNIT(u), *hi = lo + 512 - 128 * (u & 1), *sc = lo + 768 - 224 * (u & 1);
+        for (int p = 0; p < 4; p++)
+            for (int l = 0; l < GROUP; l++)
+                for (int e = 0; e < 4; e++)
+                    *lo++ = (uint8_t)((blk[l].v[32 * u + 4 * p + e] & 15) | (blk[l].v[32 * u + 16 + 4 * p + e] & 15) << 4);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < GROUP; l++)
+                for (int e = 0; e < 4; e++) {
+                    uint8_t byte = 0;
+                    for (int s = 0; s < 4; s++) byte |= (uint8_t)((blk[l].v[32 * u + 4 * (h + 2 * s) + e] >> 4) << (2 * s));
+                    *hi++ = byte;
+                }
+        for (int j = 2 * u; j < 2 * u + 2; j++)
+            for (int l = 0; l < GROUP; l++) *sc++ = src[l * nb * 210 + 192 + j];
     }
+    for (int l = 0; l < GROUP; l++) memcpy(dst + 3328 + 2 * l, src + l * nb * 210 + 208, 2);
+    memset(dst + 3328 + 2 * GROUP, 0, Q6K_GROUP_BYTES - 3328 - 2 * GROUP);
 }
 
-/* Value index (within its block of 256) of packed byte p of vector c (c = 0, 1: low, high nibbles of the
- * first 64 quant bytes; 2, 3: of the second 64): sub-block p/8, its half (p/4) % 2, four values per vector. */
-static inline int packed_value(int c, int p) { return 32 * (p / 8) + 16 * ((p / 4) % 2) + 4 * c + p % 4; }
+/* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (engine.kquant.packs: only where
+ * the VNNI products run); dst holds kq_packed_bytes(qtype) per row and block. */
+int64_t kq_packed_bytes(int qtype) { return qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
 
-/* Natural-order values (64 per vector) into the packed order: value j = 16g + 4c + e (g < 16, c, e < 4) goes to
- * byte 4g + e of vector c; as 32-bit words of four values, vector c takes words c, 4 + c, …, 60 + c. */
-__attribute__((target("avx512f,avx512bw")))
-static inline void pack_values(const __m512i *vals, __m512i *vec) {
-    for (int c = 0; c < 4; c++) {
-        const __m512i idx = _mm512_setr_epi32(c, 4 + c, 8 + c, 12 + c, 16 + c, 20 + c, 24 + c, 28 + c, c, 4 + c, 8 + c,
-                                              12 + c, 16 + c, 20 + c, 24 + c, 28 + c);
-        const __m512i lo = _mm512_permutex2var_epi32(vals[0], idx, vals[1]);  /* g = 0…7 */
-        const __m512i hi = _mm512_permutex2var_epi32(vals[2], idx, vals[3]);  /* g = 8…15 */
-        vec[c] = _mm512_shuffle_i64x2(lo, hi, 0x44);  /* lo's first 8 words, then hi's */
-    }
-}
-
-/* Q4_K blocks with their quants reordered for rows_q4_k_packed: the same 144 bytes per block (scales and
- * their encoding unchanged), the 128 quant bytes permuted; vectors 0, 1 are the low and high nibbles of the first
- * 64 quant bytes, 2, 3 of the second. */
-__attribute__((target("avx512f,avx512bw")))
-static void repack_q4k_block(const uint8_t *src, uint8_t *dst) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i vals[4], vec[4];  /* vals: values 64k … 64k+63 in natural order, one per byte */
-    for (int k = 0; k < 4; k++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * k));
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-        vals[k] = _mm512_and_si512(w, m4);
-    }
-    pack_values(vals, vec);
-    memcpy(dst, src, 16);
-    _mm512_storeu_si512(dst + 16, _mm512_or_si512(vec[0], _mm512_slli_epi16(vec[1], 4)));
-    _mm512_storeu_si512(dst + 80, _mm512_or_si512(vec[2], _mm512_slli_epi16(vec[3], 4)));
-}
-
-/* Q6_K blocks reordered for rows_q6_k_packed: the packed value vectors encoded back into ql / qh so that
- * q6_k_values decodes them (scales and d unchanged). */
-__attribute__((target(AVX512_TARGET)))
-static void repack_q6k_block(const uint8_t *src, uint8_t *dst) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3);
-    __m512i vals[4], vec[4];
-    q6_k_values(src, vals);  /* a stored block decodes in natural order */
-    pack_values(vals, vec);
-    for (int n = 0; n < 2; n++) {
-        const __m512i e = vec[2 * n], o = vec[2 * n + 1];
-        _mm512_storeu_si512(dst + 64 * n, _mm512_or_si512(_mm512_and_si512(e, m4),
-                                                          _mm512_slli_epi16(_mm512_and_si512(o, m4), 4)));
-        const __m512i he = _mm512_and_si512(_mm512_srli_epi16(e, 4), m3), ho = _mm512_and_si512(_mm512_srli_epi16(o, 4), m3);
-        /* qh byte q: bits 0-1 of value q, 2-3 of value q + 32 (vector e), 4-5 and 6-7 the same of vector o */
-        const __m256i lo = _mm256_or_si256(_mm512_castsi512_si256(he),
-                                           _mm256_slli_epi16(_mm512_extracti64x4_epi64(he, 1), 2));
-        const __m256i hi = _mm256_or_si256(_mm512_castsi512_si256(ho),
-                                           _mm256_slli_epi16(_mm512_extracti64x4_epi64(ho, 1), 2));
-        _mm256_storeu_si256((__m256i *)(dst + 128 + 32 * n), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-    }
-    memcpy(dst + 192, src + 192, 18);
-}
-
-/* Packed weights are made only where the VNNI products run, so with AVX512 (engine.kquant.packs). */
-void kq_repack(int qtype, const uint8_t *src, int64_t n_blocks, uint8_t *dst, int n_threads) {
-    const int64_t bytes = qtype == T_Q4_K ? 144 : 210;
+void kq_repack(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
+    const int64_t bytes = qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
+    const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t b = 0; b < n_blocks; b++) {
-        if (qtype == T_Q4_K) repack_q4k_block(src + b * bytes, dst + b * bytes);
-        else repack_q6k_block(src + b * bytes, dst + b * bytes);
+    for (int64_t gb = 0; gb < n_groups * nb; gb++) {
+        const int64_t g = gb / nb, b = gb % nb;
+        const uint8_t *s = src + (g * GROUP * nb + b) * bytes;
+        uint8_t *d = dst + (g * nb + b) * group_bytes;
+        if (qtype == T_Q4_K) repack_q4k_group(s, nb, d);
+        else repack_q6k_group(s, nb, d);
     }
 }
 
-/* The quants of rows [m, k] in the packed order: per block of 256, vector c's byte p is value packed_value(c, p). */
-void kq_q4k_packed_order(const int8_t *q, int64_t m, int64_t k, int8_t *out) {
-    for (int64_t b = 0; b < m * k / QK; b++)
-        for (int c = 0; c < 4; c++)
-            for (int p = 0; p < 64; p++) out[b * QK + 64 * c + p] = q[b * QK + packed_value(c, p)];
+/* Part s of 8 of the group block PREFETCH_BYTES ahead of blk (bytes long): spread over the block's eight steps,
+ * as a burst of all its lines at the block's start stalled on the core's outstanding misses. */
+static inline void x16_prefetch(const uint8_t *blk, int64_t bytes, int s) {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t c = s * lines / 8; c < (s + 1) * lines / 8; c++)
+        _mm_prefetch((const char *)blk + X16_PREFETCH + 64 * c, _MM_HINT_T0);
+}
+
+/* 4 activation quants broadcast to every lane */
+#define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
+
+/* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows: o[i · ldo + l]. */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f),
+                  m03 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GROUP * 144;
+        const __m512i u0 = _mm512_loadu_si512(blk + 64), u1 = _mm512_loadu_si512(blk + 128),
+                      u2 = _mm512_loadu_si512(blk + 192);
+        /* per lane (row): bytes sc0..3, sc4..7, mn0..3, mn4..7, as q4_k_scales decodes one row */
+        const __m512i sc[2] = {_mm512_and_si512(u0, m3f),
+                               _mm512_or_si512(_mm512_and_si512(u2, m0f),
+                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m03), 4))};
+        const __m512i mn03 = _mm512_and_si512(u1, m3f);
+        const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m0f),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m03), 4));
+        __m512i isum[X16_TILE];
+        for (int i = 0; i < T; i++) isum[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            x16_prefetch(blk, GROUP * 144, j);
+            const uint8_t *qv = blk + 256 + 256 * j;
+            __m512i v[8];
+            for (int p = 0; p < 4; p++) {
+                const __m512i q = _mm512_loadu_si512(qv + 64 * p);
+                v[p] = _mm512_and_si512(q, m4);
+                v[p + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            const __m512i scj = _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff);
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * QK + 32 * j;
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
+                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
+                s0 = _mm512_dpbusd_epi32(s0, v[2], BCAST4(x + 8));
+                s1 = _mm512_dpbusd_epi32(s1, v[3], BCAST4(x + 12));
+                s0 = _mm512_dpbusd_epi32(s0, v[4], BCAST4(x + 16));
+                s1 = _mm512_dpbusd_epi32(s1, v[5], BCAST4(x + 20));
+                s0 = _mm512_dpbusd_epi32(s0, v[6], BCAST4(x + 24));
+                s1 = _mm512_dpbusd_epi32(s1, v[7], BCAST4(x + 28));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scj));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        for (int i = 0; i < T; i++) {
+            /* Σ_j min_j · (sum of the sub-block's 32 quants), that sum split into 7 low bits and the rest so that
+             * both fit dpbusd's signed bytes: exact integers, as ggml's */
+            const __m256i s32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16)),
+                                                  _mm256_set1_epi16(1));
+            const __m128i lo = _mm256_cvtepi32_epi8(_mm256_and_si256(s32, _mm256_set1_epi32(127)));
+            const __m128i hi = _mm256_cvtepi32_epi8(_mm256_srai_epi32(s32, 7));
+            __m512i ml = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mn03, _mm512_set1_epi32(_mm_extract_epi32(lo, 0)));
+            ml = _mm512_dpbusd_epi32(ml, mn47, _mm512_set1_epi32(_mm_extract_epi32(lo, 1)));
+            __m512i mh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mn03, _mm512_set1_epi32(_mm_extract_epi32(hi, 0)));
+            mh = _mm512_dpbusd_epi32(mh, mn47, _mm512_set1_epi32(_mm_extract_epi32(hi, 1)));
+            const __m512i msum = _mm512_add_epi32(ml, _mm512_slli_epi32(mh, 7));
+            const __m512 dx = _mm512_set1_ps(rows[i].d[b]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+/* The same for packed Q6_K: values q (0…63) against the quants, times the sub-block's scale, less 32 · the
+ * sub-blocks' sums of 16 quants times their scales: Σ_j sc_j dot_j − 32 Σ_j sc_j bsum_j, the integer of the stored
+ * layout's products. */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * Q6K_GROUP_BYTES;
+        __m512i isum[X16_TILE], ssum[X16_TILE];
+        for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++) {
+            x16_prefetch(blk, Q6K_GROUP_BYTES, u);
+            const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1), *scb8 = lo + 768 - 224 * (u & 1);
+            const __m512i h0 = _mm512_loadu_si512(hb), h1 = _mm512_loadu_si512(hb + 64);
+            __m512i v[8];
+            for (int p = 0; p < 4; p++) {
+                const __m512i q = _mm512_loadu_si512(lo + 64 * p);
+                v[p] = _mm512_and_si512(q, m4);
+                v[p + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            /* value group g's high bits: vector g % 2, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
+            v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(h0, 4), m30, 0xF8);
+            v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(h1, 4), m30, 0xF8);
+            v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_slli_epi16(h0, 2), m30, 0xF8);
+            v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_slli_epi16(h1, 2), m30, 0xF8);
+            v[4] = _mm512_ternarylogic_epi32(v[4], h0, m30, 0xF8);
+            v[5] = _mm512_ternarylogic_epi32(v[5], h1, m30, 0xF8);
+            v[6] = _mm512_ternarylogic_epi32(v[6], _mm512_srli_epi16(h0, 2), m30, 0xF8);
+            v[7] = _mm512_ternarylogic_epi32(v[7], _mm512_srli_epi16(h1, 2), m30, 0xF8);
+            const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)scb8)),
+                          scb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb8 + 16)));
+            /* the two sub-blocks' scales as an int16 pair per lane, for Σ_j sc_j · bsum_j by dpwssd */
+            const __m512i scp = _mm512_or_si512(_mm512_and_si512(sca, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(scb, 16));
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * QK + 32 * u;
+                __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
+                __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
+                __m512i b0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], BCAST4(x + 16));
+                __m512i b1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[5], BCAST4(x + 20));
+                a0 = _mm512_dpbusd_epi32(a0, v[2], BCAST4(x + 8));
+                a1 = _mm512_dpbusd_epi32(a1, v[3], BCAST4(x + 12));
+                b0 = _mm512_dpbusd_epi32(b0, v[6], BCAST4(x + 24));
+                b1 = _mm512_dpbusd_epi32(b1, v[7], BCAST4(x + 28));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(a0, a1), sca),
+                                                                     _mm512_mullo_epi32(_mm512_add_epi32(b0, b1), scb)));
+                ssum[i] = _mm512_dpwssd_epi32(ssum[i], scp, BCAST4(rows[i].bs + b * 16 + 2 * u));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 3328)));
+        for (int i = 0; i < T; i++) {
+            const __m512i p = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(ssum[i], 5));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+#define X16_CASES(FN)                                                                                             \
+    switch (tn) {                                                                                                 \
+    case 1: FN(g, nb, rows, o, ldo, 1); break;                                                                    \
+    case 2: FN(g, nb, rows, o, ldo, 2); break;                                                                    \
+    case 3: FN(g, nb, rows, o, ldo, 3); break;                                                                    \
+    default: FN(g, nb, rows, o, ldo, 4); break;                                                                   \
+    }
+
+/* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL). */
+__attribute__((target(VNNI_TARGET)))
+static void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                           const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+    const int64_t nb = a->k / QK;
+    Row rows[X16_TILE];
+    for (int64_t rc = r0; rc < r1; rc += GROUP) {
+        const uint8_t *g = w + rc * row_bytes;
+        for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {
+            const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;
+            for (int64_t i = 0; i < tn; i++) {
+                const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+                rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs + xr * nb * 16};
+            }
+            float *o = out + t0 * ldo + rc;
+            if (qtype == T_Q4_K_PACKED) {
+                X16_CASES(q4_k_x16)
+            } else {
+                X16_CASES(q6_k_x16)
+            }
+        }
+    }
 }
 
 /* Row r of the result is the horizontal sum of v[r], for 16 vectors at once, each with exactly the additions of
@@ -505,12 +650,6 @@ static inline __m512 sum16(const __m512 *v, int64_t stride) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* Weight bytes requested ahead of the row being multiplied. The hardware prefetcher alone left the products
- * waiting on memory between a thread's short runs of rows (a routed expert's slice is a few KiB to a few
- * hundred). In in-process A/B runs on the mid-size MoE, 4 KiB ahead cut the routed experts' time of a 4-token
- * pass by about a quarter while other processes loaded the memory bus, and changed nothing measurable when the
- * host was quiet (2, 8 and 16 KiB: no better). Past the end of a matrix the requests are wasted, never faulting. */
-#define PREFETCH_BYTES 4096
 
 /* Each thread's float sums of the weight rows of one chunk (≤ ROW_CHUNK) for the tile's activation rows,
  * [weight row][activation row], summed across lanes 16 weight rows at a time. */
@@ -522,7 +661,7 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                               const Acts *a, const int8_t *xperm, const int64_t *xrow, int64_t m, float *out,
                               int64_t ldo) {
     const int64_t nb = a->k / QK;
-    const int8_t *xq = qtype == T_Q4_K || qtype >= T_Q4_K_PACKED ? xperm : a->q;  /* packed: xperm is that order */
+    const int8_t *xq = qtype == T_Q4_K ? xperm : a->q;
     Row rows[M_TILE];
     for (int64_t rc = r0; rc < r1; rc += ROW_CHUNK) {
         const int64_t rn = r1 - rc < ROW_CHUNK ? r1 - rc : ROW_CHUNK;
@@ -540,8 +679,6 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                 const char *ahead = (const char *)w + r * row_bytes + PREFETCH_BYTES;
                 for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 if (qtype == T_Q4_K) rows_q4_k(w + r * row_bytes, nb, rows, tn, acc);
-                else if (qtype == T_Q4_K_PACKED) rows_q4_k_packed(w + r * row_bytes, nb, rows, tn, acc);
-                else if (qtype == T_Q6_K_PACKED) rows_q6_k_packed(w + r * row_bytes, nb, rows, tn, acc);
                 else rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
             }
             const __mmask16 keep = (__mmask16)((1u << rn) - 1);
@@ -588,7 +725,11 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #if defined(__x86_64__)
-    if ((!portable && kq_isa() == 1) || qtype >= T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
+    if (qtype >= T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
+        rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
+        return;
+    }
+    if (!portable && kq_isa() == 1) {
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
         return;
     }
