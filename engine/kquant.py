@@ -31,7 +31,7 @@ _LIB = nativelib.LIB
 PORTABLE = False
 # False: Q4_K / Q6_K weights run in their stored order even where the packed VNNI products can (tests compare).
 PACK = True
-PACKED = {QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q4_K_PACKED, T_Q6_K_PACKED
+PACKED = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
 
 
 def isa() -> str:
@@ -43,7 +43,8 @@ def isa() -> str:
     kq = {1: "avx512bw", 0: "portable C"}[_LIB.kq_isa()]
     if kq != "portable C" and packs():
         kq += " (Q4_K, Q6_K packed for avx512vnni)"
-    return f"{kq}, Q8_0 {({2: 'avx512vnni', 0: 'portable C'})[_LIB.q8_isa()]}"
+    q8 = {2: "avx512vnni", 0: "portable C"}[_LIB.q8_isa()]
+    return f"{kq}, Q8_0 {q8}{' (packed)' if q8 != 'portable C' and packs() else ''}"
 
 
 def usable(w: object, x: torch.Tensor) -> bool:
@@ -135,8 +136,8 @@ GROUP = 16  # rows interleaved in a packed weight (kquant.c)
 
 
 def pack(w: QTensor) -> None:
-    """Keep a CPU Q4_K / Q6_K weight's blocks interleaved 16 rows at a time for the VNNI products (kq_repack; the
-    same bytes in number, Q6_K with 1 % of padding), for the products to read instead of the stored ones.
+    """Keep a CPU Q4_K / Q6_K / Q8_0 weight's blocks interleaved 16 rows at a time for the VNNI products (kq_repack;
+    the same bytes in number, Q6_K with 1 % of padding), for the products to read instead of the stored ones.
     Only matrices of whole groups (rows per matrix, per expert in a stack, a multiple of 16) are packed. Where
     the stored bytes are a view of the model file their resident pages are dropped (engine.quant.release_pages):
     the file keeps them, and other readers (an embedding lookup, a copy to an accelerator) still find them there."""
@@ -144,7 +145,7 @@ def pack(w: QTensor) -> None:
             or len(w.shape) < 2 or w.shape[-2] % GROUP:
         return
     raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-    nb = w.n_cols // QK
+    nb = w.n_cols // (Q8_0_BLOCK if w.qtype == QT.Q8_0 else QK)
     packed = torch.empty(w.n_rows * nb * _LIB.kq_packed_bytes(int(w.qtype)), dtype=torch.uint8)  # type: ignore[union-attr]
     _LIB.kq_repack(int(w.qtype), raw.data_ptr(), w.n_rows, nb, packed.data_ptr(),  # type: ignore[union-attr]
                    torch.get_num_threads())

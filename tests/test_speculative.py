@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import kquant
 from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import Draft, MTPDrafter, accept_sampling
@@ -16,29 +17,41 @@ from tests.test_parity import NEAR_TIE, kl_ref_ours
 
 # --- the head against llama.cpp -------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, FixtureSpec(qtype="Q8_0"), KQUANT_MOE],
-                         ids=["moe-F32", "dense-F32", "moe-Q8_0", "moe-Q4_K"])
-def test_mtp_head_matches_llama_cpp(spec: FixtureSpec) -> None:
-    toks = np.random.default_rng(9).integers(0, spec.n_vocab - 3, 200).tolist()
-    ref = llama_mtp(fixture_path(spec), toks)
+def _head_logits(spec: FixtureSpec, toks: list[int]):  # type: ignore[no-untyped-def]
     eng = load(fixture_path(spec), EngineConfig(n_ctx=512))
     m = eng.model
     hidden = m.forward(toks, m.new_cache(512), logit_rows="none").hidden
     h_in = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # row p pairs x_p with h_{p-1}
-    out = m.mtp.forward(toks, h_in, m.mtp.new_cache(512), logit_rows="all")
+    return m.mtp.forward(toks, h_in, m.mtp.new_cache(512), logit_rows="all")
+
+
+@pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, FixtureSpec(qtype="Q8_0"), KQUANT_MOE],
+                         ids=["moe-F32", "dense-F32", "moe-Q8_0", "moe-Q4_K"])
+def test_mtp_head_matches_llama_cpp(spec: FixtureSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    toks = np.random.default_rng(9).integers(0, spec.n_vocab - 3, 200).tolist()
+    ref = llama_mtp(fixture_path(spec), toks)
+    out = _head_logits(spec, toks)
     ours = out.logits.numpy()
     kl = kl_ref_ours(ref.mtp_logits, ours)
     agree = float((ref.mtp_logits.argmax(-1) == ours.argmax(-1)).mean())
     assert kl < 0.01, kl
-    if spec.qtype.endswith("_K"):
+    if spec.qtype.endswith("_K") or spec.qtype == "Q8_0" and kquant.packs():
         # Spec §8 near-tie rule, as for the trunk (tests/test_parity.py). The head's input is the trunk's
-        # hidden state, which already carries the K-quant rounding differences, so its raw agreement is
-        # lower than the trunk's (measured 0.945 at KL ≈ 1e-3); the raw floor here is 0.93.
+        # hidden state, which already carries the quantized products' rounding differences, so its raw agreement
+        # is lower than the trunk's (measured 0.945 at KL ≈ 1e-3 on Q4_K); the raw floor here is 0.93. Packed
+        # Q8_0 sums each block exactly and scales it once where llama.cpp scales 8 lanes of partial sums: another
+        # rounding, which moves an activation quant now and then (measured: KL 2.4e-3, raw agreement 0.985, the
+        # regime spec §8 gives for a correct Q8_0 engine). The stored order is held to llama.cpp's below.
         r = ref.mtp_logits
         near = r[np.arange(len(toks)), ours.argmax(-1)] >= r.max(-1) - NEAR_TIE * r.std()
         assert near.mean() >= 0.99 and agree >= 0.93, (near.mean(), agree)
     else:
         assert agree >= 0.99, agree
+    if spec.qtype == "Q8_0" and kquant.packs():  # the stored order's products round as llama.cpp's: tight
+        monkeypatch.setattr(kquant, "PACK", False)
+        stored = _head_logits(spec, toks).logits.numpy()
+        assert float((ref.mtp_logits.argmax(-1) == stored.argmax(-1)).mean()) >= 0.99
+        assert kl_ref_ours(ref.mtp_logits, stored) < 1e-4
     if spec.qtype == "F32":
         assert np.abs(ref.mtp_hidden - out.hidden.numpy()).max() < 1e-3
 

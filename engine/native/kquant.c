@@ -25,11 +25,14 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
 /* Q4_K and Q6_K weights packed by kq_repack, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
-enum { T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
+enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
-/* q8_0.c: Q8_0 weight rows times Q8_0 activation rows */
+/* q8_0.c: Q8_0 weight rows times Q8_0 activation rows, stored or packed (16 rows interleaved) */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
                    int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable);
+void q8_rows_times_x16(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq,
+                       const float *xd, int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo);
+void q8_repack(const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads);
 
 static float fp16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -404,51 +407,72 @@ _Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed grou
 #endif
 #define X16_TILE 4  /* activation rows per pass over a group block (their sums stay in registers) */
 
+/* The 16 bytes (as two words) of a packed nibble vector row: for t < 16, nibble `shift` of q[t] | of q[16 + t] << 4
+ * (values t and 16 + t of a 32-value run: the four dwords go to vectors p = 0…3 of the run) */
+static inline void nibble_pairs(const uint8_t *q, int shift, uint64_t o[2]) {
+    const uint64_t m = 0x0F0F0F0F0F0F0F0FULL;
+    uint64_t w[4];
+    memcpy(w, q, 32);
+    o[0] = ((w[0] >> shift) & m) | (((w[2] >> shift) & m) << 4);
+    o[1] = ((w[1] >> shift) & m) | (((w[3] >> shift) & m) << 4);
+}
+
+/* dword p of a row's 16 bytes into lane l of vector p (64 bytes apart) */
+static inline void to_lanes(const uint64_t o[2], uint8_t *vec, int l) {
+    for (int p = 0; p < 4; p++) memcpy(vec + 64 * p + 4 * l, (const uint8_t *)o + 4 * p, 4);
+}
+
 static void repack_q4k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
-    Block blk[GROUP];
-    for (int l = 0; l < GROUP; l++) unpack_q4_k(src + l * nb * 144, &blk[l]);
     for (int l = 0; l < GROUP; l++) {
         const uint8_t *b = src + l * nb * 144;
         memcpy(dst + 2 * l, b, 2);
         memcpy(dst + 32 + 2 * l, b + 2, 2);
         for (int w = 0; w < 3; w++) memcpy(dst + 64 + 4 * (GROUP * w + l), b + 4 + 4 * w, 4);
+        /* sub-block j: the low (j even) or high nibbles of quant bytes 32 (j / 2) … */
+        for (int j = 0; j < 8; j++) {
+            uint64_t o[2];
+            nibble_pairs(b + 16 + 32 * (j / 2), 4 * (j % 2), o);
+            to_lanes(o, dst + 256 + 256 * j, l);
+        }
     }
-    uint8_t *q = dst + 256;
-    for (int j = 0; j < 8; j++)
-        for (int p = 0; p < 4; p++)
-            for (int l = 0; l < GROUP; l++)
-                for (int e = 0; e < 4; e++)
-                    *q++ = (uint8_t)(blk[l].v[32 * j + 4 * p + e] | blk[l].v[32 * j + 16 + 4 * p + e] << 4);
 }
 
 static void repack_q6k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
-    Block blk[GROUP];
-    for (int l = 0; l < GROUP; l++) unpack_q6_k(src + l * nb * 210, &blk[l]);
-    for (int u = 0; u < 8; u++) {
-        uint8_t *lo = dst + Q6K_UNIT(u), *hi = lo + 512 - 128 * (u & 1), *sc = lo + 768 - 224 * (u & 1);
-        for (int p = 0; p < 4; p++)
-            for (int l = 0; l < GROUP; l++)
-                for (int e = 0; e < 4; e++)
-                    *lo++ = (uint8_t)((blk[l].v[32 * u + 4 * p + e] & 15) | (blk[l].v[32 * u + 16 + 4 * p + e] & 15) << 4);
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < GROUP; l++)
-                for (int e = 0; e < 4; e++) {
-                    uint8_t byte = 0;
-                    for (int s = 0; s < 4; s++) byte |= (uint8_t)((blk[l].v[32 * u + 4 * (h + 2 * s) + e] >> 4) << (2 * s));
-                    *hi++ = byte;
-                }
-        for (int j = 2 * u; j < 2 * u + 2; j++)
-            for (int l = 0; l < GROUP; l++) *sc++ = src[l * nb * 210 + 192 + j];
+    const uint64_t m3 = 0x0303030303030303ULL;
+    for (int l = 0; l < GROUP; l++) {
+        const uint8_t *b = src + l * nb * 210, *ql = b, *qh = b + 128;
+        for (int u = 0; u < 8; u++) {
+            /* values 32u + t, t < 32: in half n = u / 4, quarter qq = u % 4 of ggml's layout, low 4 bits in nibble
+             * qq / 2 of ql[64n + 32 (qq % 2) + t], high 2 bits at bits 2qq of qh[32n + t] */
+            const int n = u / 4, qq = u % 4;
+            uint8_t *lo = dst + Q6K_UNIT(u), *hi = lo + 512 - 128 * (u & 1), *sc = lo + 768 - 224 * (u & 1);
+            uint64_t o[2];
+            nibble_pairs(ql + 64 * n + 32 * (qq % 2), 4 * (qq / 2), o);
+            to_lanes(o, lo, l);
+            uint64_t w[4];
+            memcpy(w, qh + 32 * n, 32);
+            /* byte 4h + e: the high bits of values t = 4h + 8s + e, s < 4, at bits 2s */
+            const uint64_t h8 = ((w[0] >> 2 * qq) & m3) | (((w[1] >> 2 * qq) & m3) << 2) |
+                                (((w[2] >> 2 * qq) & m3) << 4) | (((w[3] >> 2 * qq) & m3) << 6);
+            memcpy(hi + 4 * l, &h8, 4);
+            memcpy(hi + 64 + 4 * l, (const uint8_t *)&h8 + 4, 4);
+            sc[l] = b[192 + 2 * u];
+            sc[GROUP + l] = b[192 + 2 * u + 1];
+        }
+        memcpy(dst + 3328 + 2 * l, b + 208, 2);
     }
-    for (int l = 0; l < GROUP; l++) memcpy(dst + 3328 + 2 * l, src + l * nb * 210 + 208, 2);
     memset(dst + 3328 + 2 * GROUP, 0, Q6K_GROUP_BYTES - 3328 - 2 * GROUP);
 }
 
 /* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (engine.kquant.packs: only where
  * the VNNI products run); dst holds kq_packed_bytes(qtype) per row and block. */
-int64_t kq_packed_bytes(int qtype) { return qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
+int64_t kq_packed_bytes(int qtype) { return qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
 
 void kq_repack(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
+    if (qtype == T_Q8_0) {
+        q8_repack(src, n_rows, nb, dst, n_threads);
+        return;
+    }
     const int64_t bytes = qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
     const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
@@ -724,6 +748,12 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         q8_rows_times(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo, portable);
         return;
     }
+#if defined(__x86_64__)
+    if (qtype == T_Q8_0_PACKED) {
+        q8_rows_times_x16(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo);
+        return;
+    }
+#endif
 #if defined(__x86_64__)
     if (qtype >= T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
         rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
