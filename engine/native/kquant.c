@@ -27,12 +27,10 @@ enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
 /* Q4_K and Q6_K weights packed by kq_repack, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
 enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
-/* q8_0.c: Q8_0 weight rows times Q8_0 activation rows, stored or packed (16 rows interleaved) */
+/* q8_0.c: Q8_0 weight rows (stored blocks) times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
                    int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable);
-void q8_rows_times_x16(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq,
-                       const float *xd, int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo);
-void q8_repack(const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads);
+
 
 static float fp16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -394,7 +392,10 @@ static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
  * (sub-blocks 2u, 2u+1), in pairs of u in the order the kernel reads them (Q6K_UNIT: with the low nibbles, the high
  * bits and the scales in three regions of the block, products reading from memory ran at about half the speed),
  * four 64-byte vectors p of low nibbles as Q4_K's, two vectors h of high bit pairs, byte 4l + e holding bits 4-5 of value 32u + 4(h + 2s) + e at bits 2s, 2s+1
- * (s < 4), and the two sub-blocks' int8 scales, [sub-block][row]; at 3328 d [16] fp16. */
+ * (s < 4), and the two sub-blocks' int8 scales, [sub-block][row]; at 3328 d [16] fp16.
+ * Q8_0 group (16 rows of nb blocks, 16 · nb · 34 bytes): the scales, [block][row] as f16, then per block eight
+ * 64-byte vectors v, byte 4l + e = quant 4v + e of row l offset by 128 (unsigned, as dpbusd takes it; each
+ * block's sum starts from −128 · Σx, so each lane is the exact Σ w·x). */
 #define GROUP 16
 _Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed groups");
 /* a packed Q6_K group block: 16 · 210 bytes and 32 of padding, so that every group block starts on a cache line
@@ -464,16 +465,31 @@ static void repack_q6k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
     memset(dst + 3328 + 2 * GROUP, 0, Q6K_GROUP_BYTES - 3328 - 2 * GROUP);
 }
 
+static void repack_q8_0_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    uint8_t *q = dst + 2 * GROUP * nb;
+    for (int l = 0; l < GROUP; l++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (l * nb + b) * 34;
+            memcpy(dst + 2 * (GROUP * b + l), blk, 2);
+            uint64_t w[4];
+            memcpy(w, blk + 2, 32);
+            for (int v = 0; v < 4; v++) w[v] ^= 0x8080808080808080ULL;  /* + 128: unsigned, as dpbusd takes it */
+            for (int v = 0; v < 8; v++) memcpy(q + 512 * b + 64 * v + 4 * l, (const uint8_t *)w + 4 * v, 4);
+        }
+}
+
 /* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (engine.kquant.packs: only where
  * the VNNI products run); dst holds kq_packed_bytes(qtype) per row and block. */
 int64_t kq_packed_bytes(int qtype) { return qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
 
 void kq_repack(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
-    if (qtype == T_Q8_0) {
-        q8_repack(src, n_rows, nb, dst, n_threads);
+    const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
+    if (qtype == T_Q8_0) {  /* a Q8_0 group is laid out whole (its scales first) */
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+        for (int64_t g = 0; g < n_groups; g++)
+            repack_q8_0_group(src + g * GROUP * nb * bytes, nb, dst + g * GROUP * nb * bytes);
         return;
     }
-    const int64_t bytes = qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
     const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t gb = 0; gb < n_groups * nb; gb++) {
@@ -495,6 +511,17 @@ static inline void x16_prefetch(const uint8_t *blk, int64_t bytes, int s) {
 
 /* 4 activation quants broadcast to every lane */
 #define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
+
+/* Σ over 16 activation quants x of the value vectors v[0..3] (4 values of each of 16 rows per vector): two chains of
+ * two dpbusd (integers: any grouping gives the same sums) */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline __m512i dot16_x16(const __m512i *v, const int8_t *x) {
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
+    s0 = _mm512_dpbusd_epi32(s0, v[2], BCAST4(x + 8));
+    s1 = _mm512_dpbusd_epi32(s1, v[3], BCAST4(x + 12));
+    return _mm512_add_epi32(s0, s1);
+}
 
 /* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows: o[i · ldo + l]. */
 __attribute__((target(VNNI_TARGET), always_inline))
@@ -528,15 +555,8 @@ static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
             const __m512i scj = _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff);
             for (int i = 0; i < T; i++) {
                 const int8_t *x = rows[i].q + b * QK + 32 * j;
-                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
-                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
-                s0 = _mm512_dpbusd_epi32(s0, v[2], BCAST4(x + 8));
-                s1 = _mm512_dpbusd_epi32(s1, v[3], BCAST4(x + 12));
-                s0 = _mm512_dpbusd_epi32(s0, v[4], BCAST4(x + 16));
-                s1 = _mm512_dpbusd_epi32(s1, v[5], BCAST4(x + 20));
-                s0 = _mm512_dpbusd_epi32(s0, v[6], BCAST4(x + 24));
-                s1 = _mm512_dpbusd_epi32(s1, v[7], BCAST4(x + 28));
-                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scj));
+                const __m512i dot = _mm512_add_epi32(dot16_x16(v, x), dot16_x16(v + 4, x + 16));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot, scj));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
@@ -598,16 +618,8 @@ static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
             const __m512i scp = _mm512_or_si512(_mm512_and_si512(sca, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(scb, 16));
             for (int i = 0; i < T; i++) {
                 const int8_t *x = rows[i].q + b * QK + 32 * u;
-                __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
-                __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
-                __m512i b0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], BCAST4(x + 16));
-                __m512i b1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[5], BCAST4(x + 20));
-                a0 = _mm512_dpbusd_epi32(a0, v[2], BCAST4(x + 8));
-                a1 = _mm512_dpbusd_epi32(a1, v[3], BCAST4(x + 12));
-                b0 = _mm512_dpbusd_epi32(b0, v[6], BCAST4(x + 24));
-                b1 = _mm512_dpbusd_epi32(b1, v[7], BCAST4(x + 28));
-                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(a0, a1), sca),
-                                                                     _mm512_mullo_epi32(_mm512_add_epi32(b0, b1), scb)));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(dot16_x16(v, x), sca),
+                                                                     _mm512_mullo_epi32(dot16_x16(v + 4, x + 16), scb)));
                 ssum[i] = _mm512_dpwssd_epi32(ssum[i], scp, BCAST4(rows[i].bs + b * 16 + 2 * u));
             }
         }
@@ -615,6 +627,31 @@ static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
         for (int i = 0; i < T; i++) {
             const __m512i p = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(ssum[i], 5));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+/* The same for a packed Q8_0 group (blocks of 32; rows[i].d: the activation row's Q8_0 scales). */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const uint8_t *qv = g + 2 * GROUP * nb;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[8];
+        for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512(qv + 512 * b + 64 * v);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * GROUP * b)));
+        for (int i = 0; i < T; i++) {
+            const int8_t *x = rows[i].q + b * 32;
+            const __m256i sx = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)x));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(dot16_x16(w, x), dot16_x16(w + 4, x + 16)),
+                                                 _mm512_set1_epi32(-128 * _mm_cvtsi128_si32(h)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b])), acc[i]);
         }
     }
     for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
@@ -632,7 +669,7 @@ static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
 __attribute__((target(VNNI_TARGET)))
 static void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                            const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
-    const int64_t nb = a->k / QK;
+    const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK);
     Row rows[X16_TILE];
     for (int64_t rc = r0; rc < r1; rc += GROUP) {
         const uint8_t *g = w + rc * row_bytes;
@@ -640,11 +677,13 @@ static void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64
             const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;
             for (int64_t i = 0; i < tn; i++) {
                 const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
-                rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs + xr * nb * 16};
+                rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL};
             }
             float *o = out + t0 * ldo + rc;
             if (qtype == T_Q4_K_PACKED) {
                 X16_CASES(q4_k_x16)
+            } else if (qtype == T_Q8_0_PACKED) {
+                X16_CASES(q8_0_x16)
             } else {
                 X16_CASES(q6_k_x16)
             }
@@ -749,13 +788,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #if defined(__x86_64__)
-    if (qtype == T_Q8_0_PACKED) {
-        q8_rows_times_x16(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo);
-        return;
-    }
-#endif
-#if defined(__x86_64__)
-    if (qtype >= T_Q4_K_PACKED) {  /* packed weights come only with VNNI */
+    if (qtype >= T_Q8_0_PACKED) {  /* packed weights come only with VNNI */
         rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
         return;
     }

@@ -2,8 +2,8 @@
  *
  * A Q8_0 weight (blocks of 32 int8 quants with an f16 scale) multiplies activations quantized to Q8_0 the same
  * way: per block an exact integer dot product, scaled by d_w·d_x in float and summed over the blocks. The
- * weights are read packed (16 rows interleaved, q8_repack) or in their GGUF blocks, as they are mapped; each
- * block is loaded once and multiplied by every activation row of the tile while it is in registers, so a pass
+ * weights are read in their GGUF blocks, as they are mapped (packed weights, 16 rows interleaved, run in
+ * kquant.c with the packed K-quants); each block is loaded once and multiplied by every activation row of the tile while it is in registers, so a pass
  * over N tokens reads the weights once.
  *
  * Bits: the float work for an output element (one weight row times one activation row) runs in the same
@@ -115,98 +115,6 @@ static void rows_times_vnni(const uint8_t *w, int64_t row_bytes, int64_t r0, int
         }
     }
 }
-
-/* Packed Q8_0 (q8_repack, for these products only): a group of 16 rows holds first the rows' scales, [block][row]
- * as f16, then per block eight 64-byte vectors g, byte 4l + e = quant 4g + e of row l, offset by 128 (unsigned, as
- * dpbusd takes it): int32 lane l of every vector is row l. A dpbusd against a broadcast of 4 activation quants
- * then adds 4 products for each of the 16 rows, and the scale, conversion and FMA of a block are one instruction
- * for 16 rows, where the stored layout took them per row (eight rows at a time, 8 lanes each). Each output's
- * float sum is one lane accumulated block by block, the same whatever the number of activation rows. The group
- * keeps its 16 · row_bytes bytes, so row chunks and experts' matrices stay where they were. */
-#define GROUP 16
-#define X16_TILE 4  /* activation rows per pass over a group (their sums stay in registers) */
-
-void q8_repack(const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t g = 0; g < n_rows / GROUP; g++) {
-        const uint8_t *s = src + g * GROUP * nb * BLOCK_BYTES;
-        uint8_t *d = dst + g * GROUP * nb * BLOCK_BYTES, *q = d + 2 * GROUP * nb;
-        for (int64_t b = 0; b < nb; b++)
-            for (int l = 0; l < GROUP; l++) memcpy(d + 2 * (GROUP * b + l), s + (l * nb + b) * BLOCK_BYTES, 2);
-        for (int l = 0; l < GROUP; l++)
-            for (int64_t b = 0; b < nb; b++) {
-                uint64_t w[4];
-                memcpy(w, s + (l * nb + b) * BLOCK_BYTES + 2, 32);
-                for (int v = 0; v < 4; v++) w[v] ^= 0x8080808080808080ULL;  /* + 128: unsigned, as dpbusd takes it */
-                for (int v = 0; v < 8; v++) memcpy(q + 512 * b + 64 * v + 4 * l, (const uint8_t *)w + 4 * v, 4);
-            }
-    }
-}
-
-#if defined(__x86_64__)
-#define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
-
-/* T activation rows (a constant once inlined) times one packed group of 16 rows: o[i · ldo + l]. */
-__attribute__((target(VNNI_TARGET), always_inline))
-static inline void q8_x16(const uint8_t *g, int64_t nb, const int8_t *const *xs, const float *const *dxs, float *o,
-                          int64_t ldo, const int T) {
-    const uint8_t *qv = g + 2 * GROUP * nb;
-    const __m256i ones = _mm256_set1_epi8(1);
-    __m512 acc[X16_TILE];
-    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i w[8];
-        for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512(qv + 512 * b + 64 * v);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * GROUP * b)));
-        for (int i = 0; i < T; i++) {
-            const int8_t *x = xs[i] + b * QK;
-            /* the quants went in offset by 128: start from −128 · Σx, so each lane is the exact Σ w·x */
-            const __m256i sx = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)x));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-            __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-128 * _mm_cvtsi128_si32(h)), w[0], BCAST4(x));
-            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], BCAST4(x + 4));
-            s0 = _mm512_dpbusd_epi32(s0, w[2], BCAST4(x + 8));
-            s1 = _mm512_dpbusd_epi32(s1, w[3], BCAST4(x + 12));
-            s0 = _mm512_dpbusd_epi32(s0, w[4], BCAST4(x + 16));
-            s1 = _mm512_dpbusd_epi32(s1, w[5], BCAST4(x + 20));
-            s0 = _mm512_dpbusd_epi32(s0, w[6], BCAST4(x + 24));
-            s1 = _mm512_dpbusd_epi32(s1, w[7], BCAST4(x + 28));
-            const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dxs[i][b])), acc[i]);
-        }
-    }
-    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
-}
-
-/* Packed weight rows [r0, r1) (whole groups of 16, rows row_bytes apart as stored) times activation rows. */
-__attribute__((target(VNNI_TARGET)))
-void q8_rows_times_x16(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq,
-                       const float *xd, int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
-    const int64_t nb = k / QK;
-    const int8_t *xs[X16_TILE];
-    const float *dxs[X16_TILE];
-    for (int64_t rc = r0; rc < r1; rc += GROUP) {
-        const uint8_t *g = w + rc * row_bytes;
-        for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {
-            const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;
-            for (int64_t i = 0; i < tn; i++) {
-                const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
-                xs[i] = xq + xr * k;
-                dxs[i] = xd + xr * nb;
-            }
-            float *o = out + t0 * ldo + rc;
-            switch (tn) {
-            case 1: q8_x16(g, nb, xs, dxs, o, ldo, 1); break;
-            case 2: q8_x16(g, nb, xs, dxs, o, ldo, 2); break;
-            case 3: q8_x16(g, nb, xs, dxs, o, ldo, 3); break;
-            default: q8_x16(g, nb, xs, dxs, o, ldo, 4); break;
-            }
-        }
-    }
-}
-#endif
 
 /* The quantizer's SIMD twin: the same values (max of |x|, d = amax/127, x · 1/d rounded half to even by the
  * conversion, the scale rounded to f16). */
