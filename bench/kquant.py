@@ -5,8 +5,8 @@
 One product per weight shape of the mid-size benchmark model (bench/synthetic.py MID: Q4_K with Q6_K expert
 down projections and LM head), of the embedded model (Q8_0) and of a Q8_0 attention projection of a real
 model's width, and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk), the paths
-alternating round by round (best round counts). On AVX512-VNNI "native" Q4_K and Q6_K run packed (`kquant.pack`) and
-"stored" is the same product in the stored block order. "torch" is `rowwise_matmul` with the native path switched off
+alternating round by round (best round counts). On AVX512-VNNI "native" Q4_K, Q6_K and Q8_0 run packed (`kquant.pack`:
+16 rows interleaved) and "stored" is the same product on the stored blocks. "torch" is `rowwise_matmul` with the native path switched off
 (`engine.kquant.usable` → False: dequantize-then-float for K-quants, the torch integer path engine.q8dot for
 Q8_0 rows of ≤ 512 values and dequantize-then-float for wider ones); "native" is `rowwise_matmul` as the
 engine runs it.

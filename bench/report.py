@@ -88,8 +88,8 @@ def _kquant(d: dict) -> list[str]:
            "torch: dequantize-then-float; for Q8_0 rows of ≤ 512 values the torch integer path (`engine.q8dot`).", "",
            f"Command: `{d['command']}` ({d['date']}), {d['threads']} thread(s), kernels: {d['kernels']}, best of "
            f"{d['rounds']} rounds, the two paths alternating.", "",
-           "Q4_K and Q6_K native run packed for AVX512-VNNI where the CPU has it; *stored* is the same kernel family "
-           "on the stored block order (× packed = stored / native).", "",
+           "Q4_K, Q6_K and Q8_0 native run packed (16 rows interleaved) for AVX512-VNNI where the CPU has it; *stored* "
+           "is the stored block order's kernels (× packed = stored / native).", "",
            "| weight [out × in] | M rows | native ms | torch ms | × | native GB/s of weights | stored ms | × packed |",
            "|---|---|---|---|---|---|---|---|"]
     for r in d["products"]:
