@@ -1,6 +1,11 @@
 """Baseline prefill / decode speed on the mid-size synthetic MoE, ours vs llama.cpp, same file, same threads.
 
-    python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--out bench/results/decode.json]
+    python bench/decode.py [--threads 2] [--prompt 512] [--decode 128] [--rounds 3] [--out bench/results/decode.json]
+
+The two engines alternate round by round (which goes first alternates too), each run in a process of its own with
+the default OpenMP settings (in one process the two OpenMP runtimes' idle threads, or a passive wait policy set for
+one of them, slowed the other), each from a fresh load, so a host whose speed drifts affects both alike; each
+side's best round counts for prefill and for decode, and the median of the rounds' paired ratios is given beside.
 
 Also the peak RSS of loading the model (in a fresh process), which must stay ≤ 1.3 × the file size:
 weights stay quantized and memory-mapped. Our prefill, the first pass over the model, includes packing the
@@ -14,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -66,7 +72,6 @@ def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
 
 
 def bench_llama(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import llama_cpp
     from llama_cpp import Llama
 
@@ -95,17 +100,48 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench/results/decode.json"))
+    ap.add_argument("--child", choices=["ours", "llama"], help=argparse.SUPPRESS)  # one run, in its own process
     args = ap.parse_args()
     from bench.synthetic import MID, cached
 
     path = cached("mid", ROOT / "build/bench")
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt).tolist()
+    if args.child:
+        run = bench_ours if args.child == "ours" else bench_llama
+        print(json.dumps(run(path, prompt, args.decode, args.threads)))
+        return
+
+    def child(engine: str) -> dict:
+        cmd = [sys.executable, __file__, "--child", engine, "--threads", str(args.threads), "--prompt",
+               str(args.prompt), "--decode", str(args.decode)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     rss = load_rss(path)
-    ref = bench_llama(path, prompt, args.decode, args.threads)
-    ours = bench_ours(path, prompt, args.decode, args.threads)
+    rounds: list[tuple[dict, dict]] = []
+    for r in range(args.rounds):
+        if r % 2 == 0:
+            ref_r = child("llama")
+            ours_r = child("ours")
+        else:
+            ours_r = child("ours")
+            ref_r = child("llama")
+        rounds.append((ours_r, ref_r))
+        print(f"round {r}: ours {ours_r}, llama.cpp {ref_r}", flush=True)
+
+    def best(side: int) -> dict:
+        runs = [rd[side] for rd in rounds]
+        p = max(runs, key=lambda x: x["prefill_tok_s"])
+        d = max(runs, key=lambda x: x["decode_tok_s"])
+        return {"prefill_tok_s": p["prefill_tok_s"], "prefill_s": p["prefill_s"],
+                "decode_tok_s": d["decode_tok_s"], "decode_s": d["decode_s"]}
+
+    ours, ref = best(0), best(1)
+    paired = {k: statistics.median(o[f"{k}_tok_s"] / r[f"{k}_tok_s"] for o, r in rounds) for k in ("prefill", "decode")}
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(["python", "bench/decode.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                     "load_avg_at_start": os.getloadavg()[0]},
@@ -114,6 +150,8 @@ def main() -> None:
         "ours": ours, "llama_cpp": ref,
         "ratio_ours_over_llama": {"prefill": ours["prefill_tok_s"] / ref["prefill_tok_s"],
                                   "decode": ours["decode_tok_s"] / ref["decode_tok_s"]},
+        "ratio_median_of_rounds": paired,
+        "rounds": [{"ours": o, "llama_cpp": r} for o, r in rounds],
         "load_memory": rss,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
