@@ -29,7 +29,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "q8_isa": ([], _C),
     "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
     "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
-    "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C], _C),
+    "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
     "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
 }
 
@@ -51,6 +51,9 @@ def _load() -> ctypes.CDLL | None:
 LIB = _load()
 # True: the GDN recurrence runs its portable loop even where the AVX512 register form can (tests compare them).
 PORTABLE_GDN = False
+# True: attention runs its plain C loops even where the AVX512 ones can (scores four keys at a time, outputs held in
+# registers over 16 keys); tests compare the two.
+PORTABLE_ATTENTION = False
 
 
 def available() -> bool:
@@ -95,7 +98,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale
     q = q.contiguous()
     out = torch.empty(n, h * dv)
     rc = LIB.kq_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
-                          scale, threads(n * h * (pos + n) * (dk + dv)))
+                          scale, threads(n * h * (pos + n) * (dk + dv)), PORTABLE_ATTENTION)
     if rc != 0:
         raise MemoryError("no memory for the attention scores")
     return out

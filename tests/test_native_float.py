@@ -118,3 +118,17 @@ def test_native_attention_is_query_and_thread_invariant(monkeypatch) -> None:
     for threads in (1, 2):
         monkeypatch.setattr(nativelib, "threads", lambda work: threads)
         assert torch.equal(nativelib.attention(q, kv.k, kv.v, 30, 0.125), one), threads
+
+
+@pytest.mark.parametrize("n,pos,h,h_kv,d", [(1, 37, 8, 2, 256), (3, 100, 4, 2, 128), (5, 70, 4, 4, 64),
+                                            (2, 9, 4, 2, 48)])
+def test_native_attention_wide_scores_equal_the_plain_loop(monkeypatch, n: int, pos: int, h: int, h_kv: int,
+                                                           d: int) -> None:
+    """The AVX512 scores (four keys at a time) and weighted values (128 outputs in registers over 16 keys) give the
+    plain loops' bits (d = 64: plain values; d = 48, not a multiple of 16: plain scores too)."""
+    q, kv = _attention_inputs(n, pos, h, h_kv, d, d, seed=3)
+    got = {}
+    for portable in (False, True):
+        monkeypatch.setattr(nativelib, "PORTABLE_ATTENTION", portable)
+        got[portable] = nativelib.attention(q, kv.k, kv.v, pos, d ** -0.5)
+    assert torch.equal(got[False], got[True])

@@ -4,57 +4,166 @@
  * arithmetic over exactly the keys it sees, whatever the number of queries or threads (a head of a query is
  * one thread's work), so a verify pass gives the bits of one-token steps. The dot products sum in 16 lanes
  * (a fixed order the compiler may vectorise without reassociating), the weighted sum of values in key order.
+ * Built for AVX512 and AVX2 besides the baseline (target_clones): the lanes' operations are the same, and the
+ * build contracts no multiply-add (-ffp-contract=off), so every clone gives the same bits.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
-static float dot(const float *a, const float *b, int64_t d) {
-    float acc[LANES] = {0};
-    int64_t j = 0;
-    for (; j + LANES <= d; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[j + l] * b[j + l];
-    for (; j < d; j++) acc[j % LANES] += a[j] * b[j];
+/* Σ_l of a 16-lane accumulator in lane order */
+static inline float lane_sum(const float *acc) {
     float s = 0.f;
     for (int l = 0; l < LANES; l++) s += acc[l];
     return s;
 }
 
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
+    float acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= d; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[j + l] * b[j + l];
+    for (; j < d; j++) acc[j % LANES] += a[j] * b[j];
+    return lane_sum(acc);
+}
+
+#if defined(__x86_64__)
+/* The scores of the `per` query heads q + g · dk against keys 0 … t_n−1 (rows `stride` floats apart) into
+ * p + g · t_max: dot's exact operations per key (one 16-lane accumulator, multiply then add, lanes summed in
+ * order), four keys at a time so that their accumulation chains overlap (one key at a time, the chain's latency
+ * set the pace), and every head over the same four key rows while they are in L1 (each row is read from memory
+ * once for the group). Needs dk % 16 == 0. */
+__attribute__((target("avx512f")))
+static void scores_avx512(const float *q, int64_t per, const float *k, int64_t stride, int64_t t_n, int64_t dk,
+                          float scale, float *p, int64_t t_max) {
+    float buf[4][LANES];
+    int64_t t = 0;
+    for (; t + 4 <= t_n; t += 4) {
+        const float *k0 = k + t * stride;
+        for (int64_t g = 0; g < per; g++) {
+            const float *qh = q + g * dk;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < dk; j += LANES) {
+                const __m512 x = _mm512_loadu_ps(qh + j);
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + j)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + stride + j)));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + 2 * stride + j)));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + 3 * stride + j)));
+            }
+            _mm512_storeu_ps(buf[0], a0);
+            _mm512_storeu_ps(buf[1], a1);
+            _mm512_storeu_ps(buf[2], a2);
+            _mm512_storeu_ps(buf[3], a3);
+            for (int r = 0; r < 4; r++) p[g * t_max + t + r] = lane_sum(buf[r]) * scale;
+        }
+    }
+    for (; t < t_n; t++)
+        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
+}
+
+/* o_g += Σ_t (p_g[t] / sum_g) · v_t over keys 0 … t_n−1 for the `per` heads g (probabilities p + g · t_max, outputs
+ * o + g · dv): the plain loop's operations per element (the weight divided, then multiplied, then added, keys in
+ * order), with 128 output values of a head held in registers over 16 keys whose value rows stay in L1 for all the
+ * heads; the plain loop loaded and stored every output value once per key. Needs dv % 128 == 0. */
+__attribute__((target("avx512f")))
+static void values_avx512(const float *p, int64_t t_max, const float *sum, int64_t per, const float *v, int64_t stride,
+                          int64_t t_n, int64_t dv, float *o) {
+    for (int64_t t0 = 0; t0 < t_n; t0 += 16) {
+        const int64_t t1 = t0 + 16 < t_n ? t0 + 16 : t_n;
+        for (int64_t g = 0; g < per; g++) {
+            const float *pg = p + g * t_max;
+            float *og = o + g * dv;
+            for (int64_t jb = 0; jb < dv; jb += 128) {
+                __m512 acc[8];
+                for (int z = 0; z < 8; z++) acc[z] = _mm512_loadu_ps(og + jb + 16 * z);
+                for (int64_t t = t0; t < t1; t++) {
+                    const __m512 w = _mm512_set1_ps(pg[t] / sum[g]);
+                    const float *vt = v + t * stride + jb;
+                    for (int z = 0; z < 8; z++) acc[z] = _mm512_add_ps(acc[z], _mm512_mul_ps(w, _mm512_loadu_ps(vt + 16 * z)));
+                }
+                for (int z = 0; z < 8; z++) _mm512_storeu_ps(og + jb + 16 * z, acc[z]);
+            }
+        }
+    }
+}
+#endif
+
 /* q [n, n_head, dk] (query i at position pos + i), k [·, n_kv, dk] and v [·, n_kv, dv] the cache rows from 0,
- * out [n, n_head, dv]. Head h reads KV head h / (n_head / n_kv). Returns 0, or −1 when out of memory. */
+ * out [n, n_head, dv]. Head h reads KV head h / (n_head / n_kv). The query heads that share a KV head are run
+ * together over the keys (split into as many runs as the threads need work items), so each key and value row is
+ * read once for all of them instead of once per head: at long contexts the rows come from memory, and reading
+ * them once per head set the pace. Returns 0, or −1 when out of memory. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
 int kq_attention(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
-                 int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads) {
+                 int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int portable) {
+#if defined(__x86_64__)
+    const int avx512 = !portable && __builtin_cpu_supports("avx512f");
+    const int wide = avx512 && dk % LANES == 0, wide_v = avx512 && dv % 128 == 0;
+#else
+    const int wide = 0, wide_v = 0;
+    (void)portable;
+#endif
     const int64_t group = n_head / n_kv, t_max = pos + n;
+    /* heads per work item: the whole group unless that leaves threads idle */
+    int64_t per = group;
+    while (per > 1 && n * n_kv * (group / per) < n_threads) per /= 2;
+    while (group % per) per--;
+    const int64_t runs = group / per;
     int failed = 0;
     #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
     {
-        float *p = malloc((size_t)t_max * sizeof(float));
+        float *p = malloc((size_t)(t_max * per) * sizeof(float));
         if (!p) {
             #pragma omp atomic write
             failed = 1;
         } else {
             #pragma omp for schedule(static)
-            for (int64_t item = 0; item < n * n_head; item++) {
-                const int64_t i = item / n_head, h = item % n_head, hk = h / group, t_n = pos + i + 1;
-                const float *qi = q + (i * n_head + h) * dk;
-                float m = -INFINITY;
-                for (int64_t t = 0; t < t_n; t++) {
-                    p[t] = dot(qi, k + (t * n_kv + hk) * dk, dk) * scale;
-                    if (p[t] > m) m = p[t];
+            for (int64_t item = 0; item < n * n_kv * runs; item++) {
+                const int64_t i = item / (n_kv * runs), hk = item / runs % n_kv, h0 = hk * group + item % runs * per;
+                const int64_t t_n = pos + i + 1;
+                float m[per], sum[per];
+                for (int64_t g = 0; g < per; g++) m[g] = -INFINITY, sum[g] = 0.f;
+#if defined(__x86_64__)
+                if (wide) {
+                    scores_avx512(q + (i * n_head + h0) * dk, per, k + hk * dk, n_kv * dk, t_n, dk, scale, p, t_max);
+                } else
+#endif
+                {
+                    for (int64_t t = 0; t < t_n; t++) {
+                        const float *kt = k + (t * n_kv + hk) * dk;
+                        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + (i * n_head + h0 + g) * dk, kt, dk) * scale;
+                    }
                 }
-                float sum = 0.f;
-                for (int64_t t = 0; t < t_n; t++) {
-                    p[t] = expf(p[t] - m);
-                    sum += p[t];
+                for (int64_t g = 0; g < per; g++) {
+                    float *pg = p + g * t_max;
+                    for (int64_t t = 0; t < t_n; t++)
+                        if (pg[t] > m[g]) m[g] = pg[t];
+                    for (int64_t t = 0; t < t_n; t++) {
+                        pg[t] = expf(pg[t] - m[g]);
+                        sum[g] += pg[t];
+                    }
+                    float *o = out + (i * n_head + h0 + g) * dv;
+                    for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
                 }
-                float *o = out + (i * n_head + h) * dv;
-                for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
+#if defined(__x86_64__)
+                if (wide_v) {  /* the group's heads are adjacent in out */
+                    values_avx512(p, t_max, sum, per, v + hk * dv, n_kv * dv, t_n, dv, out + (i * n_head + h0) * dv);
+                    continue;
+                }
+#endif
                 for (int64_t t = 0; t < t_n; t++) {
-                    const float w = p[t] / sum, *vt = v + (t * n_kv + hk) * dv;
-                    for (int64_t j = 0; j < dv; j++) o[j] += w * vt[j];
+                    const float *vt = v + (t * n_kv + hk) * dv;
+                    for (int64_t g = 0; g < per; g++) {
+                        const float w = p[g * t_max + t] / sum[g];
+                        float *o = out + (i * n_head + h0 + g) * dv;
+                        for (int64_t j = 0; j < dv; j++) o[j] += w * vt[j];
+                    }
                 }
             }
             free(p);
