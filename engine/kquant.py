@@ -29,7 +29,7 @@ TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)
 _LIB = nativelib.LIB
 # True: run the portable C products even where the AVX512 ones can (tests compare the two).
 PORTABLE = False
-# False: Q4_K / Q6_K weights run in their stored order even where the packed VNNI products can (tests compare).
+# False: Q4_K / Q6_K / Q8_0 weights run in their stored order even where the packed VNNI products can (tests compare).
 PACK = True
 PACKED = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
 
@@ -41,10 +41,8 @@ def isa() -> str:
     if PORTABLE:
         return "portable C"
     kq = {1: "avx512bw", 0: "portable C"}[_LIB.kq_isa()]
-    if kq != "portable C" and packs():
-        kq += " (Q4_K, Q6_K packed for avx512vnni)"
     q8 = {2: "avx512vnni", 0: "portable C"}[_LIB.q8_isa()]
-    return f"{kq}, Q8_0 {q8}{' (packed)' if q8 != 'portable C' and packs() else ''}"
+    return f"{kq}, Q8_0 {q8}" + (", Q4_K / Q6_K / Q8_0 packed for avx512vnni" if packs() else "")
 
 
 def usable(w: object, x: torch.Tensor) -> bool:
@@ -127,8 +125,8 @@ def _perm(xr: Q8KRows, code: int) -> int:
 
 
 def packs() -> bool:
-    """Whether Q4_K and Q6_K weights run packed (`pack`): with AVX512-VNNI, unless the portable C or the stored
-    order is asked for."""
+    """Whether Q4_K / Q6_K / Q8_0 weights run packed (`pack`): with AVX512-VNNI, unless the portable C or the
+    stored order is asked for."""
     return PACK and not PORTABLE and _LIB is not None and _LIB.q8_isa() == 2
 
 
@@ -154,9 +152,9 @@ def pack(w: QTensor) -> None:
 
 
 def _weight(w: QTensor) -> tuple[torch.Tensor, int]:
-    """The bytes the products read and their kernel type code: Q4_K / Q6_K packed where `packs()` (made on first
-    use), else the stored blocks."""
-    if w.qtype in PACKED and packs():
+    """The bytes the products read and their kernel type code: packed where `packs()` and the weight packs (made on
+    first use), else the stored blocks."""
+    if packs():
         pack(w)
         if w.packed is not None:
             return w.packed, PACKED[w.qtype]

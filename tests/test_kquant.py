@@ -75,7 +75,7 @@ def test_activations_quantize_as_ggml_q8_0() -> None:
     assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
 
 
-# The kernel forms: Q4_K / Q6_K packed for the VNNI products (kquant.pack: 16 rows interleaved, where the CPU has
+# The kernel forms: Q4_K / Q6_K / Q8_0 packed for the VNNI products (kquant.pack: 16 rows interleaved, where the CPU has
 # VNNI, for matrices of whole 16-row groups), the stored block order on AVX512, and the portable C.
 MODES = {"packed": (True, False), "stored": (False, False), "portable": (True, True)}
 

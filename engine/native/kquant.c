@@ -264,45 +264,14 @@ static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *
     return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
 }
 
-/* A Q4_K block unpacked for the products: its scales d and dmin, its 6-bit scales and mins as int16 lanes
- * [sc0..7, mn0..7], each min twice (one per sum of 16 activations), and its values in the block's order
- * (vectors 0, 1: low, high nibbles of the first 64 quant bytes; 2, 3: of the second 64) */
-typedef struct {
-    float d, dmin;
-    __m128i sm;
-    __m256i mins;
-    __m512i v[4];
-} Q4Block;
-
+/* Per block: the exact Σ scale·value·quant of each activation row (row_sum), then the float step as ggml computes
+ * it: p · d·d_x, less the mins' term Σ min·bsum (integers, each min twice: one per sum of 16) · dmin·d_x. Q4_K takes
+ * the quants in its nibble order (kq_q4k_order). */
 __attribute__((target(AVX512_TARGET)))
-static inline void q4_k_block(const uint8_t *blk, Q4Block *k) {
+static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i im = _mm512_castsi256_si512(_mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
                                                                 14, 15, 15));
-    k->d = fp16_f16c(blk);
-    k->dmin = fp16_f16c(blk + 2);
-    k->sm = q4_k_scales(blk);
-    k->mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, _mm512_castsi256_si512(_mm256_cvtepu8_epi16(k->sm))));
-    const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-    k->v[0] = _mm512_and_si512(q0, m4);
-    k->v[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
-    k->v[2] = _mm512_and_si512(q1, m4);
-    k->v[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
-}
-
-/* One activation row's float sum after its exact Σ scale·value·quant p over block b, then the mins' term as
- * ggml computes it: Σ min·bsum in integers, then one float product. */
-__attribute__((target(AVX512_TARGET)))
-static inline __m512 q4_k_row(const Q4Block *k, __m512i p, const Row *row, int64_t b, __m512 acc) {
-    const __m256i bs = _mm256_loadu_si256((const __m256i *)(row->bs + b * 16));
-    const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, k->mins));
-    const float dx = row->d[b];
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * k->d), acc);
-    return _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * k->dmin), f);
-}
-
-__attribute__((target(AVX512_TARGET)))
-static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
     /* 16-bit lanes of [sc0..7, mn0..7] picked for each product: the scales of the two sub-blocks a 64-value
      * vector holds (lanes 0-15, 16-31) */
     const __m512i id16[4] = {_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
@@ -310,42 +279,29 @@ static void rows_q4_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
                              _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1),
                              _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1)};
     for (int64_t b = 0; b < nb; b++) {
-        Q4Block k;
-        q4_k_block(row + b * 144, &k);
-        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(k.sm));
+        const uint8_t *blk = row + b * 144;
+        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
+        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(q4_k_scales(blk)));
+        const __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(im, w16));
+        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+        /* vectors 0, 1: low, high nibbles of the first 64 quant bytes; 2, 3: of the second 64 */
+        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
         __m512i s[4];
         for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(id16[c], w16);
-        for (int64_t i = 0; i < tn; i++)
-            acc[i] = q4_k_row(&k, row_sum(k.v, s, rows[i].q + b * QK), rows + i, b, acc[i]);
+        for (int64_t i = 0; i < tn; i++) {
+            const __m512i p = row_sum(v, s, rows[i].q + b * QK);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+            const float dx = rows[i].d[b];
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * d), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * dmin), f);
+        }
     }
 }
 
-/* A Q6_K block unpacked for the products: its scale d, its 16 int8 sub-block scales (and as int16), its values */
-typedef struct {
-    float d;
-    __m128i sc8;
-    __m256i sc16;
-    __m512i v[4];
-} Q6Block;
-
-__attribute__((target(AVX512_TARGET)))
-static inline void q6_k_block(const uint8_t *blk, Q6Block *k) {
-    k->d = fp16_f16c(blk + 208);
-    k->sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-    k->sc16 = _mm256_cvtepi8_epi16(k->sc8);
-    q6_k_values(blk, k->v);
-}
-
-/* One activation row's float sum after its exact Σ scale·value·quant p over block b: the +32 offset of the values
- * taken off with the row's sums of 16 (32 · Σ sc·bsum), then p scaled by d·d_x into the sum. */
-__attribute__((target(AVX512_TARGET)))
-static inline __m512 q6_k_row(const Q6Block *k, __m512i p, const Row *row, int64_t b, __m512 acc) {
-    const __m256i bs = _mm256_loadu_si256((const __m256i *)(row->bs + b * 16));
-    const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, k->sc16), 5);
-    p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(c));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(row->d[b] * k->d), acc);
-}
-
+/* Per block: each activation row's exact Σ scale·value·quant (row_sum; the stored values are q + 32, so 32 · Σ
+ * sc·bsum comes off), then p scaled by d·d_x into the sum. */
 __attribute__((target(AVX512_TARGET)))
 static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc) {
     /* lane i of 32 (2 values each) of a 64-value vector belongs to its sub-block of 16: i / 8 */
@@ -355,13 +311,18 @@ static void rows_q6_k(const uint8_t *row, int64_t nb, const Row *rows, int64_t t
     const __m512i id16[4] = {idx0, _mm512_add_epi16(idx0, _mm512_set1_epi16(4)),
                              _mm512_add_epi16(idx0, _mm512_set1_epi16(8)), _mm512_add_epi16(idx0, _mm512_set1_epi16(12))};
     for (int64_t b = 0; b < nb; b++) {
-        Q6Block k;
-        q6_k_block(row + b * 210, &k);
-        const __m512i scw = _mm512_castsi256_si512(k.sc16);
-        __m512i s[4];
-        for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi16(id16[t], scw);
-        for (int64_t i = 0; i < tn; i++)
-            acc[i] = q6_k_row(&k, row_sum(k.v, s, rows[i].q + b * QK), rows + i, b, acc[i]);
+        const uint8_t *blk = row + b * 210;
+        const float d = fp16_f16c(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i v[4], s[4];
+        q6_k_values(blk, v);
+        for (int t = 0; t < 4; t++) s[t] = _mm512_permutexvar_epi16(id16[t], _mm512_castsi256_si512(sc16));
+        for (int64_t i = 0; i < tn; i++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
+            const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);
+            const __m512i p = _mm512_sub_epi32(row_sum(v, s, rows[i].q + b * QK), _mm512_zextsi256_si512(c));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(rows[i].d[b] * d), acc[i]);
+        }
     }
 }
 

@@ -3,8 +3,8 @@
  * A Q8_0 weight (blocks of 32 int8 quants with an f16 scale) multiplies activations quantized to Q8_0 the same
  * way: per block an exact integer dot product, scaled by d_w·d_x in float and summed over the blocks. The
  * weights are read in their GGUF blocks, as they are mapped (packed weights, 16 rows interleaved, run in
- * kquant.c with the packed K-quants); each block is loaded once and multiplied by every activation row of the tile while it is in registers, so a pass
- * over N tokens reads the weights once.
+ * kquant.c with the packed K-quants); each block is loaded once and multiplied by every activation row of the
+ * tile while it is in registers, so a pass over N tokens reads the weights once.
  *
  * Bits: the float work for an output element (one weight row times one activation row) runs in the same
  * order whatever the number of rows, the grouping of rows or the thread split, so row i of a multi-token pass
