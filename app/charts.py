@@ -12,7 +12,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QTimer, Slot
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
-from engine.generate import Stats
+from engine.events import Stats
 from engine.metrics import SystemMonitor
 
 HISTORY = 600  # points per series: one minute at the 100 ms tick
@@ -132,9 +132,9 @@ class MetricsDock(QWidget):
             self.tok_s.push(t, st.decode_tok_s)
         sp = st.speculative
         if sp:
-            self.acceptance.push(t, sp["acceptance"])
-            self.mean_len.push(t, sp["mean_accepted_length"])
-            self.by_depth = sp["acceptance_by_depth"]
+            self.acceptance.push(t, sp.acceptance)
+            self.mean_len.push(t, sp.mean_accepted_length)
+            self.by_depth = sp.acceptance_by_depth
         if st.expert_cache:
             self._push_cache(t, st.expert_cache)
         elif st.expert_usage:
@@ -207,6 +207,6 @@ class MetricsDock(QWidget):
             parts = [f"{st.decode_tok_s:.1f} tok/s", f"TTFT {st.ttft_s * 1000:.0f} ms",
                      f"{st.generated_tokens} tokens"]
             if st.speculative:
-                parts.append(f"accepted {st.speculative['accepted']}/{st.speculative['drafted']} drafts, "
-                             f"mean length {st.speculative['mean_accepted_length']:.2f}")
+                parts.append(f"accepted {st.speculative.accepted}/{st.speculative.drafted} drafts, "
+                             f"mean length {st.speculative.mean_accepted_length:.2f}")
             self.summary.setText(" · ".join(parts))

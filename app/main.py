@@ -68,9 +68,9 @@ def _smoke(app, win, prompt: str, screenshot: str | None, timeout: float) -> int
     if screenshot:
         win.grab().save(screenshot)
     print(f"smoke test: {len(reply)} characters of reply; stats: {win.last_stats}")
-    from engine.kquant import isa
+    from engine.ops import default_backend
 
-    print(f"smoke test: K-quant kernels: {isa()}")  # the native library travelled with the frozen app
+    print(f"smoke test: kernels: {default_backend().name}")  # the native library travelled with the frozen app
     print(f"smoke test reply: {reply[:500]!r}")
     ok = bool(reply.strip()) and not win.errors
     win.close()

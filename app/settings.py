@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel,
                                QPlainTextEdit, QSlider, QSpinBox, QWidget)
 
-from engine.generate import EngineConfig, GenerationConfig
+from engine.events import EngineConfig, GenerationConfig
 from engine.metrics import cuda_status
 from engine.sampling import SamplingConfig
 

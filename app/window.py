@@ -19,7 +19,7 @@ from app.settings import AppSettings, SettingsPanel, load_settings, save_setting
 from app.store import Store
 from app.worker import EngineController
 from engine.chat import Message
-from engine.generate import Stats
+from engine.events import Stats
 
 
 class PromptBox(QPlainTextEdit):
@@ -332,8 +332,8 @@ class MainWindow(QMainWindow):
         sp = st.speculative
         if not st.mtp and st.decode_tok_s > 0 and st.final:
             self.metrics.set_mtp_off_reference(st.decode_tok_s)
-        elif sp and sp["plain_steps"] >= 8 and sp["time_s"]["plain_decode"] > 0:
-            self.metrics.set_mtp_off_reference(sp["plain_steps"] / sp["time_s"]["plain_decode"])
+        elif sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
+            self.metrics.set_mtp_off_reference(sp.plain_steps / sp.time_s.plain_decode)
 
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:
@@ -405,8 +405,8 @@ def _stats_dict(st: Stats | None, reason: str) -> dict:
     d = {"ttft_s": round(st.ttft_s, 3), "prompt_tok_s": round(st.prefill_tok_s, 1),
          "decode_tok_s": round(st.decode_tok_s, 2), "tokens": st.generated_tokens, "stop_reason": reason}
     if st.speculative:
-        d.update(drafted=st.speculative["drafted"], accepted=st.speculative["accepted"],
-                 mean_accepted_length=round(st.speculative["mean_accepted_length"], 2))
+        d.update(drafted=st.speculative.drafted, accepted=st.speculative.accepted,
+                 mean_accepted_length=round(st.speculative.mean_accepted_length, 2))
     return d
 
 

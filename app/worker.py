@@ -15,7 +15,8 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import EngineError
-from engine.generate import Done, Engine, EngineConfig, GenerationConfig, Stats, Token, load
+from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.generate import Engine, load
 
 
 def model_info(eng: Engine) -> dict[str, Any]:

@@ -12,6 +12,7 @@ task's automatic checker; accuracy is reported overall and per kind. Perplexity 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -46,7 +47,7 @@ def answer(eng, item: EvalItem, max_tokens: int, mtp: bool = True,  # type: igno
         elif isinstance(ev, Done):
             reason = ev.reason
         elif isinstance(ev, Stats) and ev.final and ev.speculative and spec is not None:
-            spec.append(ev.speculative)
+            spec.append(dataclasses.asdict(ev.speculative))
     return "".join(parts), reason, n
 
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     model_path = Path(args.model) if args.model else None
     if model_path is None:
-        from engine.modelfile import default_model_path
+        from engine.storage.modelfile import default_model_path
         model_path = default_model_path()
 
     items = eval_prompts(args.n, args.seed)

@@ -20,6 +20,7 @@ and the ratio over all rounds and the median over rounds of each round's ratio (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -57,7 +58,7 @@ def summarise(stats: list[Stats]) -> dict:
     out: dict = {"decode_tokens": tokens, "decode_s": seconds, "decode_tok_s": tokens / seconds,
                  # prompt processing, with MTP the head's pass over the prompt too (not in decode_s)
                  "ttft_ms_mean": 1e3 * sum(s.ttft_s for s in stats) / len(stats)}
-    sp = [s.speculative for s in stats if s.speculative]
+    sp = [dataclasses.asdict(s.speculative) for s in stats if s.speculative]
     if sp:
         tried = np.sum([x["tried_by_depth"] for x in sp], axis=0)
         acc = np.sum([x["accepted_by_depth"] for x in sp], axis=0)
@@ -128,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from bench.synthetic import cached
-    from engine.modelfile import default_model_path
+    from engine.storage.modelfile import default_model_path
     from engine.training.data import eval_prompts
 
     models = [Path(m) for m in args.model] if args.model else [default_model_path(),

@@ -184,7 +184,7 @@ PYSIDE6_WORK = ROOT / "build" / "pyside6-deploy"
 def stage_pyside6_project() -> Path:
     """The project folder pyside6-deploy builds: engine, app, the embedded model, the icon, the entry script as
     main.py and packaging/pysidedeploy.spec. Staged when the benchmark starts, so both builds see the same code."""
-    from engine.modelfile import default_model_path
+    from engine.storage.modelfile import default_model_path
 
     shutil.rmtree(PYSIDE6_WORK, ignore_errors=True)
     proj = PYSIDE6_WORK / "project"

@@ -168,7 +168,7 @@ def _model_facts(file: str) -> list[str]:
     """Parameter counts from the GGUF itself and the training run from its committed log."""
     import re
 
-    from engine.modelfile import open_model
+    from engine.storage.modelfile import open_model
 
     path = ROOT / "resources" / "models" / file
     if not path.exists():

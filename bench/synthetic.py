@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from engine.modelfile import expected_tensors
-from engine.quantize import random_blocks
-from engine.writer import Raw, Vocab, make_hparams, write_gguf
+from engine.storage.modelfile import expected_tensors
+from engine.storage.quantize import random_blocks
+from engine.storage.writer import Raw, Vocab, make_hparams, write_gguf
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import OutOfMemoryError
-from engine.modelfile import HParams
+from engine.storage.modelfile import HParams
 
 
 @dataclass
@@ -155,6 +155,7 @@ class Cache:
                 s.ssm.copy_(steps[index])
 
     def snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the GDN states (tests and benchmarks rewind a cache with `restore`; the engine never does)."""
         return {i: (s.conv.clone(), s.ssm.clone()) for i, s in self.gdn.items()}
 
     def restore(self, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:

@@ -5,6 +5,7 @@ Every failure prints one line `error: …` on stderr and exits 1 (2 for bad argu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,13 +15,13 @@ from typing import Any, Sequence
 from engine.errors import EngineError
 
 def _model_arg(value: str | None) -> Path:
-    from engine.modelfile import default_model_path
+    from engine.storage.modelfile import default_model_path
 
     return Path(value) if value else default_model_path()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from engine.modelfile import open_model
+    from engine.storage.modelfile import open_model
 
     mf = open_model(_model_arg(args.model))
     hp = mf.hparams
@@ -99,7 +100,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from engine.modelfile import open_model
+    from engine.storage.modelfile import open_model
     from engine.tokenizer import Tokenizer
 
     mf = open_model(_model_arg(args.model))
@@ -129,7 +130,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _engine(args: argparse.Namespace, n_ctx: int):
-    from engine.generate import EngineConfig, load
+    from engine.events import EngineConfig
+    from engine.generate import load
 
     return load(_model_arg(args.model), EngineConfig(
         n_ctx=n_ctx, device=args.device, n_threads=args.threads, gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe,
@@ -152,7 +154,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.chat import Message
-    from engine.generate import Done, GenerationConfig, Stats, Token
+    from engine.events import Done, GenerationConfig, Stats, Token
     from engine.sampling import SamplingConfig
 
     if args.prompt is None and args.prompt_tokens is None:
@@ -202,7 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "stop_reason": done.reason, "mtp": final.mtp,
     }
     if final.speculative:
-        stats.update(final.speculative)
+        stats.update(dataclasses.asdict(final.speculative))
     stats["placement"] = eng.plan.as_dict()
     if final.expert_cache:
         stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}

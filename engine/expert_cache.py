@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quant import QTensor
+from engine.storage.qtensor import QTensor
 
 
 class SLRU:

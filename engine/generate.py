@@ -9,86 +9,23 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from engine.chat import ChatFormat, Message
-from engine import nativelib
 from engine.errors import EngineError
-from engine.modelfile import ModelFile, default_model_path, open_model
-from engine.models.qwen35 import Qwen35Model
-from engine.placement import ModelSizes, PlacementConfig, Plan, free_device_bytes, plan_placement
-from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, accept_greedy, accept_sampling
+from engine.storage.modelfile import ModelFile, default_model_path, open_model
+from engine.models.build import load_model
+from engine.placement import ModelSizes, free_device_bytes, plan_placement
+from engine.sampling import Sampler
+from engine.events import Done, EngineConfig, Event, GenerationConfig, Stats, Token
+from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
 from engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[float, str], None]
 PREFILL_CHUNK = 256
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    n_ctx: int = 4096
-    device: str = "cpu"  # "cpu" or "cuda[:i]": then the hybrid placement below applies
-    n_threads: int | None = None  # None: torch's default (all cores)
-    gpu_layers: int | None = None  # trunk layers on the GPU; None = auto-fit to free VRAM
-    cpu_moe: bool = False  # routed experts stay on the CPU (hot ones cached on the GPU)
-    expert_cache: str | None = None  # "N" experts per layer or "N MiB" in all; None = what is left
-    miss_policy: str = "load"  # expert-cache miss: "load" to the GPU, or compute on the "cpu"
-    plan: Plan | None = None  # a ready plan instead of the above (tests: a CUDA plan run on CPU stand-ins)
-
-    def placement(self) -> PlacementConfig:
-        return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,
-                               miss_policy=self.miss_policy)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_tokens: int = 512
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_strings: tuple[str, ...] = ()
-    enable_thinking: bool | None = None
-    stats_interval_s: float = 0.25
-    mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
-    draft: int | None = None  # draft depth 1..8, None = auto
-    p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
-
-
-@dataclass(frozen=True)
-class Token:
-    ids: list[int]
-    text: str
-    accepted_draft: bool = False
-
-
-@dataclass(frozen=True)
-class Stats:
-    prompt_tokens: int
-    prefill_tokens: int  # prompt tokens actually computed (the rest was reused from the cache)
-    generated_tokens: int
-    ttft_s: float
-    prefill_tok_s: float
-    decode_tok_s: float
-    elapsed_s: float
-    cache_bytes: int
-    state_bytes: int
-    final: bool = False
-    mtp: bool = False
-    speculative: dict | None = None  # SpecStats.as_dict(): drafted, accepted, by depth, histogram, times
-    expert_cache: dict[int, dict] | None = None  # GPU expert cache per layer: hits, misses, evictions, bytes, occupancy
-    expert_usage: dict[int, list[int]] | None = None  # MoE: tokens routed to each expert, per layer (cumulative)
-
-
-@dataclass(frozen=True)
-class Done:
-    reason: str  # "eos" | "max_tokens" | "stop_string" | "stopped" | "context_full" | "context_overflow"
-    message: str = ""
-
-
-Event = Token | Stats | Done
 
 
 class Engine:
@@ -105,14 +42,10 @@ class Engine:
         n_ctx = min(config.n_ctx, mf.hparams.n_ctx_train)
         self.plan = config.plan or plan_placement(ModelSizes.from_model(mf, n_ctx), config.placement(),
                                                   free_device_bytes(config.device))
-        self.model = Qwen35Model(mf, n_ctx=config.n_ctx, plan=self.plan)
+        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=config.backend)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
-        # Prefill runs the GDN recurrence token by token when every layer is on the CPU with the native kernels:
-        # one sweep per token with the state in cache beats the chunk-parallel form there (bench/results/
-        # verify.json: 512-token prefill, sequential vs chunked), and prefill gets decoding's bits.
-        self._native_gdn = nativelib.available() and all(layer.device.type == "cpu" for layer in self.model.layers)
         # Things the user should know about this model (shown by the CLI and the app).
         self.notices: list[str] = [] if self.drafter is not None else [
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
@@ -154,7 +87,7 @@ class Engine:
                 self.reset()
                 return None, s
             chunk = todo[s:s + PREFILL_CHUNK]
-            res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1 and not self._native_gdn)
+            res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1 and not self.model.sequential_prefill)
             if self.drafter is not None:
                 self.drafter.push(chunk, res.hidden)
             logits = res.logits[-1]
@@ -201,7 +134,7 @@ class Engine:
                 ttft_s=t_first - t0, prefill_tok_s=n_prefilled / max(t_prefill - t0, 1e-9),
                 decode_tok_s=decode_n / max(now - t_first, 1e-9) if decode_n else 0.0,
                 elapsed_s=now - t0, cache_bytes=self.cache.nbytes, state_bytes=self.cache.state_nbytes,
-                final=final, mtp=use_mtp, speculative=spec.as_dict() if use_mtp else None,
+                final=final, mtp=use_mtp, speculative=spec.snapshot() if use_mtp else None,
                 expert_usage={il: c.tolist() for il, c in self.model.routing.counts.items()} or None,
                 expert_cache={il: {**c.stats.as_dict(), "capacity": c.capacity, "occupancy": len(c.lru)}
                               for il, c in self.model.expert_caches.items()} or None,
@@ -209,6 +142,7 @@ class Engine:
 
         x = sampler.sample(logits, run.history)
         yield from run.emit([(x, False)])
+        decoder = SpeculativeDecoder(self, self.drafter, sampler, depth, spec) if depth is not None else None
         while run.reason is None:
             if stop is not None and stop.is_set():
                 run.reason = "stopped"
@@ -217,36 +151,10 @@ class Engine:
             if room < 0:
                 run.reason = "context_full"
                 break
-            k = depth.choose(room) if depth is not None else 0
-            if k == 0:
-                probe = None
-                if depth is not None and depth.probe_now(room):  # shadow probe: one draft, no verify
-                    t_probe = time.perf_counter()
-                    probe = self.drafter.draft(x, 1, sampler, run.history)
-                    probe_s = time.perf_counter() - t_probe
-                    spec.draft_s += probe_s
-                t_step = time.perf_counter()
-                res = self.model.forward([x], self.cache, logit_rows="last")
-                if probe is not None:  # the head already holds x's row: keep it, pair the next token with res
-                    self.drafter.commit(0, [x], res.hidden)
-                elif self.drafter is not None:
-                    self.drafter.push([x], res.hidden)
-                self._seq.append(x)
-                self._last_logits = logits = res.logits[-1]
-                x = sampler.sample(logits, run.history)
-                dt = time.perf_counter() - t_step
-                spec.plain_steps += 1
-                spec.decode_s += dt
-                if depth is not None:
-                    depth.observe_decode(dt)
-                    if probe is not None and probe.tokens:
-                        q = probe.probs[0]
-                        hit = float(probe.tokens[0] == x) if q is None else \
-                            float(torch.minimum(sampler.distribution(logits, run.history), q).sum())
-                        depth.observe_probe(hit, probe_s - probe.catch_up_s)
-                yield from run.emit([(x, False)])
+            if decoder is not None:
+                x = yield from decoder.step(x, run, room)
             else:
-                x = yield from self._speculative_step(x, k, run, sampler, spec, depth)
+                x = yield from self._plain_step(x, run, sampler)
             if time.perf_counter() - t_stats >= gen.stats_interval_s:
                 t_stats = time.perf_counter()
                 yield stats()
@@ -260,40 +168,20 @@ class Engine:
         msg = f"the context of {self.n_ctx} tokens is full" if run.reason == "context_full" else ""
         yield Done(run.reason or "max_tokens", msg)
 
-    def _speculative_step(self, x: int, k: int, run: "_Run", sampler: Sampler, spec: SpecStats,
-                          depth: DepthController | None) -> Iterator[Event]:
-        """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix.
-        Returns the new last token (emitted but not yet processed by the trunk)."""
-        assert self.drafter is not None
-        t0 = time.perf_counter()
-        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min if depth else 0.0)
-        t1 = time.perf_counter()
-        pos0 = self.cache.pos
-        seq = [x] + draft.tokens
-        res = self.model.forward(seq, self.cache, logit_rows="all", capture=True)
-        t2 = time.perf_counter()
-        # run.history ends with x: it was emitted by the previous step
-        if sampler.cfg.greedy:
-            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history)
-        else:
-            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history)
-        emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
-        kept = yield from run.emit(emitted)
-        t3 = time.perf_counter()
-        c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
-        self.cache.commit(res.captured, c)
-        self.cache.truncate(pos0 + c + 1)
-        self.drafter.commit(c, seq, res.hidden)
-        self._seq.extend(seq[:c + 1])
-        self._last_logits = res.logits[c]
-        t4 = time.perf_counter()
-        spec.record(len(draft.tokens), n_acc)
-        spec.draft_s += t1 - t0
-        spec.verify_s += t2 - t1
-        spec.commit_s += t4 - t3
-        if depth is not None:
-            depth.observe_verify(len(seq), t2 - t1, len(draft.tokens), t1 - t0 - draft.catch_up_s)
-        return emitted[kept - 1][0]
+    def advance(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """The trunk processed `tokens` (now in the cache); `logits` are those after the last."""
+        self._seq.extend(tokens)
+        self._last_logits = logits
+
+    def _plain_step(self, x: int, run: "_Run", sampler: Sampler) -> Iterator[Event]:
+        """One token after x without speculation; returns it, emitted."""
+        res = self.model.forward([x], self.cache, logit_rows="last")
+        if self.drafter is not None:  # the head stays in step, for a later reply with MTP on
+            self.drafter.push([x], res.hidden)
+        self.advance([x], res.logits[-1])  # type: ignore[index]
+        nxt = sampler.sample(self._last_logits, run.history)  # type: ignore[arg-type]
+        yield from run.emit([(nxt, False)])
+        return nxt
 
 
 class _Run:

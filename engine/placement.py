@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from engine.errors import EngineError, OutOfMemoryError
-from engine.modelfile import HParams
+from engine.storage.modelfile import HParams
 
 MiB = 1 << 20
 # Left free on the device: the CUDA context, the allocator's fragmentation, dequantization tiles.

@@ -5,7 +5,7 @@
 #   3. portable tarball of the same folder                            dist/foretell-VERSION-linux-MACHINE.tar.gz
 # Environment (all optional):
 #   PYTHON           interpreter with the project and its `packaging` extra installed (default: .venv/bin/python)
-#   FORETELL_MODEL   GGUF to embed (default: the app's embedded model, engine.modelfile.default_model_path())
+#   FORETELL_MODEL   GGUF to embed (default: the app's embedded model, engine.storage.modelfile.default_model_path())
 #   DEB_COMPRESSION  dpkg-deb compressor: zstd (default: fastest), xz (smallest, slowest: for releases), gzip, none;
 #                    measured in bench/results/packaging.json (deb_compressors), see packaging/README.md
 #   FORETELL_DIST    output folder for the packages (default: dist/)
@@ -45,12 +45,12 @@ if torch.version.cuda or torch.version.hip:
 EOF
 
 if [[ -z "${FORETELL_MODEL:-}" ]]; then
-    # The same file the app opens from a checkout (engine.modelfile.default_model_path: the last
+    # The same file the app opens from a checkout (engine.storage.modelfile.default_model_path: the last
     # resources/models/*.gguf by name), so the package ships what the tests ran against.
     FORETELL_MODEL="$("$PYTHON" - <<'PY'
 import sys
 from engine.errors import EngineError
-from engine.modelfile import default_model_path
+from engine.storage.modelfile import default_model_path
 try:
     print(default_model_path())
 except EngineError as e:

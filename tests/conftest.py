@@ -4,3 +4,18 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+def backend_params(native_only: bool = False, simd_only: bool = False) -> list:
+    """pytest params over the engine backends this machine runs (engine.ops.available_backends), ids by name. A
+    selection this CPU has none of becomes one param skipped with the reason."""
+    import pytest
+
+    from engine import ops
+
+    bs = [b for b in ops.available_backends() if (b.native or not native_only) and not (simd_only and b.portable)]
+    if not bs:
+        why = "this CPU has no AVX512: only the portable C form of the native kernels runs here" if simd_only \
+            else "the native library is not built"
+        return [pytest.param(None, marks=pytest.mark.skip(reason=why), id="none")]
+    return [pytest.param(b, id=b.name) for b in bs]

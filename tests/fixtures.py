@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from engine.modelfile import HParams, expected_tensors
-from engine.writer import Vocab, make_hparams, write_gguf
+from engine.storage.modelfile import HParams, expected_tensors
+from engine.storage.writer import Vocab, make_hparams, write_gguf
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -4,7 +4,7 @@
 `qwen35moe`) or `Qwen3_5ForCausalLM` (arch `qwen35`), with every parameter perturbed away from HF's
 "identity" init (zero 1+w norms, ones/zeros elsewhere) so that each storage convention matters.
 `hf_to_gguf` applies the converter transforms of spec §2 (our own test code, independent of
-llama.cpp's `convert_hf_to_gguf.py`) and writes the file with `engine.writer`. `hf_logits` is the
+llama.cpp's `convert_hf_to_gguf.py`) and writes the file with `engine.storage.writer`. `hf_logits` is the
 reference forward pass.
 
 Requires `transformers` 5.x with `transformers.models.qwen3_5_moe` (tested with 5.23.0).
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.writer import Vocab, make_hparams, write_gguf
+from engine.storage.writer import Vocab, make_hparams, write_gguf
 from tests.fixtures import fixture_vocab
 
 ARCHS = ("qwen35moe", "qwen35")

@@ -12,35 +12,26 @@ import numpy as np
 import pytest
 import torch
 
-from engine.experts import ExpertWeights, route, run_experts
-from engine.modelfile import open_model
+from engine import ops
+from engine.models.qwen35 import route
+from engine.storage.modelfile import open_model
+from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
+from tests.conftest import backend_params
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 
 Q8_MOE = FixtureSpec(qtype="Q8_0")
-# Q4_K/Q6_K/Q8_0 run in the native kernels (engine.kquant: AVX512 here, and its portable C twin) or, where the
-# library is missing, in the torch paths (Q8_0 in torch integer ops, K-quants in dequantized tiles, and the GDN
-# recurrence as torch ops): all three must be batch-invariant.
-SPECS = [(TINY_MOE, None), (TINY_DENSE, None), (KQUANT_MOE, "native"), (KQUANT_MOE, "portable"),
-         (KQUANT_MOE, "torch"), (Q8_MOE, "native"), (Q8_MOE, "portable"), (Q8_MOE, "torch")]
-IDS = ["moe-f32", "dense-f32", "moe-q4k", "moe-q4k-portable", "moe-q4k-torch", "moe-q8", "moe-q8-portable",
-       "moe-q8-torch"]
+# Every backend the machine runs must be batch-invariant: the native kernels in each instruction-set form (Q4_K /
+# Q6_K / Q8_0 products, attention, the GDN recurrence) and the torch backend (Q8_0 in torch integer ops, K-quants in
+# dequantized tiles, attention and the recurrence as torch ops).
+BACKENDS = backend_params()
+SPECS = [pytest.param(TINY_MOE, None, id="moe-f32"), pytest.param(TINY_DENSE, None, id="dense-f32")] + [
+    pytest.param(spec, p.values[0], id=f"{name}-{p.id}", marks=p.marks)
+    for spec, name in ((KQUANT_MOE, "moe-q4k"), (Q8_MOE, "moe-q8")) for p in BACKENDS]
 
 
-def _kquant_mode(monkeypatch, mode: str | None) -> None:
-    import engine.kquant as kq
-    import engine.nativelib as nl
-
-    assert nl.available(), "the native library was not built (pip install -e . builds it)"
-    if mode == "portable":
-        monkeypatch.setattr(kq, "PORTABLE", True)
-    elif mode == "torch":  # and the GDN recurrence as torch ops
-        monkeypatch.setattr(kq, "usable", lambda w, x: False)
-        monkeypatch.setattr(nl, "floats_usable", lambda *t: False)
-
-
-def _model(spec: FixtureSpec) -> Qwen35Model:
-    return Qwen35Model(open_model(fixture_path(spec)), n_ctx=1100)
+def _model(spec: FixtureSpec, backend: ops.Backend | None = None) -> "Qwen35Model":
+    return load_model(open_model(fixture_path(spec)), n_ctx=1100, backend=backend)
 
 
 def _toks(spec: FixtureSpec, n: int, seed: int = 0) -> list[int]:
@@ -52,10 +43,9 @@ def _per_token(m: Qwen35Model, toks: list[int], cache=None) -> torch.Tensor:
     return torch.cat([m.forward([t], cache, logit_rows="all").logits for t in toks])
 
 
-@pytest.mark.parametrize("spec,mode", SPECS, ids=IDS)
-def test_verify_sized_passes_are_bit_identical(monkeypatch, spec: FixtureSpec, mode: str | None) -> None:
-    _kquant_mode(monkeypatch, mode)
-    m = _model(spec)
+@pytest.mark.parametrize("spec,backend", SPECS)
+def test_verify_sized_passes_are_bit_identical(spec: FixtureSpec, backend: ops.Backend | None) -> None:
+    m = _model(spec, backend)
     prefix = _toks(spec, 20, seed=1)
     tail = _toks(spec, 8, seed=2)
     base = m.new_cache(1100)
@@ -68,10 +58,9 @@ def test_verify_sized_passes_are_bit_identical(monkeypatch, spec: FixtureSpec, m
         assert torch.equal(got, ref[:n]), n
 
 
-@pytest.mark.parametrize("spec,mode", SPECS, ids=IDS)
-def test_prefill_chunks_are_bit_identical(monkeypatch, spec: FixtureSpec, mode: str | None) -> None:
-    _kquant_mode(monkeypatch, mode)
-    m = _model(spec)
+@pytest.mark.parametrize("spec,backend", SPECS)
+def test_prefill_chunks_are_bit_identical(spec: FixtureSpec, backend: ops.Backend | None) -> None:
+    m = _model(spec, backend)
     toks = _toks(spec, 512, seed=3)
     ref = _per_token(m, toks)
     for size in (1, 7, 64, 512):
@@ -84,22 +73,20 @@ def test_prefill_chunks_are_bit_identical(monkeypatch, spec: FixtureSpec, mode: 
                          [(0, 0, 0), (1 << 40, 1 << 40, 1 << 40), (1 << 40, 0, 1 << 40), (1 << 40, 1 << 40, 0)],
                          ids=["expert-loop", "dense-experts", "dense-experts-per-block-down",
                               "dense-experts-per-block-gate-up"])
-def test_q8_expert_and_block_layouts_give_the_same_bits(monkeypatch, dense_macs: int, down_blockdiag_macs: int,
+def test_q8_expert_and_block_layouts_give_the_same_bits(dense_macs: int, down_blockdiag_macs: int,
                                                         gate_up_blockdiag_macs: int) -> None:
-    """The integer path picks a layout by size (block-diagonal or per-block GEMMs, all selected experts at
-    once or a loop over experts); every layout must give the per-token bits. The shared expert is twice a
-    routed expert's width here, so it runs as two extra slots of every token."""
-    import engine.q8dot as q8
-
+    """The torch backend's integer Q8_0 products pick a layout by size (block-diagonal or per-block GEMMs, all
+    selected experts at once or a loop over experts); every layout must give the per-token bits. The shared expert
+    is twice a routed expert's width here, so it runs as two extra slots of every token."""
     spec = replace(Q8_MOE, n_ff_shexp=2 * Q8_MOE.n_ff_exp)
-    m = _model(spec)
     toks = _toks(spec, 40, seed=6)
-    ref = _per_token(m, toks)
-    monkeypatch.setattr(q8, "DENSE_EXPERT_MACS", dense_macs)
-    monkeypatch.setattr(q8, "_DOWN_BLOCKDIAG_MACS", down_blockdiag_macs)
-    monkeypatch.setattr(q8, "_GATE_UP_BLOCKDIAG_MACS", gate_up_blockdiag_macs)
+    ref = _per_token(_model(spec, ops.TORCH), toks)
     for rows in (0, 1 << 20):  # per-block GEMMs for every pass, or block-diagonal for every pass
-        monkeypatch.setattr(q8, "_BLOCKDIAG_ROWS", rows)
+        layouts = ops.Int8Layouts(blockdiag_rows=rows, dense_expert_macs=dense_macs,
+                                  down_blockdiag_macs=down_blockdiag_macs,
+                                  gate_up_blockdiag_macs=gate_up_blockdiag_macs)
+        m = _model(spec, replace(ops.TORCH, int8=layouts))
+        assert m.layers[0].ffn.w.experts.runs_shared
         for size in (1, 3, 40):
             cache = m.new_cache(64)
             got = torch.cat([m.forward(toks[s:s + size], cache, logit_rows="all").logits for s in range(0, 40, size)])
@@ -112,9 +99,11 @@ def test_captured_states_equal_token_by_token_states(spec: FixtureSpec) -> None:
     toks = _toks(spec, 6, seed=4)
     c = m.new_cache(64)
     m.forward(_toks(spec, 5, seed=5), c, logit_rows="none")
-    snap = c.snapshot()
+    snap = {il: (st.conv.clone(), st.ssm.clone()) for il, st in c.gdn.items()}
     cap = m.forward(toks, c, logit_rows="none", capture=True).captured
-    c.restore(snap, 5)
+    for il, (conv, ssm) in snap.items():  # back to the state before the pass: replay it token by token
+        c.gdn[il].conv, c.gdn[il].ssm = conv, ssm.clone()
+    c.truncate(5)
     for i, t in enumerate(toks):
         m.forward([t], c, logit_rows="none")
         for il, st in c.gdn.items():
@@ -122,37 +111,30 @@ def test_captured_states_equal_token_by_token_states(spec: FixtureSpec) -> None:
             assert torch.equal(cap.ssm[il][i], st.ssm), (il, i)
 
 
-@pytest.mark.parametrize("mode", ["native", "torch"])
-def test_grouped_experts_equal_per_token_and_read_each_expert_once(monkeypatch, mode: str) -> None:
-    _kquant_mode(monkeypatch, mode)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_experts_equal_per_token_and_read_each_expert_once(backend: ops.Backend) -> None:
+    """A pass's experts grouped by expert give each token the bits of a one-token pass, and the pass reads each
+    selected expert once (the backend's observer reports the distinct experts and their bytes)."""
     mf = open_model(fixture_path(KQUANT_MOE))
     p = "blk.1."
-    ew = ExpertWeights(mf.tensor(p + "ffn_gate_exps.weight"), mf.tensor(p + "ffn_up_exps.weight"),
-                       mf.tensor(p + "ffn_down_exps.weight"))
+    events: list[ops.OpEvent] = []
+    b = backend.with_observer(events.append)
+    ex = ops.Experts(*(mf.tensor(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")), b)
+    assert ex.kind == ("native" if backend.native else "dequant")
     router = mf.tensor(p + "ffn_gate_inp.weight").dequantize()
     x = torch.randn(9, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(0))
     w, idx = route(x @ router.T, KQUANT_MOE.n_expert_used)
-    gathered: list[tuple[int, ...]] = []
-    import engine.experts as ex
-    import engine.kquant as kq
-
-    if mode == "torch":
-        real = ex.gather_experts
-        monkeypatch.setattr(ex, "gather_experts", lambda t, e: gathered.append(tuple(e)) or real(t, e))
-    else:  # one kernel call per projection; each selected expert is one group (its blocks read once)
-        real_pairs = kq.matmul_pairs
-        monkeypatch.setattr(kq, "matmul_pairs", lambda xr, t, rows, e, s: gathered.append(tuple(e.tolist()))
-                            or real_pairs(xr, t, rows, e, s))
-    grouped = run_experts(x, idx, w, ew)
-    # gate, up and down are each gathered once, for exactly the selected experts, each expert once.
-    assert len(gathered) == 3 and all(g == tuple(sorted(torch.unique(idx).tolist())) for g in gathered)
-    single = torch.cat([run_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ew) for i in range(9)])
+    grouped = ops.moe_experts(x, idx, w, ex)
+    distinct = torch.unique(idx).numel()
+    assert [(e.op, e.experts, e.nbytes, e.rows) for e in events] == \
+        [("moe_experts", distinct, distinct * ex.expert_bytes(), 9)]
+    single = torch.cat([ops.moe_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ex) for i in range(9)])
     assert torch.equal(grouped, single)
 
 
 def test_native_grouping_equals_a_stable_argsort() -> None:
-    """nativelib.group_pairs gives the order, experts and counts of the torch grouping it replaces."""
-    import engine.nativelib as nl
+    """The native grouping gives the order, experts and counts of the torch grouping it replaces."""
+    from engine.ops import native as nl
 
     assert nl.available(), "the native library was not built (pip install -e . builds it)"
     idx = torch.tensor(np.random.default_rng(3).integers(0, 16, (9, 4)), dtype=torch.long)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from app.charts import MetricsDock, Ring
-from engine.generate import EngineConfig, GenerationConfig, Stats, load
+from engine.events import EngineConfig, GenerationConfig, Stats
+from engine.generate import load
 from tests.fixtures import TINY_MOE, fixture_path
 
 
@@ -39,7 +40,7 @@ def test_expert_cache_charts_from_a_hybrid_run(qtbot) -> None:
     """A CUDA plan run with the CPU standing in for the GPU: its cache stats reach the dock."""
     import dataclasses
 
-    from engine.modelfile import open_model
+    from engine.storage.modelfile import open_model
     from engine.placement import ModelSizes, PlacementConfig, plan_placement
 
     mf = open_model(fixture_path(TINY_MOE))

@@ -4,7 +4,7 @@ import pytest
 
 from engine.chat import ChatFormat, Message
 from engine.errors import ChatTemplateError
-from engine.modelfile import open_model
+from engine.storage.modelfile import open_model
 from engine.tokenizer import Tokenizer
 from tests.fixtures import TINY_MOE, FixtureSpec, fixture_path
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine.chat import Message
-from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load
-from engine.modelfile import default_model_path, open_model
+from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.generate import load
+from engine.storage.modelfile import default_model_path, open_model
 from engine.training.data import eval_prompts, heldout_corpus
 from tests.oracle_llama import llama_greedy, llama_logits, llama_mtp, llama_tokenize
 from tests.test_parity import NEAR_TIE, kl_ref_ours
@@ -123,7 +124,7 @@ def test_greedy_mtp_is_token_identical_on_512_tokens(eng, texts, draft: int | No
     finally:
         eng.tokenizer.eog_ids = saved
     assert spec == plain and len(spec) == 512 and done.reason == "max_tokens"
-    assert final.speculative["accepted"] > 0  # drafts really were accepted on this model
+    assert final.speculative.accepted > 0  # drafts really were accepted on this model
 
 
 @pytest.mark.parametrize("draft", [1, 3, None], ids=["k1", "k3", "auto"])

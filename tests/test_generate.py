@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.chat import Message
-from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load
+from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.generate import load
 from engine.sampling import SamplingConfig
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, fixture_path
 

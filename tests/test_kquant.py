@@ -1,22 +1,33 @@
-"""Native Q4_K / Q6_K / Q8_0 products (engine/native/kquant.c and q8_0.c through engine.kquant)."""
+"""Native Q4_K / Q6_K / Q8_0 products (engine/native, through engine.ops) in every instruction-set form the
+machine runs: packed for VNNI, stored order on AVX512, portable C."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine import kquant, nativelib
-from engine.quant import QTensor
-from engine.quantize import random_blocks
-from engine.rowwise import round_activations
+from engine import ops
+from engine.ops import native
+from engine.ops.experts import _pairs
+from engine.ops.linear import NativeLinear
+from engine.storage.qtensor import QTensor
+from engine.storage.quantize import random_blocks
+from tests.conftest import backend_params
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
+NATIVE = backend_params(native_only=True)
 
 
 @pytest.fixture(autouse=True)
 def _built() -> None:
-    assert nativelib.available(), "the native K-quant library was not built (pip install -e . builds it)"
+    assert native.available(), "the native library was not built (pip install -e . builds it)"
+
+
+def _q8_k(x: torch.Tensor, portable: bool = False) -> ops.QuantRows:
+    return ops.quantize(x, "Q8_K", on_native=True, portable=portable)
 
 
 def _weight(qt: T, rows: int, cols: int, seed: int = 0) -> QTensor:
@@ -36,7 +47,7 @@ def test_activations_quantize_as_ggml_q8_k() -> None:
     """Quants equal the torch twin's (round-half-even of −127/max · x, capped at 127); scales are 1/iscale
     correctly rounded in float32, as ggml's C computes them; sums per 16 are the quants' sums."""
     x = _x(5, 1024)
-    xr = kquant.quantize_rows(x)
+    xr = _q8_k(x)
     b = x.reshape(-1, 256)
     mx = torch.gather(b, 1, b.abs().argmax(-1, keepdim=True)).double()
     iscale = torch.where(mx != 0, (-127.0 / mx).float().double(), torch.zeros_like(mx))
@@ -46,128 +57,116 @@ def test_activations_quantize_as_ggml_q8_k() -> None:
     assert torch.equal(xr.d.view(-1, 1), d)
     assert torch.equal(xr.bsums, xr.q.view(5, -1, 16).sum(-1).to(torch.int16))
     # the torch twin's rounding reproduces the same values up to the last ulp of the scale
-    torch.testing.assert_close(round_activations(x, "Q4_K"), (xr.q.view(5, -1, 256) * xr.d.unsqueeze(-1)).view(5, -1),
+    torch.testing.assert_close(ops.round_for(x, "Q4_K"), (xr.q.view(5, -1, 256) * xr.d.unsqueeze(-1)).view(5, -1),
                                rtol=1e-6, atol=0)
 
 
-def test_activations_quantize_the_same_in_avx512_and_portable_c(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_activations_quantize_the_same_in_avx512_and_portable_c() -> None:
     x = _x(7, 2048, seed=3)
     x[2, 512:768] = float("nan")
     x[2, 600] = 3.0  # NaNs are passed over by the maximum
-    got = {}
-    for portable in (False, True):
-        monkeypatch.setattr(kquant, "PORTABLE", portable)
-        got[portable] = kquant.quantize_rows(x.clone())
+    got = {portable: _q8_k(x.clone(), portable) for portable in (False, True)}
     for f in ("q", "d", "bsums"):
         assert torch.equal(getattr(got[False], f), getattr(got[True], f)), f
 
 
 def test_activations_quantize_as_ggml_q8_0() -> None:
-    """Q8_0 activation quants and f16-rounded scales equal the torch twin's (engine.q8dot), bit for bit."""
-    from engine import q8dot
-
+    """Q8_0 activation quants and f16-rounded scales of the native quantizer equal the torch twin's, bit for bit."""
     x = _x(5, 1024)
     x[1, 32:64] *= 1e-3  # a block whose scale is an f16 subnormal
     x[1, 64:96] *= 1e-9  # and one whose scale rounds to zero in f16
-    xr = kquant.quantize_q8_0(x)
-    ref = q8dot.quantize_rows(x.clone())
-    assert xr.bsums is None and xr.d.shape == (5, 32)
-    assert torch.equal(xr.q.view(5, 32, 32), ref.q) and torch.equal(xr.d, ref.d)
+    xr = ops.quantize(x, "Q8_0", on_native=True)
+    ref = ops.quantize(x.clone(), "Q8_0", on_native=False)
+    assert xr.bsums is None and ref.bsums is None and xr.d.shape == (5, 32)
+    assert torch.equal(xr.q, ref.q) and torch.equal(xr.d, ref.d)
 
 
-# The kernel forms: Q4_K / Q6_K / Q8_0 packed for the VNNI products (kquant.pack: 16 rows interleaved, where the CPU has
-# VNNI, for matrices of whole 16-row groups), the stored block order on AVX512, and the portable C.
-MODES = {"packed": (True, False), "stored": (False, False), "portable": (True, True)}
+def _packed_as_expected(w: NativeLinear) -> None:
+    """A weight is packed exactly when its backend packs and its matrices are whole groups of 16 rows."""
+    assert (w.packed is not None) == (w.backend.packs and w.shape[-2] % native.GROUP == 0)
 
 
-def _mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    pack, portable = MODES[mode]
-    monkeypatch.setattr(kquant, "PACK", pack)
-    monkeypatch.setattr(kquant, "PORTABLE", portable)
-    assert kquant.packs() == (mode == "packed" and nativelib.LIB.q8_isa() == 2)  # type: ignore[union-attr]
-
-
-def _packed_as_expected(w: QTensor) -> None:
-    """A weight is packed exactly when the packed products run and its matrices are whole groups of 16 rows."""
-    assert (w.packed is not None) == (kquant.packs() and w.qtype in kquant.PACKED and w.shape[-2] % kquant.GROUP == 0)
+def _bind(w: QTensor, backend: ops.Backend) -> NativeLinear:
+    lin = ops.bind(w, backend)
+    assert isinstance(lin, NativeLinear)
+    return lin
 
 
 @pytest.mark.parametrize("rows", [80, 72], ids=["whole-groups", "partial-group"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_products_equal_the_dequantized_product(monkeypatch, qt: T, mode: str, rows: int) -> None:
+def test_products_equal_the_dequantized_product(qt: T, backend: ops.Backend, rows: int) -> None:
     """Against float64 products of the rounded activations and the gguf-exact dequantized weight: only the
     float32 rounding of the per-block scaling separates them. 72 rows are not whole packed groups: they stay in
     the stored order."""
-    _mode(monkeypatch, mode)
-    w = _weight(qt, rows, 1024)
+    w = _bind(_weight(qt, rows, 1024), backend)
     x = _x(5, 1024)
-    ref = round_activations(x, qt.name).double() @ w.dequantize().double().t()
-    y = kquant.matmul(x, w)
+    ref = ops.round_for(x, qt.name).double() @ w.weight.dequantize().double().t()
+    y = ops.linear(x, w)
     _packed_as_expected(w)
     assert y.dtype == torch.float32 and y.shape == (5, rows)
     err = (y.double() - ref).abs().max().item()
     assert err < 2e-6 * ref.abs().max().item(), err
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_rows_are_batch_and_thread_invariant(monkeypatch, qt: T, mode: str) -> None:
+def test_rows_are_batch_and_thread_invariant(qt: T, backend: ops.Backend) -> None:
     """Row i of an M-row product has the bits of a one-row product, for M past the kernel's row tile (64)
-    and for one or two threads."""
-    _mode(monkeypatch, mode)
-    w = _weight(qt, 48, 512, seed=2)
+    and for one, two or three threads."""
+    stored = _weight(qt, 48, 512, seed=2)
+    w = _bind(stored, backend)
     x = _x(70, 512, seed=3)
-    ref = torch.cat([kquant.matmul(x[i:i + 1].clone(), w) for i in range(70)])
+    ref = torch.cat([ops.linear(x[i:i + 1].clone(), w) for i in range(70)])
     _packed_as_expected(w)
-    for threads in (1, 2):
-        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        monkeypatch.setattr(nativelib, "threads", lambda work: threads)
-        assert torch.equal(kquant.matmul(x.clone(), w), ref), threads
+    for threads in (1, 2, 3):
+        wt = _bind(stored, replace(backend, threads=threads))
+        assert torch.equal(ops.linear(x.clone(), wt), ref), threads
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_expert_pairs_equal_products_per_expert(monkeypatch, qt: T, mode: str) -> None:
-    """matmul_pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
-    _mode(monkeypatch, mode)
+def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> None:
+    """Routed-expert pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
     e_n, rows, k = 6, 32, 512
     rng = np.random.default_rng(4)
-    stack = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
+    stored = QTensor(random_blocks((e_n, rows, k), qt, rng, 1 / 16), qt, (e_n, rows, k))
+    stack = _bind(stored, backend)
     x = _x(7, k, seed=5)
-    xr = kquant.quantize_for(x, qt)
     experts = torch.tensor([0, 3, 5])
     xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
     starts = torch.tensor([0, 2, 3, 8])
-    out = kquant.matmul_pairs(xr, stack, xrow, experts, starts)
+    out = _pairs(x, stack, xrow, experts, starts)
     _packed_as_expected(stack)
     for g, e in enumerate(experts.tolist()):
+        one_expert = _bind(stored[e], backend)
         for p in range(int(starts[g]), int(starts[g + 1])):
-            one = kquant.matmul(x[int(xrow[p])].unsqueeze(0).clone(), stack[e])
+            one = ops.linear(x[int(xrow[p])].unsqueeze(0).clone(), one_expert)
             assert torch.equal(out[p], one[0]), (e, p)
 
 
 @pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_packed_weights_are_the_stored_ones_reordered(monkeypatch, qt: T) -> None:
+def test_packed_weights_are_the_stored_ones_reordered(qt: T) -> None:
     """The packed products agree with the stored-order ones to float32 rounding (the same integers, the float sums
     grouped differently); packing leaves a weight in the process's own memory alone."""
-    from engine.quant import release_pages
+    from engine.storage.pages import release_pages
 
+    if not native.cpu_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: there is no packed form to compare")
     w = _weight(qt, 96, 2048, seed=6)
     x = _x(3, 2048, seed=7)
-    monkeypatch.setattr(kquant, "PACK", False)
-    stored = kquant.matmul(x, w)
-    monkeypatch.setattr(kquant, "PACK", True)
-    packed = kquant.matmul(x.clone(), w)
-    assert (w.packed is not None) == kquant.packs()
+    stored = ops.linear(x, _bind(w, ops.backend_named("native-avx512")))
+    lin = _bind(w, ops.backend_named("native-avx512vnni"))
+    packed = ops.linear(x.clone(), lin)
+    assert lin.packed is not None
     torch.testing.assert_close(packed, stored, rtol=1e-5, atol=1e-5 * stored.abs().max().item())
     before = w.raw.clone()
     assert not release_pages(w.raw) and torch.equal(w.raw, before)  # numpy memory, not a file mapping
 
 
 def test_packing_a_file_backed_weight_drops_its_pages_not_its_bytes() -> None:
-    from engine.modelfile import open_model
-    from engine.quant import release_pages
+    from engine.storage.modelfile import open_model
+    from engine.storage.pages import release_pages
     from tests.fixtures import KQUANT_MOE, fixture_path
 
     mf = open_model(fixture_path(KQUANT_MOE))

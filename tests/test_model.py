@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.modelfile import open_model
+from engine.storage.modelfile import open_model
+from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 
 N_TOK = 96
 
 
-def _model(spec: FixtureSpec) -> Qwen35Model:
-    return Qwen35Model(open_model(fixture_path(spec)), n_ctx=1024)
+def _model(spec: FixtureSpec) -> "Qwen35Model":
+    return load_model(open_model(fixture_path(spec)), n_ctx=1024)
 
 
 def _tokens(spec: FixtureSpec, n: int = N_TOK, seed: int = 0) -> list[int]:

@@ -10,7 +10,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
-from engine.modelfile import open_model
+from engine.storage.modelfile import open_model
 from tests.fixtures import KQUANT_DENSE, KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, hparams_of
 
 

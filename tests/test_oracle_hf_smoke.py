@@ -1,7 +1,7 @@
 """HF transformers → our GGUF conversion → llama.cpp: the two reference implementations must agree.
 
 A tiny random Qwen3.5 text model (HF `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM`) is converted with
-the spec §2 transforms in `tests/oracle_hf.py` and written by `engine.writer`. llama.cpp (F32 weights,
+the spec §2 transforms in `tests/oracle_hf.py` and written by `engine.storage.writer`. llama.cpp (F32 weights,
 F32 KV cache) must then reproduce HF's logits. Measured max |Δlogit| is 3e-5…1.5e-4 for logits of
 std ≈ 4 (float32 rounding only); an F16 KV cache alone would add ≈ 1.7e-3, hence type_k/type_v = F32.
 Any convention error (V-head order, 1+w norms, …) moves logits by O(10), see the negative controls.
@@ -12,7 +12,7 @@ import llama_cpp  # oracles are test dependencies (pyproject [test]); never skip
 import numpy as np
 import pytest
 
-from engine.modelfile import open_model
+from engine.storage.modelfile import open_model
 from tests.oracle_hf import build_hf_model, hf_logits, hf_to_gguf, tiny_hf_config
 
 TOL = 1e-3  # max |Δlogit|, F32 weights and F32 KV cache on both sides

@@ -5,7 +5,7 @@ Slow (marked `slow`; `make test` and CI run it): one PyInstaller build plus dpkg
 smoke test. How long it takes from a fresh clone is measured by `python bench/packaging.py --pytest` (key
 `slow_test` in bench/results/packaging.json, rendered in packaging/README.md).
 The frozen app must answer with the embedded model, resources/models/*.gguf (the file the app opens by default,
-engine.modelfile.default_model_path): "What is 2 plus 3?" -> a reply containing 5. There is no fallback to a
+engine.storage.modelfile.default_model_path): "What is 2 plus 3?" -> a reply containing 5. There is no fallback to a
 test fixture: without an embedded model the test fails and says so.
 """
 from __future__ import annotations
@@ -119,8 +119,8 @@ def test_deb_unpacks_and_frozen_app_answers(tmp_path: Path) -> None:
     m = re.search(r"smoke test: (\d+) characters of reply", run.stdout)
     assert m and int(m.group(1)) > 0, f"no reply in the smoke test output:\n{run.stdout[-2000:]}"
     assert "5" in run.stdout.split("smoke test reply:", 1)[1], run.stdout[-1000:]  # the embedded model answered
-    m = re.search(r"K-quant kernels: (.+)", run.stdout)
-    assert m and m.group(1).strip() != "none", f"the native K-quant library is missing from the frozen app:\n{run.stdout[-2000:]}"
+    m = re.search(r"smoke test: kernels: (.+)", run.stdout)
+    assert m and m.group(1).strip().startswith("native-"), f"the native library is missing from the frozen app:\n{run.stdout[-2000:]}"
     assert shot.stat().st_size > 10_000, "the screenshot is missing or empty"
     assert (data / "conversations.sqlite3").is_file(), "the conversation was not stored in --data-dir"
     print(f"build {build_s:.0f} s, smoke test {smoke_s:.1f} s; .deb {deb.stat().st_size / 2**20:.0f} MiB, "

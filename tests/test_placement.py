@@ -11,8 +11,10 @@ import torch
 
 from engine.errors import EngineError, OutOfMemoryError
 from engine.expert_cache import SLRU
-from engine.generate import EngineConfig, GenerationConfig, Stats, load
-from engine.modelfile import open_model
+from engine.events import EngineConfig, GenerationConfig, Stats
+from engine.generate import load
+from engine.storage.modelfile import open_model
+from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
 from engine.placement import MiB, ModelSizes, PlacementConfig, Plan, plan_placement
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
@@ -171,8 +173,8 @@ def _logits(m: Qwen35Model, toks: list[int]) -> torch.Tensor:
 def test_outputs_identical_between_placements(spec: FixtureSpec, name: str) -> None:
     toks = np.random.default_rng(3).integers(0, spec.n_vocab - 3, 40).tolist()
     mf = open_model(fixture_path(spec))
-    base = _logits(Qwen35Model(mf, n_ctx=256), toks)
-    m = Qwen35Model(mf, n_ctx=256, plan=_plan(spec, **PLACEMENTS[name]))
+    base = _logits(load_model(mf, n_ctx=256), toks)
+    m = load_model(mf, n_ctx=256, plan=_plan(spec, **PLACEMENTS[name]))
     assert torch.equal(_logits(m, toks), base)
     if spec.arch == "qwen35moe" and "cache-3" in name:
         st = [c.stats for c in m.expert_caches.values()]
@@ -184,7 +186,7 @@ def test_outputs_identical_between_placements(spec: FixtureSpec, name: str) -> N
 
 def test_cache_counts_every_routed_expert_once_per_pass() -> None:
     mf = open_model(fixture_path(TINY_MOE))
-    m = Qwen35Model(mf, n_ctx=256, plan=_plan(TINY_MOE, gpu_layers=4, cpu_moe=True, expert_cache="8"))
+    m = load_model(mf, n_ctx=256, plan=_plan(TINY_MOE, gpu_layers=4, cpu_moe=True, expert_cache="8"))
     cache = m.new_cache(256)
     m.forward([1, 2, 3, 4, 5], cache)
     c = m.expert_caches[0]

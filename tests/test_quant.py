@@ -1,4 +1,4 @@
-"""engine.quant against gguf-py's numpy reference on random blocks of every supported type."""
+"""engine.storage.qtensor against gguf-py's numpy reference on random blocks of every supported type."""
 from __future__ import annotations
 
 import warnings
@@ -10,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-from engine import quant
+from engine.storage import qtensor as quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.quant import QTensor
+from engine.storage.qtensor import QTensor
 
 # byte offsets of the fp16 scale fields inside one block, per type
 F16_FIELDS: dict[QT, tuple[int, ...]] = {
@@ -103,16 +103,16 @@ def test_row_ranges_and_dtype(qtype: QT) -> None:
         t.dequantize(slice(0, 6, 2))
 
 
-def test_chunked_full_dequantize_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_full_dequantize_matches() -> None:
     shape = (13, 512)
     data = random_tensor(QT.Q4_K, shape, seed=7)
     ref = gq.dequantize(data, QT.Q4_K)
-    monkeypatch.setattr(quant, "TILE_ELEMENTS", 3 * 512)  # 3-row chunks, last one partial
     t = QTensor(data, QT.Q4_K, shape)
-    assert_bit_identical(t.dequantize().numpy(), ref)
+    tile = 3 * 512  # 3-row chunks, last one partial
+    assert_bit_identical(t.dequantize(tile_elements=tile).numpy(), ref)
     with np.errstate(over="ignore"):  # wide scales overflow fp16 to inf on both sides
         ref16 = ref.astype(np.float16).astype(np.float32)
-    assert_bit_identical(t.dequantize(dtype=torch.float16).float().numpy(), ref16)
+    assert_bit_identical(t.dequantize(dtype=torch.float16, tile_elements=tile).float().numpy(), ref16)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.IQ2_XXS, QT.F16, QT.BF16, QT.MXFP4], ids=lambda t: t.name)
@@ -141,53 +141,36 @@ def _tolerance(ref: torch.Tensor) -> dict[str, float]:
     return {"rtol": 1e-4, "atol": 1e-5 * max(1.0, float(ref.abs().max()))}
 
 
-@pytest.mark.parametrize("xshape", [(1,), (7,), (2, 3)], ids=["1", "7", "2x3"])
+@pytest.mark.parametrize("xshape", [(1,), (7,), (2, 3), (40,)], ids=["1", "7", "2x3", "40"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matmul_matches_dense(qtype: QT, xshape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dequantizing_linear_matches_dense(qtype: QT, xshape: tuple[int, ...]) -> None:
+    """The torch backend's product for types without integer kernels: the weight dequantized tile by tile, x rounded
+    as llama.cpp rounds it for that type, one independent product per row."""
+    from engine import ops
+    from engine.ops.linear import DequantLinear
+
     k = cols_for(qtype, 2)
     shape = (11, k)
     t = QTensor(random_tensor(qtype, shape, seed=11, wide=False), qtype, shape)
-    w = t.dequantize()
+    lin = DequantLinear(t, ops.TORCH)
     x = torch.randn(*xshape, k, generator=torch.Generator().manual_seed(5))
-    # tiles of 4 rows: several tiles and a partial last one
-    monkeypatch.setattr(quant, "TILE_ELEMENTS", 4 * k)
-    y = t.matmul(x)
-    ref = x @ w.T
+    y = ops.linear(x, lin)
+    ref = ops.round_for(x, qtype.name) @ t.dequantize().T
     assert y.shape == (*xshape, 11) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, **_tolerance(ref))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.F32, QT.BF16], ids=lambda t: t.name)
-def test_matmul_many_rows_and_dtypes(qtype: QT) -> None:
-    k = cols_for(qtype, 2)
-    t = QTensor(random_tensor(qtype, (9, k), seed=1, wide=False), qtype, (9, k))
-    w = t.dequantize()
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))  # the w @ x.T branch
-    ref = x @ w.T
-    torch.testing.assert_close(t.matmul(x), ref, **_tolerance(ref))
-    yb = t.matmul(x.to(torch.bfloat16))
-    assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(yb.float(), (x.to(torch.bfloat16).float() @ w.T), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    assert t.matmul(x, out_dtype=torch.float16).dtype == torch.float16
+def test_dequantizing_linear_never_materialises_whole_weight() -> None:
+    from engine import ops
+    from engine.ops.linear import DequantLinear, tile_rows
 
-
-def test_matmul_never_materialises_whole_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 1024, 4096  # 4M elements: 16 MiB in fp32, 2.25 MiB as Q4_K
     t = QTensor(random_tensor(QT.Q4_K, (n, k), seed=9, wide=False), QT.Q4_K, (n, k))
-    seen: list[int] = []
-    unpack = QTensor._unpack_into
-
-    def spy(self: QTensor, raw: torch.Tensor, out: torch.Tensor) -> None:
-        seen.append(out.numel())
-        unpack(self, raw, out)
-
-    monkeypatch.setattr(QTensor, "_unpack_into", spy)
+    assert tile_rows(t) * k <= quant.TILE_ELEMENTS < n * k
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
-    y = t.matmul(x)
-    assert sum(seen) == n * k and len(seen) > 1
-    assert max(seen) <= quant.TILE_ELEMENTS < n * k
+    y = ops.linear(x, DequantLinear(t, ops.TORCH))
     rows = slice(100, 103)  # spot-check against a direct dequant of a few rows
-    torch.testing.assert_close(y[0, rows], x[0] @ t.dequantize(rows).T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y[0, rows], ops.round_for(x, "Q4_K")[0] @ t.dequantize(rows).T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [QT.TQ1_0, QT.Q8_1, QT.Q8_K], ids=lambda t: t.name)
@@ -243,4 +226,8 @@ def test_device_generic(qtype: QT) -> None:
     assert m.raw.device.type == "meta" and m.shape == shape and m.qtype == qtype
     assert m.dequantize().shape == shape and m.dequantize().device.type == "meta"
     assert t.dequantize(device="meta", dtype=torch.float16).dtype == torch.float16
-    assert m.matmul(torch.empty(2, shape[1], device="meta")).shape == (2, 3)
+    from engine import ops
+
+    lin = ops.bind(m, ops.default_backend())  # a native backend falls back to torch off the CPU
+    assert lin.backend.kind == "torch"
+    assert ops.linear(torch.empty(2, shape[1], device="meta"), lin).shape == (2, 3)

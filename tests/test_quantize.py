@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from engine.quantize import quantize, random_blocks
+from engine.storage.quantize import quantize, random_blocks
 
 # RMS error bounds relative to the data's std for plain round-to-nearest with per-sub-block scales.
 BOUNDS = {T.Q4_K: 0.10, T.Q5_K: 0.05, T.Q6_K: 0.025, T.Q8_0: 0.01, T.F16: 1e-3}

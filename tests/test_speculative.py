@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import kquant
-from engine.generate import Done, EngineConfig, GenerationConfig, Stats, Token, load
+from engine import ops
+from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.generate import load
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import Draft, MTPDrafter, accept_sampling
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
@@ -17,8 +18,8 @@ from tests.test_parity import NEAR_TIE, kl_ref_ours
 
 # --- the head against llama.cpp -------------------------------------------------------------------
 
-def _head_logits(spec: FixtureSpec, toks: list[int]):  # type: ignore[no-untyped-def]
-    eng = load(fixture_path(spec), EngineConfig(n_ctx=512))
+def _head_logits(spec: FixtureSpec, toks: list[int], backend: ops.Backend | None = None):  # type: ignore[no-untyped-def]
+    eng = load(fixture_path(spec), EngineConfig(n_ctx=512, backend=backend))
     m = eng.model
     hidden = m.forward(toks, m.new_cache(512), logit_rows="none").hidden
     h_in = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # row p pairs x_p with h_{p-1}
@@ -27,7 +28,7 @@ def _head_logits(spec: FixtureSpec, toks: list[int]):  # type: ignore[no-untyped
 
 @pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, FixtureSpec(qtype="Q8_0"), KQUANT_MOE],
                          ids=["moe-F32", "dense-F32", "moe-Q8_0", "moe-Q4_K"])
-def test_mtp_head_matches_llama_cpp(spec: FixtureSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mtp_head_matches_llama_cpp(spec: FixtureSpec) -> None:
     toks = np.random.default_rng(9).integers(0, spec.n_vocab - 3, 200).tolist()
     ref = llama_mtp(fixture_path(spec), toks)
     out = _head_logits(spec, toks)
@@ -35,7 +36,8 @@ def test_mtp_head_matches_llama_cpp(spec: FixtureSpec, monkeypatch: pytest.Monke
     kl = kl_ref_ours(ref.mtp_logits, ours)
     agree = float((ref.mtp_logits.argmax(-1) == ours.argmax(-1)).mean())
     assert kl < 0.01, kl
-    if spec.qtype.endswith("_K") or spec.qtype == "Q8_0" and kquant.packs():
+    packs = ops.default_backend().packs
+    if spec.qtype.endswith("_K") or spec.qtype == "Q8_0" and packs:
         # Spec §8 near-tie rule, as for the trunk (tests/test_parity.py). The head's input is the trunk's
         # hidden state, which already carries the quantized products' rounding differences, so its raw agreement
         # is lower than the trunk's (measured 0.945 at KL ≈ 1e-3 on Q4_K); the raw floor here is 0.93. Packed
@@ -47,9 +49,8 @@ def test_mtp_head_matches_llama_cpp(spec: FixtureSpec, monkeypatch: pytest.Monke
         assert near.mean() >= 0.99 and agree >= 0.93, (near.mean(), agree)
     else:
         assert agree >= 0.99, agree
-    if spec.qtype == "Q8_0" and kquant.packs():  # the stored order's products round as llama.cpp's: tight
-        monkeypatch.setattr(kquant, "PACK", False)
-        stored = _head_logits(spec, toks).logits.numpy()
+    if spec.qtype == "Q8_0" and packs:  # the stored order's products round as llama.cpp's: tight
+        stored = _head_logits(spec, toks, ops.backend_named("native-avx512")).logits.numpy()
         assert float((ref.mtp_logits.argmax(-1) == stored.argmax(-1)).mean()) >= 0.99
         assert kl_ref_ours(ref.mtp_logits, stored) < 1e-4
     if spec.qtype == "F32":
@@ -108,9 +109,9 @@ def test_greedy_mtp_equals_plain_with_real_head(spec: FixtureSpec, draft: int | 
     spec_toks, _, final, done = _gen(eng, prompt, max_tokens=512, mtp=True, draft=draft)
     assert spec_toks == plain and done.reason == "max_tokens"
     s = final.speculative
-    assert s["verify_steps"] + s["plain_steps"] > 0
+    assert s.verify_steps + s.plain_steps > 0
     if draft is not None:
-        assert s["drafted"] > 0 and s["verify_steps"] > 0
+        assert s.drafted > 0 and s.verify_steps > 0
 
 
 @pytest.mark.parametrize("spec", [TINY_MOE, TINY_DENSE, KQUANT_MOE], ids=["moe", "dense", "moe-q4k"])
@@ -124,10 +125,10 @@ def test_greedy_mtp_equals_plain_when_drafts_are_accepted(spec: FixtureSpec, dra
     toks, flags, final, _ = _gen(eng, prompt, max_tokens=160, mtp=True, draft=draft)
     assert toks == plain
     s = final.speculative
-    hist = s["accepted_length_histogram"]
-    assert s["accepted"] > 40 and sum(1 for h in hist[1:draft + 1] if h) >= min(draft, 2)  # many window lengths
-    assert sum(flags) == s["accepted"]  # every accepted draft is flagged for the app's colouring
-    assert abs(s["mean_accepted_length"] - (s["accepted"] + s["verify_steps"]) / s["verify_steps"]) < 1e-9
+    hist = s.accepted_length_histogram
+    assert s.accepted > 40 and sum(1 for h in hist[1:draft + 1] if h) >= min(draft, 2)  # many window lengths
+    assert sum(flags) == s.accepted  # every accepted draft is flagged for the app's colouring
+    assert abs(s.mean_accepted_length - (s.accepted + s.verify_steps) / s.verify_steps) < 1e-9
 
 
 def test_stops_inside_accepted_window_keep_the_next_turn_correct() -> None:
@@ -240,7 +241,7 @@ def test_engine_sampling_with_mtp_runs_and_is_seeded() -> None:
     a, _, fa, _ = _gen(eng, [1, 2, 3], max_tokens=30, mtp=True, draft=2, sampling=cfg)
     eng.reset()
     b, _, _, _ = _gen(eng, [1, 2, 3], max_tokens=30, mtp=True, draft=2, sampling=cfg)
-    assert a == b and len(a) == 30 and fa.speculative["drafted"] > 0
+    assert a == b and len(a) == 30 and fa.speculative.drafted > 0
 
 
 def test_auto_depth_remembers_costs_and_acceptance_across_replies() -> None:
@@ -361,5 +362,5 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     assert got == plain
     # No probe matches on this fixture, so no verify pass is ever paid for (before shadow probes, auto spent
     # its first speculative step and one every 32 steps on verifying a draft).
-    assert sp["verify_steps"] == 0 and sp["plain_steps"] == 79 and not any(flags), sp
-    assert sp["time_s"]["draft"] > 0  # the probes ran
+    assert sp.verify_steps == 0 and sp.plain_steps == 79 and not any(flags), sp
+    assert sp.time_s.draft > 0  # the probes ran

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.modelfile import open_model
-from engine.models.qwen35 import Qwen35Model
+from engine.storage.modelfile import open_model
+from engine.models.build import load_model
 from engine.training.model import ModelParams
 from engine.training.train import TrainConfig, export, hparams_for, losses, pack, train
 from tests.fixtures import fixture_vocab
@@ -36,7 +36,7 @@ def test_training_forward_equals_engine_forward_on_the_export(tmp_path) -> None:
     with torch.no_grad():
         m = params.build(n_ctx=64)
         train_logits = m.forward(toks, m.new_cache(64), logit_rows="all", chunked=True).logits
-    eng = Qwen35Model(open_model(path), n_ctx=64)
+    eng = load_model(open_model(path), n_ctx=64)
     infer = eng.forward(toks, eng.new_cache(64), logit_rows="all").logits
     assert (train_logits - infer).abs().max() / infer.std() < 1e-4
     ref = llama_logits(path, toks)
@@ -111,13 +111,13 @@ def test_a_batch_of_sequences_in_one_pass_equals_separate_passes() -> None:
 def test_dense_expert_path_equals_the_grouped_path() -> None:
     """On an accelerator the trainer weights every expert's output by its (mostly zero) routing weight in
     three large products; on any device that equals the grouped per-expert path."""
-    from engine.experts import ExpertWeights, _run_experts_dense, route, run_experts
+    from engine.models.qwen35 import route
+    from engine.training.layers import run_experts_dense, run_experts_float
 
     g = torch.Generator().manual_seed(5)
     E, d, f, n = 8, 32, 16, 20
-    ew = ExpertWeights(torch.randn(E, f, d, generator=g), torch.randn(E, f, d, generator=g),
-                       torch.randn(E, d, f, generator=g))
+    ew = (torch.randn(E, f, d, generator=g), torch.randn(E, f, d, generator=g), torch.randn(E, d, f, generator=g))
     x = torch.randn(n, d, generator=g)
     w, idx = route(torch.randn(n, E, generator=g), 3)
-    ref = run_experts(x, idx, w, ew)
-    assert torch.allclose(_run_experts_dense(x, idx, w, ew), ref, rtol=1e-5, atol=1e-4)
+    ref = run_experts_float(x, idx, w, *ew)
+    assert torch.allclose(run_experts_dense(x, idx, w, *ew), ref, rtol=1e-5, atol=1e-4)

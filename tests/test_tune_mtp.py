@@ -8,8 +8,9 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from engine.generate import GenerationConfig, Token, load
-from engine.modelfile import open_model
+from engine.events import GenerationConfig, Token
+from engine.generate import load
+from engine.storage.modelfile import open_model
 from engine.training.train import TrainConfig, losses
 from engine.training.tune_mtp import check_trunk_identical, head_prefix, load_params, tune, write_tuned
 from tests.fixtures import TINY_MOE, fixture_path

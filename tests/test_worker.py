@@ -9,7 +9,7 @@ from PySide6.QtCore import QObject, QThread, Slot
 
 from app.worker import EngineController
 from engine.chat import Message
-from engine.generate import EngineConfig, GenerationConfig
+from engine.events import EngineConfig, GenerationConfig
 from tests.fixtures import KQUANT_MOE, TINY_MOE, fixture_path
 
 

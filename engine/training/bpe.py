@@ -6,7 +6,7 @@ from typing import Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.writer import Vocab
+from engine.storage.writer import Vocab
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -1,7 +1,7 @@
 """Trainable parameters for a qwen35moe / qwen35 model, stored in GGUF naming and conventions.
 
-The parameters are served to `engine.models.qwen35.Qwen35Model` through its `WeightSource` protocol, so
-training runs the very layers inference runs (float weights take the differentiable paths: `F.linear`,
+The parameters are served to `engine.models.build.load_model` through its `WeightSource` protocol, so
+training runs the very layers inference runs, in their training forms (engine.training.layers: `F.linear`,
 one causal SDPA per attention layer, the chunk-parallel delta rule). Conventions are those of the file:
 norms hold the stored weight (1 + w, initialised to 1), `ssm_a` is derived from a trained `A_log` as
 −exp(A_log), V-heads are in GGUF's tiled order from the start (no reorder needed at export).
@@ -14,8 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.modelfile import HParams, expected_tensors
-from engine.models.qwen35 import GatedAttention, Qwen35Model
+from engine.storage.modelfile import HParams, expected_tensors
+from engine.models.build import load_model
+from engine.models.qwen35 import Qwen35Model
+from engine.training.layers import for_training
 
 
 class ModelParams(nn.Module):
@@ -52,14 +54,8 @@ class ModelParams(nn.Module):
         """A model over the current parameters (rebuilt every step: derived tensors such as ssm_a must
         be recomputed from the parameters inside each step's autograd graph). Its passes hold `n_seq`
         independent sequences of equal length, flattened one after the other."""
-        m = Qwen35Model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
-        for layer in m.layers + ([m.mtp.layer] if m.mtp is not None else []):
-            layer.mixer.n_seq = n_seq
-            if isinstance(layer.mixer, GatedAttention):
-                layer.mixer.training = True
-            else:
-                layer.mixer.chunk = gdn_chunk
-        return m
+        m = load_model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
+        return for_training(m, n_seq, gdn_chunk)
 
     def export_tensors(self) -> dict[str, np.ndarray]:
         """Every tensor as the GGUF stores it (ssm_a = −exp(A_log))."""

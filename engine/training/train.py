@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.modelfile import HParams
+from engine.storage.modelfile import HParams
 from engine.training.model import ModelParams
-from engine.writer import Vocab, make_hparams, write_gguf
+from engine.storage.writer import Vocab, make_hparams, write_gguf
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-from engine.modelfile import ModelFile, expected_tensors, open_model
+from engine.storage.modelfile import ModelFile, expected_tensors, open_model
 from engine.tokenizer import Tokenizer
 from engine.training import data as corpus
 from engine.training.model import ModelParams, _key, _param_name

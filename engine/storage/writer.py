@@ -15,8 +15,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
-from engine.modelfile import HParams, expected_tensors
-from engine.quantize import quantize
+from engine.storage.modelfile import HParams, expected_tensors
+from engine.storage.quantize import quantize
 
 # Tensors the converter forces to F32 whatever the output type (base.py prepare_tensors).
 _F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")

@@ -20,18 +20,14 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.lastinputs import LastInputs
-from engine.quant import QTensor
+from engine.ops.activations import QuantRows, quantize
+from engine.ops.backend import Int8Layouts
+from engine.storage.qtensor import QTensor
 
 BLOCK = 32
 _BYTES = 34  # block_q8_0: f16 scale, then 32 int8 quants
-# Above this many rows the block-diagonal GEMM's wasted multiplies (nb× the work) cost more than nb calls.
-_BLOCKDIAG_ROWS = 32
 # Rows per chunk of a product are bounded so the [rows, nb, out] epilogue temporaries stay a few MB.
 _EPILOGUE_ELEMENTS = 1 << 21
-# Expert passes up to this many multiply-adds run as one dense GEMM over all selected experts; larger
-# ones (prefill) loop over the experts. Both give the same bits.
-DENSE_EXPERT_MACS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -42,25 +38,12 @@ class Planes:
     d: torch.Tensor  # float32 [..., rows, cols / 32]
 
 
-@dataclass(frozen=True)
-class Q8Rows:
-    """Activation rows quantized to Q8_0: quants int8 [M, nb, 32], scales float32 [M, nb] (f16-rounded)."""
-
-    q: torch.Tensor
-    d: torch.Tensor
-
-
-# Widest rows the integer path takes. Its block layouts cost nb = cols/32 times the multiplies (block-diagonal)
-# or nb GEMMs; measured (bench/results/q8dot.json) it beats dequantize-then-float up to 512 columns and loses
-# from 2048 on (×0.5 at 4 rows). The choice depends on the weight alone, never on the number of rows, so a
-# weight's rows get the same bits in every pass.
-MAX_COLS = 512
-
-
-def usable(w: object, x: torch.Tensor) -> bool:
-    """Whether `x @ w.T` takes the integer path: a Q8_0 weight of at most MAX_COLS columns, on the CPU."""
-    return (isinstance(w, QTensor) and w.qtype == QT.Q8_0 and w.n_cols <= MAX_COLS and w.raw.device.type == "cpu"
-            and x.device.type == "cpu")
+def usable(w: QTensor, layouts: Int8Layouts) -> bool:
+    """Whether products with w run in integers: a Q8_0 weight on the CPU of at most `layouts.max_cols` columns. Its
+    block layouts cost nb = cols/32 times the multiplies or nb GEMMs; measured (bench/results/q8dot.json) it beats
+    dequantize-then-float up to 512 columns and loses from 2048 on. The choice depends on the weight alone, never
+    on the number of rows, so a weight's rows get the same bits in every pass."""
+    return w.qtype == QT.Q8_0 and w.n_cols <= layouts.max_cols and w.raw.device.type == "cpu"
 
 
 def unpack(raw: torch.Tensor, shape: tuple[int, ...]) -> Planes:
@@ -73,30 +56,10 @@ def unpack(raw: torch.Tensor, shape: tuple[int, ...]) -> Planes:
 
 
 def planes(w: QTensor) -> Planes:
-    """The weight's planes as `matmul` takes them, made on first use and kept with the tensor: quants
-    [rows, cols] and the scales transposed, [cols/32, rows] contiguous (the epilogue multiplies [M, nb, rows]
-    sums by them: 2× faster than through a transposed view)."""
-    p = w.planes
-    if p is None:
-        u = unpack(w.raw, w.shape)
-        p = w.planes = Planes(u.qs.view(w.n_rows, w.n_cols), u.d.view(w.n_rows, -1).t().contiguous())
-    return p
-
-
-# The last two inputs quantized (a MoE layer alternates x and the experts' h).
-_MEMO: LastInputs[Q8Rows] = LastInputs()
-
-
-def quantize_rows(x: torch.Tensor) -> Q8Rows:
-    """x [..., K] float32 (as rows [M, K]) as ggml's quantize_row_q8_0 makes it; the last input's result is reused, since q/k/v,
-    the GDN projections, router, shared and routed experts all multiply the same normed x."""
-    hit = _MEMO.get(x)
-    if hit is not None:
-        return hit
-    b = x.reshape(-1, x.shape[-1] // BLOCK, BLOCK)
-    d = b.abs().amax(-1).div_(127.0)
-    inv = d.reciprocal().nan_to_num_(posinf=0.0)  # ggml: id = d ? 1/d : 0
-    return _MEMO.put(x, Q8Rows(torch.mul(b, inv.unsqueeze(-1)).round_().to(torch.int8), d.half().float()))
+    """The weight's planes as `matmul` takes them: quants [rows, cols] and the scales transposed, [cols/32, rows]
+    contiguous (the epilogue multiplies [M, nb, rows] sums by them: 2× faster than through a transposed view)."""
+    u = unpack(w.raw, w.shape)
+    return Planes(u.qs.view(w.n_rows, w.n_cols), u.d.view(w.n_rows, -1).t().contiguous())
 
 
 _EYE: dict[int, torch.Tensor] = {}
@@ -111,12 +74,12 @@ def _blockdiag(q: torch.Tensor) -> torch.Tensor:
     return (q.unsqueeze(1) * eye).view(m * nb, nb * BLOCK)
 
 
-def _block_sums(q: torch.Tensor, w_t: torch.Tensor, diag: bool | None = None) -> torch.Tensor:
+def _block_sums(q: torch.Tensor, w_t: torch.Tensor, diag: bool) -> torch.Tensor:
     """Exact per-block dot products int32 [M, nb, out] of rows q [M, nb, 32] with weight quants w_t [K, out]
     (a transposed view of the [out, K] plane, or an expert's down plane stored that way). diag: one
-    block-diagonal GEMM (True) or one GEMM per block (False); by default by the number of rows."""
+    block-diagonal GEMM (True) or one GEMM per block (False)."""
     m, nb, _ = q.shape
-    if (m <= _BLOCKDIAG_ROWS) if diag is None else diag:
+    if diag:
         return torch._int_mm(_blockdiag(q), w_t).view(m, nb, -1)
     return torch.stack([torch._int_mm(q[:, b].contiguous(), w_t[b * BLOCK:(b + 1) * BLOCK])
                         for b in range(nb)], dim=1)
@@ -128,57 +91,49 @@ def _epilogue(s: torch.Tensor, dw_t: torch.Tensor, dx: torch.Tensor) -> torch.Te
     return y.mul_(dx.unsqueeze(-1)).sum(1)
 
 
-def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """y = x @ W.T for float32 x [..., in] and a Q8_0 weight W [out, in] on the CPU."""
-    p = planes(w)
-    k, n_out = w.n_cols, w.n_rows
-    xr = quantize_rows(x)
+def matmul(x: torch.Tensor, p: Planes, layouts: Int8Layouts) -> torch.Tensor:
+    """y = x @ W.T for float32 x [..., in] and a Q8_0 weight W [out, in] as `planes`."""
     qs, dw_t = p.qs, p.d
+    n_out, k = qs.shape
+    xr = quantize(x, "Q8_0", on_native=False)
+    xq = xr.blocks()
     nb = k // BLOCK
     step = max(1, _EPILOGUE_ELEMENTS // (nb * n_out))
-    m = xr.q.shape[0]
-    if m <= step:
-        y = _epilogue(_block_sums(xr.q, qs.t()), dw_t, xr.d)
-    else:
-        y = torch.cat([_epilogue(_block_sums(xr.q[i:i + step], qs.t()), dw_t, xr.d[i:i + step])
-                       for i in range(0, m, step)])
+    chunks = [(i, min(xr.rows, i + step)) for i in range(0, xr.rows, step)]
+    y = torch.cat([_epilogue(_block_sums(xq[a:b], qs.t(), b - a <= layouts.blockdiag_rows), dw_t, xr.d[a:b])
+                   for a, b in chunks]) if len(chunks) > 1 else \
+        _epilogue(_block_sums(xq, qs.t(), xr.rows <= layouts.blockdiag_rows), dw_t, xr.d)
     return y.reshape(*x.shape[:-1], n_out)
 
 
 def expert_planes(gate: QTensor, up: QTensor, down: QTensor,
                   shared: tuple[QTensor, QTensor, QTensor] | None = None) -> tuple[Planes, Planes]:
-    """Planes of stacked experts in the layout `experts` multiplies them in; made once, kept with the gate tensor.
-    With `shared` (the shared expert's gate, up, down, F_s = S·F wide), S more experts follow the routed ones:
+    """Planes of stacked experts in the layout `experts` multiplies them in (the caller keeps them). With `shared` (the shared expert's gate, up, down, F_s = S·F wide), S more experts follow the routed ones:
     shared slice j is rows j·F…(j+1)·F of its gate and up and the same columns of its down, so a pass runs the
     shared expert in the routed experts' products (silu(g)·u is element-wise, down sums over F: the slices'
     outputs add up to the shared expert's)."""
-    fused = gate.fused = gate.fused or {}
-    key = (id(up), id(down)) + (tuple(id(t) for t in shared) if shared else ())
-    hit = fused.get(key)
-    if hit is None:
-        g, u, d = unpack(gate.raw, gate.shape), unpack(up.raw, up.shape), unpack(down.raw, down.shape)
-        if shared:
-            f, k = gate.shape[1], gate.shape[2]
-            sg, su, sd = (unpack(t.raw, t.shape) for t in shared)
-            s_n = sg.qs.shape[0] // f
-            g, u = (Planes(torch.cat([r.qs, s.qs.view(s_n, f, k)]), torch.cat([r.d, s.d.view(s_n, f, -1)]))
-                    for r, s in ((g, sg), (u, su)))
-            d = Planes(torch.cat([d.qs, sd.qs.view(k, s_n, f).transpose(0, 1)]),
-                       torch.cat([d.d, sd.d.view(k, s_n, -1).transpose(0, 1)]))
-        hit = fused[key] = stack_experts(g, u, d)
-    return hit
+    g, u, d = unpack(gate.raw, gate.shape), unpack(up.raw, up.shape), unpack(down.raw, down.shape)
+    if shared:
+        f, k = gate.shape[1], gate.shape[2]
+        sg, su, sd = (unpack(t.raw, t.shape) for t in shared)
+        s_n = sg.qs.shape[0] // f
+        g, u = (Planes(torch.cat([r.qs, s.qs.view(s_n, f, k)]), torch.cat([r.d, s.d.view(s_n, f, -1)]))
+                for r, s in ((g, sg), (u, su)))
+        d = Planes(torch.cat([d.qs, sd.qs.view(k, s_n, f).transpose(0, 1)]),
+                   torch.cat([d.d, sd.d.view(k, s_n, -1).transpose(0, 1)]))
+    return stack_experts(g, u, d)
 
 
-def shared_slices(routed: tuple[QTensor, QTensor, QTensor], shared: tuple[object, object, object],
-                  x: torch.Tensor) -> int:
+def shared_slices(routed: tuple[QTensor, QTensor, QTensor], shared: tuple[QTensor, QTensor, QTensor],
+                  layouts: Int8Layouts) -> int:
     """How many routed-expert-sized slices the shared expert makes (0: it cannot join the routed experts'
-    products — not all six weights Q8_0 on the CPU with x, or not a multiple of the routed width)."""
-    if not all(isinstance(t, QTensor) and usable(t, x) for t in (*routed, *shared)):
+    products — not all six weights integer Q8_0 on the CPU, or not a multiple of the routed width)."""
+    if not all(isinstance(t, QTensor) and usable(t, layouts) for t in (*routed, *shared)):
         return 0
     f, k = routed[0].shape[1], routed[0].shape[2]
-    sg, su, sd = shared  # type: ignore[misc]
+    sg, su, sd = shared
     fs = sg.n_rows
-    fits = fs % f == 0 and su.shape == sg.shape == (fs, k) and sd.shape == (k, fs)  # type: ignore[attr-defined]
+    fits = fs % f == 0 and su.shape == sg.shape == (fs, k) and sd.shape == (k, fs)
     return fs // f if fits else 0
 
 
@@ -198,50 +153,49 @@ def select(gate_up: Planes, down: Planes, at: torch.Tensor) -> tuple[Planes, Pla
             Planes(down.qs.index_select(1, at), down.d.index_select(0, at)))
 
 
-# Down projections up to this many multiply-adds in block-diagonal form run as one GEMM; larger ones as one GEMM
-# per input block (measured: from ~8 pairs on, the F/32 calls cost less than the block-diagonal's F/32× work).
-_DOWN_BLOCKDIAG_MACS = 1 << 22
-# The same choice for gate/up over tokens × selected experts (block-diagonal: K/32 times the multiply-adds).
-_GATE_UP_BLOCKDIAG_MACS = 1 << 22
-
-
-def experts(xr: Q8Rows, tokens: torch.Tensor, local: torch.Tensor, counts: list[int],
-            gate_up: Planes, down: Planes) -> torch.Tensor:
+def experts(xr: QuantRows, tokens: torch.Tensor, local: torch.Tensor, counts: list[int],
+            gate_up: Planes, down: Planes, layouts: Int8Layouts) -> torch.Tensor:
     """Outputs [P, d] of (token, expert) pairs sorted by expert: pair p runs expert `local[p]` (an index
-    into the given experts' planes, laid out by `stack_experts`) on row `tokens[p]` of the quantized input.
-    `counts` are the pairs per expert, in order. Every layout gives the same exact integer sums."""
+    into the given experts' planes, laid out by `stack_experts`) on row `tokens[p]` of the Q8_0 input rows.
+    `counts` are the pairs per expert, in order. Every layout gives the same exact integer sums: small passes
+    run block-diagonal GEMMs (one call, nb× the multiplies), larger ones a GEMM per block, prefill one expert
+    at a time (`layouts` sets where)."""
     s_n, f2, k = gate_up.qs.shape
     f = f2 // 2
-    t_n, nb = xr.q.shape[0], xr.q.shape[1]
+    xq = xr.blocks()
+    t_n, nb = xq.shape[0], xq.shape[1]
     p_n = tokens.shape[0]
     dense = t_n * k * s_n * f2
-    if dense <= DENSE_EXPERT_MACS:  # every token × every given expert: one block-diagonal GEMM or one per block
-        s = _block_sums(xr.q, gate_up.qs.view(s_n * f2, k).t(), dense * nb <= _GATE_UP_BLOCKDIAG_MACS)
+    if dense <= layouts.dense_expert_macs:  # every token × every given expert: one block-diagonal GEMM or one per block
+        s = _block_sums(xq, gate_up.qs.view(s_n * f2, k).t(), dense * nb <= layouts.gate_up_blockdiag_macs)
         s = s.view(t_n, nb, s_n, f2)
         gu = _epilogue(s[tokens, :, local], gate_up.d[local], xr.d[tokens])  # only the pairs' sums are scaled
     else:
         gu = torch.empty(p_n, f2)
         for e, a, b in _spans(counts):
             at = tokens[a:b]
-            gu[a:b] = _epilogue(_block_sums(xr.q[at], gate_up.qs[e].t()), gate_up.d[e], xr.d[at])
+            gu[a:b] = _epilogue(_block_sums(xq[at], gate_up.qs[e].t(), b - a <= layouts.blockdiag_rows),
+                                gate_up.d[e], xr.d[at])
     h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
-    hr = quantize_rows(h)
+    hr = quantize(h, "Q8_0", on_native=False)
+    hq = hr.blocks()
     nbf, d_out = down.qs.shape[0], down.qs.shape[3]
     pairs = ARANGE[:p_n]
-    if p_n * nbf * s_n * f * d_out <= _DOWN_BLOCKDIAG_MACS:  # block-diagonal over (block, expert)
+    if p_n * nbf * s_n * f * d_out <= layouts.down_blockdiag_macs:  # block-diagonal over (block, expert)
         xd = torch.zeros(p_n, nbf, nbf, s_n, BLOCK, dtype=torch.int8)
         b_idx = ARANGE[:nbf]
-        xd[pairs.unsqueeze(1), b_idx, b_idx, local.unsqueeze(1)] = hr.q
+        xd[pairs.unsqueeze(1), b_idx, b_idx, local.unsqueeze(1)] = hq
         s = torch._int_mm(xd.view(p_n * nbf, f * s_n), down.qs.view(f * s_n, d_out)).view(p_n, nbf, d_out)
-    elif p_n * s_n * f * d_out <= DENSE_EXPERT_MACS:  # one GEMM per block, block-diagonal over experts
+    elif p_n * s_n * f * d_out <= layouts.dense_expert_macs:  # one GEMM per block, block-diagonal over experts
         xd = torch.zeros(nbf, p_n, s_n, BLOCK, dtype=torch.int8)
-        xd[:, pairs, local] = hr.q.transpose(0, 1)
+        xd[:, pairs, local] = hq.transpose(0, 1)
         s = torch.stack([torch._int_mm(xd[b].view(p_n, s_n * BLOCK), down.qs[b].view(s_n * BLOCK, d_out))
                          for b in range(nbf)], dim=1)
     else:
         y = torch.empty(p_n, d_out)
         for e, a, b in _spans(counts):
-            y[a:b] = _epilogue(_block_sums(hr.q[a:b], down.qs[:, e].reshape(f, d_out)), down.d[e], hr.d[a:b])
+            y[a:b] = _epilogue(_block_sums(hq[a:b], down.qs[:, e].reshape(f, d_out), b - a <= layouts.blockdiag_rows),
+                               down.d[e], hr.d[a:b])
         return y
     return _epilogue(s, down.d[local], hr.d)
 

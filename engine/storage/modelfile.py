@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -168,7 +168,7 @@ def expected_tensors(hp: HParams) -> Iterator[tuple[str, tuple[int, ...] | tuple
             yield p + "nextn.shared_head_head.weight", (V, d), False
 
 
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "resources" / "models"
+EMBEDDED_DIR = Path(__file__).resolve().parents[2] / "resources" / "models"
 
 
 def default_model_path() -> Path:
@@ -202,7 +202,7 @@ class ModelFile:
             self.reader = GGUFReader(self.path)
         except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
             raise ModelFormatError(f"{self.path.name}: damaged or truncated GGUF ({_why(e)})") from None
-        from engine.quant import register_file_mapping
+        from engine.storage.pages import register_file_mapping
 
         register_file_mapping(self.reader.data)
         self.tensors: dict[str, TensorInfo] = {}
@@ -387,7 +387,7 @@ class ModelFile:
         return expected_tensors(self.hparams)
 
     def _validate_tensors(self) -> None:
-        from engine.quant import SUPPORTED_TYPES  # local: quant imports torch, keep `inspect` of headers light
+        from engine.storage.qtensor import SUPPORTED_TYPES  # local: quant imports torch, keep `inspect` of headers light
 
         name = self.path.name
         for tname, shapes, required in self.expected_tensors():
@@ -427,8 +427,8 @@ class ModelFile:
             raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file") from None
 
     def tensor(self, name: str):
-        """The tensor as an engine.quant.QTensor (still in its stored block format)."""
-        from engine.quant import QTensor
+        """The tensor as an engine.storage.qtensor.QTensor (still in its stored block format)."""
+        from engine.storage.qtensor import QTensor
 
         info = self.tensors.get(name)
         if info is None:

@@ -1,120 +1,11 @@
-"""MTP speculative decoding: chained drafts, acceptance, rollback bookkeeping, depth control.
-
-One step (DESIGN.md "Speculative decoding"): the last emitted token x_n and the trunk's hidden state feed
-the MTP head, which drafts d1..dK (each draft feeds the next). One trunk pass over [x_n, d1..dK] — the
-grouped, batch-invariant multi-token pass — gives K+1 logit rows and captures the GDN state after every
-position. Greedy keeps the longest prefix of drafts that equal the trunk's argmax, then the trunk's own
-token; sampling uses standard speculative rejection sampling, which preserves the target distribution.
-The step commits the captured GDN state at the last kept position and truncates the attention KV by
-length: rollback costs no recomputation.
-"""
+"""Speculation statistics, and the draft depth of each step: fixed, or `auto` from acceptance and measured costs."""
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
-from typing import Sequence
 
-import torch
-
-from engine.cache import Cache
-from engine.models.qwen35 import MTPHead
-from engine.sampling import Sampler
+from engine.events import SpeculativeStats, SpeculativeTimes
 
 MAX_DEPTH = 8
-CATCH_UP_CHUNK = 256
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
-    catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
-
-
-class MTPDrafter:
-    """Owns the MTP head's KV cache and keeps it in step with the trunk.
-
-    Head position p holds the row (x_p, h_{p−1}). Rows for positions the trunk has processed are queued
-    (`pending`) and run in one batch at the next draft, together with the first draft row; a prompt's rows
-    are run with prefill (`catch_up`).
-    """
-
-    def __init__(self, head: MTPHead, n_ctx: int):
-        self.head = head
-        self.cache: Cache = head.new_cache(n_ctx)
-        d = head.hp.n_embd
-        self.last_hidden = torch.zeros(d, device=head.model.device)  # h_{-1} = 0
-        self.pending_tokens: list[int] = []
-        self.pending_hidden: list[torch.Tensor] = []
-        self._committed = 0  # head positions computed from true trunk hiddens
-
-    def reset(self) -> None:
-        self.cache.reset()
-        self.last_hidden.zero_()
-        self.pending_tokens.clear()
-        self.pending_hidden.clear()
-        self._committed = 0
-
-    def push(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
-        """The trunk processed `tokens` and produced post-norm hidden rows `hidden` for them."""
-        for t, h in zip(tokens, hidden):
-            self.pending_tokens.append(int(t))
-            self.pending_hidden.append(self.last_hidden)
-            self.last_hidden = h
-
-    def catch_up(self) -> None:
-        """Run the head over the queued rows now, in chunks and without logits: the MTP head's share of processing
-        a prompt (the engine calls it with prefill), or a backlog of steps decoded without drafting."""
-        if not self.pending_tokens:
-            return
-        toks, hid = self.pending_tokens, torch.stack(self.pending_hidden)
-        for s in range(0, len(toks), CATCH_UP_CHUNK):
-            self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache, logit_rows="none")
-        self.pending_tokens, self.pending_hidden = [], []
-        self._committed = self.cache.pos
-
-    def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
-        """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
-        `history` is every token so far, ending with x (for the repetition penalty)."""
-        out = Draft([], [])
-        if len(self.pending_tokens) > MAX_DEPTH + 1:  # a backlog (steps decoded without drafting): caught up on
-            t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
-            self.catch_up()
-            out.catch_up_s = time.perf_counter() - t0
-        toks = self.pending_tokens + [x]
-        hid = torch.stack(self.pending_hidden + [self.last_hidden])
-        self.pending_tokens, self.pending_hidden = [], []
-        res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
-        self._committed = self.cache.pos
-        hist = list(history)
-        for i in range(depth):
-            logits = res.logits[-1]
-            if sampler.cfg.greedy:
-                q = None
-                tok = int(torch.argmax(sampler.penalized(logits, hist)))
-            else:
-                q = sampler.distribution(logits, hist)
-                tok = sampler.draw(q)
-            if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
-                conf = float(q.max()) if q is not None else float(torch.softmax(logits.float(), -1).max())
-                if conf < p_min:
-                    break
-            out.tokens.append(tok)
-            out.probs.append(q)
-            hist.append(tok)
-            if i + 1 < depth and self.cache.pos < self.cache.n_ctx:
-                res = self.head.forward([tok], res.hidden[-1:], self.cache)
-            else:
-                break
-        return out
-
-    def commit(self, kept: int, tokens: Sequence[int], verify_hidden: torch.Tensor) -> None:
-        """After a verify of [x, d1..dK]: the trunk kept x, d1..d_kept. Drop the chained rows and queue the
-        true rows (d_j, h_{n+j−1}) for j = 1..kept; the next token pairs with h_{n+kept}."""
-        self.cache.truncate(self._committed)
-        self.last_hidden = verify_hidden[0]
-        self.push(tokens[1:kept + 1], verify_hidden[1:kept + 1])
 
 
 @dataclass
@@ -149,17 +40,14 @@ class SpecStats:
         """Tokens emitted per verify pass (accepted drafts + the trunk's own token)."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
-    def as_dict(self) -> dict:
-        return {
-            "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
-            "acceptance_by_depth": self.acceptance_by_depth(), "tried_by_depth": list(self.tried_at),
-            "accepted_by_depth": list(self.accepted_at), "mean_accepted_length": self.mean_accepted(),
-            "accepted_length_histogram": list(self.accept_hist), "verify_steps": self.steps,
-            "plain_steps": self.plain_steps,
-            "time_s": {"draft": self.draft_s, "verify": self.verify_s, "commit": self.commit_s,
-                       "plain_decode": self.decode_s},
-        }
+    def snapshot(self) -> SpeculativeStats:
+        return SpeculativeStats(
+            drafted=self.drafted, accepted=self.accepted,
+            acceptance=self.accepted / self.drafted if self.drafted else 0.0,
+            acceptance_by_depth=self.acceptance_by_depth(), tried_by_depth=list(self.tried_at),
+            accepted_by_depth=list(self.accepted_at), mean_accepted_length=self.mean_accepted(),
+            accepted_length_histogram=list(self.accept_hist), verify_steps=self.steps, plain_steps=self.plain_steps,
+            time_s=SpeculativeTimes(self.draft_s, self.verify_s, self.commit_s, self.decode_s))
 
 
 @dataclass
@@ -342,34 +230,3 @@ class DepthController:
         if below:
             return max(below)
         return (self.t_decode or 0.0) * (1.0 + self.FIXED_VERIFY_SLOPE * (n - 1))
-
-
-def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
-                  history: list[int]) -> tuple[int, int]:
-    """(number of drafts accepted, the trunk's own next token) — the longest matching prefix."""
-    hist = list(history)
-    for i, d in enumerate(drafts):
-        t = int(torch.argmax(sampler.penalized(target_logits[i], hist)))
-        if t != d:
-            return i, t
-        hist.append(d)
-    return len(drafts), int(torch.argmax(sampler.penalized(target_logits[len(drafts)], hist)))
-
-
-def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
-                    history: list[int]) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
-    min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
-    draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling."""
-    hist = list(history)
-    for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
-        p = sampler.distribution(target_logits[i], hist)
-        assert q is not None
-        if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q without dividing by a tiny q
-            hist.append(d)
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        tok = sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)
-        return i, tok
-    return len(draft.tokens), sampler.draw(sampler.distribution(target_logits[len(draft.tokens)], hist))

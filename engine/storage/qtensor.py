@@ -8,12 +8,9 @@ with torch ops only, so they run wherever the bytes are (CPU, CUDA).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
-import sys
 import warnings
-import weakref
 from typing import Callable
 
 import gguf.quants as gq
@@ -23,6 +20,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.storage.pages import tune_malloc
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -30,65 +28,10 @@ Kernel = Callable[[torch.Tensor, torch.Tensor], None]
 # size, so small tiles are overhead-bound: on 2 threads 2M elements beat 1M by ~10% and 256K
 # by 2x, 4M was slower again (bench/quant.py tile sweep).
 TILE_ELEMENTS = 1 << 21
-# Up to this many activation rows the per-tile product is computed as x @ w.T.
-_FEW_ROWS = 16
 
 _FLOAT_DTYPES: dict[QT, torch.dtype] = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
-
-def _tune_malloc() -> None:
-    """Keep freed temporaries in the heap instead of handing them back to the kernel.
-
-    glibc unmaps/trims freed multi-MB blocks eagerly, so every dequant tile page-faults its
-    temporaries in again; on the 2-core VM this made unpacking 2-8x slower. Serving blocks
-    < 32 MiB from the heap and keeping up to 256 MiB of free heap removes that cost for a
-    bounded amount of retained memory. No-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_trim_threshold, 256 << 20)
-
-
-_tune_malloc()
-
-
-# Address ranges of read-only GGUF file mappings, each with a weak reference to the array that holds the mapping:
-# a range counts only while its mapping lives (a later mapping may reuse the addresses).
-_FILE_MAPPINGS: list[tuple[weakref.ref, int, int]] = []
-_MADV_DONTNEED = 4
-
-
-def register_file_mapping(arr: np.ndarray) -> None:
-    """Record `arr` (a read-only memory map of a model file) as bytes that `release_pages` may drop."""
-    start = arr.ctypes.data
-    _FILE_MAPPINGS[:] = [m for m in _FILE_MAPPINGS if m[0]() is not None] + [(weakref.ref(arr), start, start + arr.nbytes)]
-
-
-def release_pages(t: torch.Tensor) -> bool:
-    """Drop the resident pages of t's bytes when t views a registered file mapping: they are clean copies of the
-    file and come back from it if read again. For weights that the engine reads from another copy (kquant's packed
-    Q4_K) so they stop counting twice in the process's memory. Anything else (t's own memory) is left alone."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return False
-    lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    if not any(ref() is not None and start <= lo and hi <= end for ref, start, end in _FILE_MAPPINGS):
-        return False
-    page = 4096
-    a, b = -(-lo // page) * page, hi // page * page
-    if b <= a:
-        return False
-    try:
-        madvise = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise(a, b - a, _MADV_DONTNEED) == 0
+tune_malloc()  # dequant tiles allocate multi-MB temporaries on every pass
 
 
 def type_name(qtype: QT | int) -> str:
@@ -548,7 +491,7 @@ class QTensor:
     a device copy after `.to()`); `shape` is the logical torch shape, reversed(ne).
     """
 
-    __slots__ = ("qtype", "shape", "raw", "planes", "fused", "packed")
+    __slots__ = ("qtype", "shape", "raw")
 
     def __init__(self, data: np.ndarray | torch.Tensor, qtype: QT | int, shape: tuple[int, ...]) -> None:
         self.qtype: QT = check_supported(qtype)
@@ -556,9 +499,6 @@ class QTensor:
         if not self.shape or min(self.shape) < 0:
             raise ModelFormatError(f"invalid tensor shape {self.shape}")
         self.raw: torch.Tensor = _as_byte_rows(data, self.n_rows, row_nbytes(self.qtype, self.shape[-1]))
-        self.planes = None  # engine.q8dot's int8 copy of a Q8_0 tensor's quants, made on first use
-        self.fused: dict | None = None  # engine.q8dot: this and other weights stacked, by the others' ids
-        self.packed: torch.Tensor | None = None  # engine.kquant: Q4_K / Q6_K values reordered for the VNNI products
 
     @property
     def n_rows(self) -> int:
@@ -605,16 +545,17 @@ class QTensor:
         rows: slice | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        tile_elements: int = TILE_ELEMENTS,
     ) -> torch.Tensor:
         """Float values of rows `rows` of the flattened [n_rows, n_cols] view as [len, n_cols]
         (the full logical shape when rows is None). Unpacking runs on `device` (default: where
-        the bytes live); values are computed in float32 and then cast to `dtype`."""
+        the bytes live), `tile_elements` at a time; values are computed in float32 and then cast to `dtype`."""
         r0, r1 = _rows_range(rows, self.n_rows)
         dev = self.raw.device if device is None else torch.device(device)
         k, n = self.n_cols, r1 - r0
         out = torch.empty(n, k, dtype=dtype, device=dev)
         # chunked so the unpacking temporaries stay a few MB whatever the tensor size
-        step = _tile_rows(k)
+        step = max(1, tile_elements // max(1, k))
         buf = None if dtype == torch.float32 else torch.empty(min(n, step) * k, dtype=torch.float32, device=dev)
         for c0 in range(0, n, step):
             c1 = min(n, c0 + step)
@@ -632,45 +573,6 @@ class QTensor:
         else:
             bs, ts = GGML_QUANT_SIZES[self.qtype]
             _KERNELS[self.qtype](raw.reshape(-1, ts), out.view(-1, bs))
-
-    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """y = x @ W.T for x [..., in] and this tensor flattened to W [out, in].
-
-        Quantized weights are dequantized a tile of rows at a time into one reused buffer, so
-        the whole weight never exists in float32. On CPU the product is computed in float32."""
-        k, n = self.n_cols, self.n_rows
-        if x.shape[-1] != k:
-            raise ValueError(f"matmul: x has {x.shape[-1]} features, weight {self.shape} expects {k}")
-        out_dtype = out_dtype or x.dtype
-        lead = x.shape[:-1]
-        dev = x.device
-        cdt = torch.float32 if dev.type == "cpu" else x.dtype
-        x2 = x.reshape(-1, k).to(cdt)
-        fdt = _FLOAT_DTYPES.get(self.qtype)
-        if fdt == cdt and self.raw.device == dev:
-            y = torch.nn.functional.linear(x2, self.raw.view(fdt))
-            return y.reshape(*lead, n).to(out_dtype)
-        m = x2.shape[0]
-        # y is built transposed, [out, M], so each tile's result is a contiguous row block
-        yt = torch.empty(n, m, dtype=cdt, device=dev)
-        # MKL is ~3x faster at x @ w.T than w @ x.T for a handful of rows, slower for many
-        xt = x2.t().contiguous() if m > _FEW_ROWS else None
-        step = max(1, min(n, _tile_rows(k)))
-        buf = torch.empty(step * k, dtype=torch.float32, device=dev)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            w = buf[:(r1 - r0) * k].view(r1 - r0, k)
-            self._unpack_into(self.raw[r0:r1].to(dev), w)
-            w = w if cdt == torch.float32 else w.to(cdt)
-            if xt is None:
-                torch.mm(x2, w.t(), out=yt[r0:r1].t())
-            else:
-                torch.mm(w, xt, out=yt[r0:r1])
-        return yt.t().reshape(*lead, n).to(out_dtype)
-
-
-def _tile_rows(n_cols: int) -> int:
-    return max(1, TILE_ELEMENTS // max(1, n_cols))
 
 
 def dequantize(

@@ -1,0 +1,99 @@
+"""What the engine takes and gives: its configuration, and the events `Engine.generate` streams (the CLI, the app's
+worker thread and any other caller read only these)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import ops
+from engine.placement import PlacementConfig, Plan
+from engine.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class SpeculativeTimes:
+    """Seconds spent per part of speculative decoding."""
+
+    draft: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    plain_decode: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """How much MTP speculation is helping, so far in a reply."""
+
+    drafted: int = 0
+    accepted: int = 0
+    acceptance: float = 0.0  # accepted / drafted
+    acceptance_by_depth: list[float] = field(default_factory=list)  # per draft position 1..8
+    tried_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+    mean_accepted_length: float = 0.0  # tokens emitted per verify pass (accepted drafts + the trunk's own)
+    accepted_length_histogram: list[int] = field(default_factory=list)  # verify passes by drafts accepted
+    verify_steps: int = 0
+    plain_steps: int = 0  # steps decoded without drafting (auto chose depth 0)
+    time_s: SpeculativeTimes = field(default_factory=SpeculativeTimes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int = 4096
+    device: str = "cpu"  # "cpu" or "cuda[:i]": then the hybrid placement below applies
+    n_threads: int | None = None  # None: torch's default (all cores)
+    gpu_layers: int | None = None  # trunk layers on the GPU; None = auto-fit to free VRAM
+    cpu_moe: bool = False  # routed experts stay on the CPU (hot ones cached on the GPU)
+    expert_cache: str | None = None  # "N" experts per layer or "N MiB" in all; None = what is left
+    miss_policy: str = "load"  # expert-cache miss: "load" to the GPU, or compute on the "cpu"
+    plan: Plan | None = None  # a ready plan instead of the above (tests: a CUDA plan run on CPU stand-ins)
+    backend: ops.Backend | None = None  # the kernels (engine.ops); None: the fastest this machine runs
+
+    def placement(self) -> PlacementConfig:
+        return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,
+                               miss_policy=self.miss_policy)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 512
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    enable_thinking: bool | None = None
+    stats_interval_s: float = 0.25
+    mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
+    draft: int | None = None  # draft depth 1..8, None = auto
+    p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
+
+
+@dataclass(frozen=True)
+class Token:
+    ids: list[int]
+    text: str
+    accepted_draft: bool = False
+
+
+@dataclass(frozen=True)
+class Stats:
+    prompt_tokens: int
+    prefill_tokens: int  # prompt tokens actually computed (the rest was reused from the cache)
+    generated_tokens: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    elapsed_s: float
+    cache_bytes: int
+    state_bytes: int
+    final: bool = False
+    mtp: bool = False
+    speculative: SpeculativeStats | None = None  # with MTP: drafted, accepted, by depth, histogram, times
+    expert_cache: dict[int, dict] | None = None  # GPU expert cache per layer: hits, misses, evictions, bytes, occupancy
+    expert_usage: dict[int, list[int]] | None = None  # MoE: tokens routed to each expert, per layer (cumulative)
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: str  # "eos" | "max_tokens" | "stop_string" | "stopped" | "context_full" | "context_overflow"
+    message: str = ""
+
+
+Event = Token | Stats | Done

@@ -1,0 +1,78 @@
+"""The multi-token-prediction block (spec §3.6): Qwen3.5/3.6's built-in draft model."""
+from __future__ import annotations
+
+import torch
+
+from engine import ops
+from engine.cache import Cache
+from engine.models.qwen35 import DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, rms_norm
+from engine.ops import Linear
+
+# Head passes of up to this many rows take their embeddings from the per-token memo: a draft pass has at most
+# speculative.MAX_DEPTH + 1 rows (those a verify kept, plus one); longer ones catch up over a prompt.
+MAX_DEPTH_ROWS = 16
+# Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
+EMBEDDED_ROWS = 4096
+
+
+class MTPHead:
+    """The multi-token-prediction block (spec §3.6): from the trunk's post-norm hidden h at position
+    p−1 and the token x at p it predicts the token at p+1. Its input row for position p is
+    c = W_eh [RMSNorm(embed(x); enorm) ; RMSNorm(h; hnorm)], then one full decoder block (layer L, with
+    its own KV cache), then shared_head_norm and the LM head. Chained drafts feed the head's own
+    post-norm output back as the next h. Position p pairs token x_p with h_{p−1} (h_{−1} = 0), as
+    llama.cpp's MTP context does.
+    """
+
+    def __init__(self, model: Qwen35Model, layer: DecoderLayer, eh_proj: Linear, enorm: torch.Tensor,
+                 hnorm: torch.Tensor, head_norm: torch.Tensor, embed: ops.Weight, head: Linear, device: torch.device):
+        """Its pieces as engine.models.build binds them: the decoder block (layer L), eh_proj, the norms, the
+        embedding (its own or the trunk's) and the LM head (its own or the trunk's, wherever that is)."""
+        self.hp, self.model, self.device = model.hp, model, device
+        self.il = model.hp.n_layer
+        self.layer, self.eh_proj, self.enorm, self.hnorm = layer, eh_proj, enorm, hnorm
+        self.head_norm, self.embed, self.head = head_norm, embed, head
+        self._embedded: dict[int, torch.Tensor] = {}  # token → its normed embedding row (inference only)
+
+    def new_cache(self, n_ctx: int) -> Cache:
+        return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.device, layers=(self.il,))
+
+    def _normed_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(embed(x); enorm) of each token. A function of the token alone, so at inference the rows of
+        the last few thousand tokens seen are kept (each computed as a one-row pass computes it: norms are
+        per-row, batch-invariant), sparing a draft its dequantize and norm ops."""
+        if self.enorm.requires_grad or ids.numel() > MAX_DEPTH_ROWS:  # training, or a catch-up over a prompt
+            return rms_norm(ops.embedding(self.embed, ids, device=self.device), self.enorm, self.hp.rms_eps)
+        c = self._embedded
+        toks = ids.tolist()
+        missing = [t for t in dict.fromkeys(toks) if t not in c]
+        if missing:
+            if len(c) + len(missing) > EMBEDDED_ROWS:
+                c.clear()
+            rows = rms_norm(ops.embedding(self.embed, torch.tensor(missing), device=self.device), self.enorm,
+                            self.hp.rms_eps)
+            c.update(zip(missing, rows))
+        return c[toks[0]].unsqueeze(0) if len(toks) == 1 else torch.stack([c[t] for t in toks])
+
+    def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, *,
+                logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
+        """Rows (tokens[i], hidden[i]) at positions cache.pos…; returns the head's post-norm hidden rows
+        (the next chained "h") and the draft logits."""
+        cb = hook or _noop
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n, pos, eps = ids.numel(), cache.pos, self.hp.rms_eps
+        if pos + n > cache.n_ctx:
+            raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
+        e = self._normed_embeddings(ids)
+        h = rms_norm(hidden.to(self.device), self.hnorm, eps)
+        x = ops.linear(torch.cat([e, h], dim=-1), self.eh_proj)
+        cb("mtp_eh_proj", self.il, x)
+        x = self.layer(x, cache, pos, self.model.rope(self.device), cb, None, False)
+        cache.pos = pos + n
+        out = rms_norm(x, self.head_norm, eps)
+        cb("mtp_result_norm", self.il, out)
+        logits = None
+        if logit_rows != "none":
+            rows = out if logit_rows == "all" else out[-1:]
+            logits = ops.linear(rows.to(self.head.device), self.head)
+        return ForwardResult(out, logits, None)

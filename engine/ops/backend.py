@@ -1,0 +1,127 @@
+"""Which kernels run: a Backend is chosen once, when a model is built, and stored with each weight and layer.
+
+Native backends run engine/native's kernels in one instruction-set form each:
+  - ``native-avx512vnni``: quantized weights packed 16 rows interleaved for dpbusd (where a matrix is made of
+    whole 16-row groups; the others read their stored blocks), AVX512 float kernels;
+  - ``native-avx512``: the stored block order as mapped, AVX512 kernels (Q8_0 with VNNI where the CPU has it);
+  - ``native-portable``: the portable C loops (what a CPU without AVX512 runs).
+The ``torch`` backend runs everything in torch ops (Q8_0 in integer GEMMs, other types dequantized tile by tile,
+attention and the delta rule as torch loops): the twin the native kernels are tested against, and the path on
+accelerators and where the native library is missing. A native backend used for a layer on another device falls
+back to torch (`on`). Tests and benchmarks pick a backend from `available_backends()` and pass it to the model
+(or to EngineConfig); nothing is chosen by module flags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from engine.ops import native
+
+NATIVE_ISAS = ("avx512vnni", "avx512", "portable")
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """What one op did, for a backend's observer (benchmarks count calls, bytes and time through it)."""
+
+    op: str  # "linear", "linear_many", "moe_experts", "attention", "delta_rule"
+    nbytes: int  # weight bytes the op read (stored size of the weights or experts it used)
+    rows: int  # activation rows (tokens) of the pass
+    seconds: float  # wall time of the op
+    experts: int = 0  # moe_experts: distinct experts the pass used
+
+
+Observer = Callable[[OpEvent], None]
+
+
+@dataclass(frozen=True)
+class Int8Layouts:
+    """Where the torch backend's integer Q8_0 products switch layouts (engine.ops.torch_int8). Every layout gives
+    the same exact integer sums; tests move the thresholds to force each one."""
+
+    blockdiag_rows: int = 32  # up to this many rows, one block-diagonal GEMM (nb× the multiplies) per product
+    dense_expert_macs: int = 1 << 25  # expert passes up to this size run as one GEMM over all selected experts
+    down_blockdiag_macs: int = 1 << 22  # down projections up to this size in block-diagonal form
+    gate_up_blockdiag_macs: int = 1 << 22  # gate/up over tokens × selected experts likewise
+    max_cols: int = 512  # widest Q8_0 rows taken in integers; wider ones dequantize (bench/results/q8dot.json)
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str = "native"  # "native" or "torch"
+    isa: str = "avx512vnni"  # native: one of NATIVE_ISAS; torch: "torch"
+    threads: int | None = None  # native calls: this many threads; None: torch's count (one for small calls)
+    int8: Int8Layouts = Int8Layouts()
+    observer: Observer | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("native", "torch") or (self.kind == "native") != (self.isa in NATIVE_ISAS) \
+                or (self.kind == "torch" and self.isa != "torch"):
+            raise ValueError(f"no backend {self.kind}/{self.isa}")
+
+    @property
+    def name(self) -> str:
+        return "torch" if self.kind == "torch" else f"native-{self.isa}"
+
+    @property
+    def native(self) -> bool:
+        return self.kind == "native"
+
+    @property
+    def portable(self) -> bool:
+        """Native kernels in their portable C loops."""
+        return self.isa == "portable"
+
+    @property
+    def packs(self) -> bool:
+        """Quantized weights interleaved 16 rows at a time for the VNNI products."""
+        return self.isa == "avx512vnni"
+
+    def on(self, device: torch.device | str) -> Backend:
+        """The backend for weights and layers on `device`: native kernels run on the CPU only."""
+        if self.native and torch.device(device).type != "cpu":
+            return replace(self, kind="torch", isa="torch")
+        return self
+
+    def n_threads(self, work: int) -> int:
+        """Threads for a native call of `work` multiply-adds: the fixed count, else torch's, one for small calls
+        (a parallel region costs more than it saves there)."""
+        if self.threads is not None:
+            return self.threads
+        return torch.get_num_threads() if work >= 1 << 16 else 1
+
+    def with_observer(self, observer: Observer | None) -> Backend:
+        return replace(self, observer=observer)
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name})"
+
+
+TORCH = Backend("torch", "torch")
+
+
+def available_backends() -> list[Backend]:
+    """Every backend this machine runs, the fastest first."""
+    out = []
+    if native.available():
+        if native.cpu_vnni():
+            out.append(Backend("native", "avx512vnni"))
+        if native.cpu_avx512():
+            out.append(Backend("native", "avx512"))
+        out.append(Backend("native", "portable"))
+    return out + [TORCH]
+
+
+def default_backend() -> Backend:
+    return available_backends()[0]
+
+
+def backend_named(name: str) -> Backend:
+    for b in available_backends():
+        if b.name == name:
+            return b
+    names = ", ".join(b.name for b in available_backends())
+    raise ValueError(f"backend {name!r} is not available on this machine (available: {names})")

@@ -1,0 +1,243 @@
+"""Projections: a weight bound to the product that multiplies by it, chosen once when the model is built.
+
+Every product is batch-invariant: row i of a multi-token pass gets exactly the bits of a one-token pass, which
+speculative verify and prefill rely on to be token-identical to plain decoding. The kinds of product:
+  - NativeLinear: Q4_K / Q6_K / Q8_0 in the native kernels (activations quantized as llama.cpp does, exact integer
+    block sums, each output's float work in a fixed order whatever the rows or threads); packed 16 rows
+    interleaved on first use where the backend packs;
+  - Int8Linear: Q8_0 in torch integer GEMMs (the torch backend; exact block sums, the same float epilogue);
+  - DequantLinear: any stored type dequantized one tile of rows at a time, x rounded as llama.cpp rounds it, one
+    independent [1, in] × [in, out] product per row (a plain mm picks kernels by N: rows of a 4-row mm differ
+    from the 1-row result in the last bits);
+  - FloatLinear: a float parameter being trained (plain F.linear: differentiable, not batch-invariant).
+Derived forms of a weight (packed bytes, int8 planes, stacks of several weights) are kept by the Linear that
+made them, never by the stored tensor.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.ops import native, torch_int8
+from engine.ops.activations import act_format, quantize, round_for
+from engine.ops.backend import Backend, OpEvent
+from engine.storage.pages import release_pages
+from engine.storage.qtensor import TILE_ELEMENTS, QTensor
+
+Weight = QTensor | torch.Tensor  # a GGUF tensor, or a float parameter while training
+
+# Weights stacked for `linear_many` up to this many bytes in all: the stacked copy is new memory, and on larger
+# weights a product's call overhead is a negligible share of its arithmetic.
+FUSE_MAX_BYTES = 16 << 20
+
+
+class Linear:
+    """A weight and the kernel that multiplies by it: y = x @ W.T for x [..., in] and W [out, in]."""
+
+    kind = ""
+
+    def __init__(self, weight: Weight, backend: Backend):
+        self.weight = weight
+        self.backend = backend
+        self.stacks: dict[tuple[int, ...], Linear | None] = {}  # linear_many: this and other weights stacked
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def n_cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        w = self.weight
+        return w.nbytes if isinstance(w, QTensor) else w.numel() * w.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.weight!r}, {self.backend.name})"
+
+
+class NativeLinear(Linear):
+    kind = "native"
+
+    def __init__(self, weight: QTensor, backend: Backend):
+        super().__init__(weight, backend)
+        self.fmt = act_format(weight.qtype.name)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Interleave the weight's blocks 16 rows at a time for the VNNI products (the same bytes in number, Q6_K with
+        1 % of padding), for the products to read instead of the stored ones. Only matrices of whole groups (rows
+        per matrix, per expert in a stack, a multiple of 16) are packed. Where the stored bytes are a view of the
+        model file their resident pages are dropped (engine.storage.pages.release_pages): the file keeps them, and
+        other readers (an embedding lookup, a copy to an accelerator) still find them there."""
+        w = self.weight
+        if self.packed is not None or not self.backend.packs or w.qtype not in native.PACKED_CODE \
+                or len(w.shape) < 2 or w.shape[-2] % native.GROUP:
+            return
+        raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+        nb = w.n_cols // (native.QK_8_0 if w.qtype == QT.Q8_0 else native.QK_K)
+        packed = torch.empty(native.packed_bytes(w.qtype, w.n_rows, nb), dtype=torch.uint8)
+        native.repack(w.qtype, raw, w.n_rows, nb, packed, torch.get_num_threads())
+        self.packed = packed
+        release_pages(w.raw)
+
+    def kernel_bytes(self) -> tuple[torch.Tensor, int]:
+        """The bytes the products read and their kernel type code: packed where the backend packs and the weight
+        does (made on first use), else the stored blocks."""
+        self.pack()
+        if self.packed is not None:
+            return self.packed, native.PACKED_CODE[self.weight.qtype]
+        raw = self.weight.raw
+        return (raw if raw.is_contiguous() else raw.contiguous()), int(self.weight.qtype)
+
+    def perm(self, xr, code: int) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+        """Q8_K quants in Q4_K value order, for the AVX512 stored-order Q4_K product."""
+        return xr.q4k_order() if code == QT.Q4_K and not self.backend.portable and native.cpu_avx512() else None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.backend
+        xr = quantize(x, self.fmt, on_native=True, portable=b.portable)
+        n_out = w.n_rows
+        raw, code = self.kernel_bytes()
+        y = torch.empty(xr.rows, n_out)
+        native.matmul(code, raw, n_out, xr.q, xr.d, xr.bsums, self.perm(xr, code), w.n_cols, y,
+                      b.n_threads(n_out * w.n_cols), b.portable)
+        return y.reshape(*x.shape[:-1], n_out)
+
+
+class Int8Linear(Linear):
+    kind = "int8"
+
+    def __init__(self, weight: QTensor, backend: Backend):
+        super().__init__(weight, backend)
+        self._planes: torch_int8.Planes | None = None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._planes is None:  # the int8 copy of the quants (1 byte per weight), made once
+            self._planes = torch_int8.planes(self.weight)  # type: ignore[arg-type]
+        return torch_int8.matmul(x, self._planes, self.backend.int8)
+
+
+def _rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, in], w [out, in] float32 → [N, out], one independent product per row."""
+    n = x.shape[0]
+    return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(n, -1, -1)).squeeze(1)
+
+
+def tile_rows(w: QTensor) -> int:
+    """Rows per dequantized tile: fixed per weight (never by N), so tiling cannot change results."""
+    return max(1, min(w.n_rows, TILE_ELEMENTS // max(w.n_cols, 1)))
+
+
+class DequantLinear(Linear):
+    kind = "dequant"
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        w: QTensor = self.weight  # type: ignore[assignment]
+        k, n_out = w.n_cols, w.n_rows
+        x2 = round_for(x, w.qtype.name).reshape(-1, k)
+        if w.qtype == QT.F32 and w.raw.device == x2.device:
+            return _rowwise(x2, w.raw.view(torch.float32).view(n_out, k)).reshape(*x.shape[:-1], n_out)
+        step = tile_rows(w)
+        if step >= n_out:
+            return _rowwise(x2, w.dequantize(slice(0, n_out), device=x2.device)).reshape(*x.shape[:-1], n_out)
+        y = torch.empty(x2.shape[0], n_out, dtype=torch.float32, device=x2.device)
+        for r0 in range(0, n_out, step):
+            r1 = min(n_out, r0 + step)
+            y[:, r0:r1] = _rowwise(x2, w.dequantize(slice(r0, r1), device=x2.device))
+        return y.reshape(*x.shape[:-1], n_out)
+
+
+class FloatLinear(Linear):
+    kind = "float"
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)  # type: ignore[arg-type]
+
+
+def bind(w: Weight, backend: Backend) -> Linear:
+    """The weight with the product `backend` runs it in on the weight's device."""
+    if isinstance(w, torch.Tensor):
+        return FloatLinear(w, backend)
+    b = backend.on(w.device)
+    block = native.QK_8_0 if w.qtype == QT.Q8_0 else native.QK_K
+    if b.native and w.qtype in native.PRODUCT_TYPES and w.n_cols % block == 0:
+        return NativeLinear(w, b)
+    if w.raw.device.type == "cpu" and torch_int8.usable(w, b.int8):
+        return Int8Linear(w, b)
+    return DequantLinear(w, b)
+
+
+def _observed(w: Linear, op: str, nbytes: int, x: torch.Tensor, run):  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    y = run()
+    w.backend.observer(OpEvent(op, nbytes, x.reshape(-1, x.shape[-1]).shape[0], time.perf_counter() - t0))  # type: ignore[misc]
+    return y
+
+
+def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    """y = x @ W.T."""
+    if x.shape[-1] != w.n_cols:
+        raise ValueError(f"x has {x.shape[-1]} features, weight {w.shape} expects {w.n_cols}")
+    xf = x if w.kind == "float" else x.float()  # x itself when already float32, so the activation memo knows it
+    if w.backend.observer is None:
+        return w.product(xf)
+    return _observed(w, "linear", w.nbytes, x, lambda: w.product(xf))
+
+
+def linear_many(x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
+    """Several weights applied to the same x: one product over their rows stacked when they are small, of one
+    quantized type and width on the integer paths (each product's calls cost more than its arithmetic on small
+    models; rows are independent, so the bits are those of separate products). The stack is made on first use
+    and kept with the first weight (the set belongs to one layer, so it lives and dies with it); where the parts
+    are views of the model file, their resident pages are dropped once copied."""
+    key = tuple(id(w) for w in ws[1:])
+    first = ws[0]
+    if key not in first.stacks:
+        first.stacks[key] = _stack(ws)
+    stacked = first.stacks[key]
+    if stacked is None:
+        return [linear(x, w) for w in ws]
+    xf = x.float()
+    if first.backend.observer is None:
+        y = stacked.product(xf)
+    else:
+        y = _observed(first, "linear_many", sum(w.nbytes for w in ws), x, lambda: stacked.product(xf))
+    return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
+
+
+def _stack(ws: tuple[Linear, ...]) -> Linear | None:
+    kinds = {type(w) for w in ws}
+    if len(ws) < 2 or len(kinds) != 1 or ws[0].kind not in ("native", "int8") \
+            or len({(w.weight.qtype, w.n_cols) for w in ws}) != 1 or sum(w.nbytes for w in ws) > FUSE_MAX_BYTES:  # type: ignore[union-attr]
+        return None
+    parts: list[QTensor] = [w.weight for w in ws]  # type: ignore[misc]
+    raw = torch.cat([p.raw.reshape(p.n_rows, -1) for p in parts])
+    for p in parts:  # the products read the stack: the parts' file pages it was copied from can go
+        release_pages(p.raw)
+    return type(ws[0])(QTensor(raw, parts[0].qtype, (raw.shape[0], parts[0].n_cols)), ws[0].backend)
+
+
+def embedding(w: Linear | Weight, ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rows `ids` of w (token embeddings) as float32, without touching the rest of the tensor."""
+    t = w.weight if isinstance(w, Linear) else w
+    if isinstance(t, torch.Tensor):
+        return torch.nn.functional.embedding(ids.reshape(-1).to(t.device), t)
+    idx = ids.reshape(-1).to(t.raw.device)
+    return QTensor(t.raw[idx], t.qtype, (idx.numel(), t.n_cols)).dequantize(device=device)

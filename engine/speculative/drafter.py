@@ -1,0 +1,107 @@
+"""The MTP head as a drafter: its KV cache kept in step with the trunk, and chained drafts."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.cache import Cache
+from engine.models.mtp import MTPHead
+from engine.sampling import Sampler
+from engine.speculative.depth import MAX_DEPTH
+
+CATCH_UP_CHUNK = 256
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
+    catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
+
+
+class MTPDrafter:
+    """Owns the MTP head's KV cache and keeps it in step with the trunk.
+
+    Head position p holds the row (x_p, h_{p−1}). Rows for positions the trunk has processed are queued
+    (`pending`) and run in one batch at the next draft, together with the first draft row; a prompt's rows
+    are run with prefill (`catch_up`).
+    """
+
+    def __init__(self, head: MTPHead, n_ctx: int):
+        self.head = head
+        self.cache: Cache = head.new_cache(n_ctx)
+        d = head.hp.n_embd
+        self.last_hidden = torch.zeros(d, device=head.model.device)  # h_{-1} = 0
+        self.pending_tokens: list[int] = []
+        self.pending_hidden: list[torch.Tensor] = []
+        self._committed = 0  # head positions computed from true trunk hiddens
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.last_hidden.zero_()
+        self.pending_tokens.clear()
+        self.pending_hidden.clear()
+        self._committed = 0
+
+    def push(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
+        """The trunk processed `tokens` and produced post-norm hidden rows `hidden` for them."""
+        for t, h in zip(tokens, hidden):
+            self.pending_tokens.append(int(t))
+            self.pending_hidden.append(self.last_hidden)
+            self.last_hidden = h
+
+    def catch_up(self) -> None:
+        """Run the head over the queued rows now, in chunks and without logits: the MTP head's share of processing
+        a prompt (the engine calls it with prefill), or a backlog of steps decoded without drafting."""
+        if not self.pending_tokens:
+            return
+        toks, hid = self.pending_tokens, torch.stack(self.pending_hidden)
+        for s in range(0, len(toks), CATCH_UP_CHUNK):
+            self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache, logit_rows="none")
+        self.pending_tokens, self.pending_hidden = [], []
+        self._committed = self.cache.pos
+
+    def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
+        """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
+        `history` is every token so far, ending with x (for the repetition penalty)."""
+        out = Draft([], [])
+        if len(self.pending_tokens) > MAX_DEPTH + 1:  # a backlog (steps decoded without drafting): caught up on
+            t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
+            self.catch_up()
+            out.catch_up_s = time.perf_counter() - t0
+        toks = self.pending_tokens + [x]
+        hid = torch.stack(self.pending_hidden + [self.last_hidden])
+        self.pending_tokens, self.pending_hidden = [], []
+        res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
+        self._committed = self.cache.pos
+        hist = list(history)
+        for i in range(depth):
+            logits = res.logits[-1]
+            if sampler.cfg.greedy:
+                q = None
+                tok = int(torch.argmax(sampler.penalized(logits, hist)))
+            else:
+                q = sampler.distribution(logits, hist)
+                tok = sampler.draw(q)
+            if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
+                conf = float(q.max()) if q is not None else float(torch.softmax(logits.float(), -1).max())
+                if conf < p_min:
+                    break
+            out.tokens.append(tok)
+            out.probs.append(q)
+            hist.append(tok)
+            if i + 1 < depth and self.cache.pos < self.cache.n_ctx:
+                res = self.head.forward([tok], res.hidden[-1:], self.cache)
+            else:
+                break
+        return out
+
+    def commit(self, kept: int, tokens: Sequence[int], verify_hidden: torch.Tensor) -> None:
+        """After a verify of [x, d1..dK]: the trunk kept x, d1..d_kept. Drop the chained rows and queue the
+        true rows (d_j, h_{n+j−1}) for j = 1..kept; the next token pairs with h_{n+kept}."""
+        self.cache.truncate(self._committed)
+        self.last_hidden = verify_hidden[0]
+        self.push(tokens[1:kept + 1], verify_hidden[1:kept + 1])

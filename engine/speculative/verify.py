@@ -1,0 +1,127 @@
+"""Acceptance of drafts (greedy and rejection sampling) and the speculative decoding step.
+
+A step either decodes one token plainly, optionally drafting one token beside it as a shadow probe (the head's
+guess compared with the trunk's own next token: acceptance learnt without a verify pass), or drafts K tokens,
+verifies [x, d1..dK] in one trunk pass, emits the accepted prefix and the trunk's own token, and commits the kept
+prefix (GDN state at the last kept position, attention KV and the head's KV truncated by length).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Generator, Sequence
+
+import torch
+
+from engine.events import Event
+from engine.sampling import Sampler
+from engine.speculative.depth import DepthController, SpecStats
+from engine.speculative.drafter import Draft, MTPDrafter
+
+if TYPE_CHECKING:  # the engine drives the decoder; the decoder reads its model, cache and sequence
+    from engine.generate import Engine, _Run
+
+
+class SpeculativeDecoder:
+    """One reply's speculative decoding: the depth controller picks each step's depth (0: plain)."""
+
+    def __init__(self, eng: Engine, drafter: MTPDrafter, sampler: Sampler, depth: DepthController, stats: SpecStats):
+        self.eng, self.drafter, self.sampler, self.depth, self.stats = eng, drafter, sampler, depth, stats
+
+    def step(self, x: int, run: _Run, room: int) -> Generator[Event, None, int]:
+        """Decode after x (emitted, not yet processed by the trunk); returns the new last token, emitted."""
+        k = self.depth.choose(room)
+        if k == 0:
+            return (yield from self._plain(x, run, room))
+        return (yield from self._speculative(x, k, run))
+
+    def _plain(self, x: int, run: _Run, room: int) -> Generator[Event, None, int]:
+        eng, sampler, spec, depth = self.eng, self.sampler, self.stats, self.depth
+        probe = None
+        if depth.probe_now(room):  # shadow probe: one draft, no verify
+            t_probe = time.perf_counter()
+            probe = self.drafter.draft(x, 1, sampler, run.history)
+            probe_s = time.perf_counter() - t_probe
+            spec.draft_s += probe_s
+        t_step = time.perf_counter()
+        res = eng.model.forward([x], eng.cache, logit_rows="last")
+        if probe is not None:  # the head already holds x's row: keep it, pair the next token with res
+            self.drafter.commit(0, [x], res.hidden)
+        else:
+            self.drafter.push([x], res.hidden)
+        logits = res.logits[-1]  # type: ignore[index]
+        eng.advance([x], logits)
+        nxt = sampler.sample(logits, run.history)
+        dt = time.perf_counter() - t_step
+        spec.plain_steps += 1
+        spec.decode_s += dt
+        depth.observe_decode(dt)
+        if probe is not None and probe.tokens:
+            q = probe.probs[0]
+            hit = float(probe.tokens[0] == nxt) if q is None else \
+                float(torch.minimum(sampler.distribution(logits, run.history), q).sum())
+            depth.observe_probe(hit, probe_s - probe.catch_up_s)
+        yield from run.emit([(nxt, False)])
+        return nxt
+
+    def _speculative(self, x: int, k: int, run: _Run) -> Generator[Event, None, int]:
+        """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
+        eng, sampler, spec, depth = self.eng, self.sampler, self.stats, self.depth
+        t0 = time.perf_counter()
+        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min)
+        t1 = time.perf_counter()
+        pos0 = eng.cache.pos
+        seq = [x] + draft.tokens
+        res = eng.model.forward(seq, eng.cache, logit_rows="all", capture=True)
+        t2 = time.perf_counter()
+        # run.history ends with x: it was emitted by the previous step
+        if sampler.cfg.greedy:
+            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history)  # type: ignore[arg-type]
+        else:
+            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history)  # type: ignore[arg-type]
+        emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
+        kept = yield from run.emit(emitted)
+        t3 = time.perf_counter()
+        c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
+        eng.cache.commit(res.captured, c)  # type: ignore[arg-type]
+        eng.cache.truncate(pos0 + c + 1)
+        self.drafter.commit(c, seq, res.hidden)
+        eng.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
+        t4 = time.perf_counter()
+        spec.record(len(draft.tokens), n_acc)
+        spec.draft_s += t1 - t0
+        spec.verify_s += t2 - t1
+        spec.commit_s += t4 - t3
+        depth.observe_verify(len(seq), t2 - t1, len(draft.tokens), t1 - t0 - draft.catch_up_s)
+        return emitted[kept - 1][0]
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
+                  history: list[int]) -> tuple[int, int]:
+    """(number of drafts accepted, the trunk's own next token) — the longest matching prefix."""
+    hist = list(history)
+    for i, d in enumerate(drafts):
+        t = int(torch.argmax(sampler.penalized(target_logits[i], hist)))
+        if t != d:
+            return i, t
+        hist.append(d)
+    return len(drafts), int(torch.argmax(sampler.penalized(target_logits[len(drafts)], hist)))
+
+
+def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
+                    history: list[int]) -> tuple[int, int]:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
+    min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
+    draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling."""
+    hist = list(history)
+    for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
+        p = sampler.distribution(target_logits[i], hist)
+        assert q is not None
+        if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q without dividing by a tiny q
+            hist.append(d)
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        tok = sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)
+        return i, tok
+    return len(draft.tokens), sampler.draw(sampler.distribution(target_logits[len(draft.tokens)], hist))
