@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.foretell-installed
 setup: $(STAMP)
 
 # torch first, pinned to the local CPU wheel, so no dependency can pull a CUDA build.
-$(STAMP): pyproject.toml setup.py engine/native/kquant.c engine/native/q8_0.c engine/native/gdn.c engine/native/group.c engine/native/attention.c Makefile
+$(STAMP): pyproject.toml setup.py $(wildcard engine/native/*.c engine/native/*.h) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test]"

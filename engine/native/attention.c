@@ -100,7 +100,7 @@ static void values_avx512(const float *p, int64_t t_max, const float *sum, int64
  * read once for all of them instead of once per head: at long contexts the rows come from memory, and reading
  * them once per head set the pace. Returns 0, or −1 when out of memory. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int kq_attention(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
+int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
                  int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int portable) {
 #if defined(__x86_64__)
     const int avx512 = !portable && __builtin_cpu_supports("avx512f");

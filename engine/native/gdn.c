@@ -13,18 +13,18 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "kernels.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #define MAX_DV 1024
 
-int kq_isa(void);
 
 #if defined(__x86_64__)
 /* One head's tokens with its d_v = 16·NV columns of e, o and Sᵀk held in registers over the sweep (the
  * portable loop keeps them in memory and loads and stores them for every row of S). Element by element the
- * same operations in the same order as the loop in kq_gdn_recurrent, so the same bits. */
+ * same operations in the same order as the loop in gdn_recurrence, so the same bits. */
 #define SWEEP(NV, NEXT)                                                                                           \
     for (int64_t i = 0; i < dk; i++) {                                                                            \
         float *row = Sh + i * (16 * NV);                                                                          \
@@ -90,11 +90,11 @@ DEFINE_HEAD(8)
  * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. portable: the loop below even where the register form could run (tests compare the two).
  * Returns 0, or -1 if dv > MAX_DV. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int kq_gdn_recurrent(const float *q, const float *k, const float *v, const float *beta, const float *decay,
+int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
                      const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
                      int64_t dv, int n_threads, int portable) {
     if (dv > MAX_DV) return -1;
-    const int avx512 = kq_isa() == 1 && !portable;
+    const int avx512 = (cpu_features() & CPU_AVX512) && !portable;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t h = 0; h < H; h++) {
         const float *Sin = S_in + h * dk * dv;

@@ -2,7 +2,7 @@
  *
  * A stable counting sort of the flattened top-k ids: pairs in expert order, and within an expert in token
  * order (the order a stable argsort gives), in one call instead of the half-dozen tensor ops a multi-token
- * pass spent on it. Loaded with ctypes (engine/nativelib.py); no Python API.
+ * pass spent on it. Loaded with ctypes (engine/ops/native.py); no Python API.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -10,7 +10,7 @@
 /* idx [n, k] expert ids in [0, n_expert). Writes order [n·k] (flat pair indices t·k + s, grouped by expert),
  * tokens [n·k] (order / k), experts [G] and counts [G] (the experts present, ascending, and their pairs) and
  * starts [G + 1] (the groups' first pairs, then n·k). Returns G, or −1 for an id out of range. */
-int64_t kq_group_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order, int64_t *tokens,
+int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order, int64_t *tokens,
                        int64_t *experts, int64_t *counts, int64_t *starts) {
     int64_t *start = calloc((size_t)n_expert + 1, sizeof(int64_t));
     if (!start) return -1;

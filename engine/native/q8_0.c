@@ -11,14 +11,9 @@
  * is bit-identical to a one-token pass. The AVX512-VNNI and portable products group the float sums
  * differently (a few ulps apart), each batch-invariant.
  *
- * Loaded with ctypes (engine/nativelib.py, used by engine/kquant.py); no Python API.
+ * Called by kquant.c's product drivers; the activations are quantized in act_quant.c.
  */
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
 #define QK 32
 #define BLOCK_BYTES 34  /* f16 scale, 32 int8 quants */
@@ -28,33 +23,6 @@ static float f16_at(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, 2);
     return (float)h;
-}
-
-/* ggml quantize_row_q8_0: per block of 32, d = amax/127, q = round-half-even(x / d) (x · 1/d, 0 where d = 0),
- * and the scale stored as f16: d is returned rounded to f16 (as a float), which is what the products use. */
-int q8_isa(void);  /* kquant.c: 2 AVX512-VNNI, 0 portable */
-#if defined(__x86_64__)
-static void quantize_vnni(const float *x, int64_t n_blocks, int8_t *q, float *d);
-#endif
-
-void q8_quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d) {
-#if defined(__x86_64__)
-    if (q8_isa() == 2) {
-        quantize_vnni(x, m_rows * (k / QK), q, d);
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < m_rows * (k / QK); i++) {
-        const float *xb = x + i * QK;
-        float amax = 0.f;
-        for (int j = 0; j < QK; j++) {
-            const float a = fabsf(xb[j]);
-            if (a > amax) amax = a;
-        }
-        const float dd = amax / 127.0f, id = dd != 0.f ? 1.0f / dd : 0.f;
-        for (int j = 0; j < QK; j++) q[i * QK + j] = (int8_t)nearbyintf(xb[j] * id);
-        d[i] = (float)(_Float16)dd;
-    }
 }
 
 #if defined(__x86_64__)
@@ -68,16 +36,16 @@ void q8_quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, floa
  * at the end of the row. Every output element gets that same sequence (a leftover weight row reuses a lane of
  * the group), so the grouping and the number of rows change no bits. (Measured: summing eight blocks' lanes
  * across first, to scale exact block sums, was 1.3× slower here; four rows at a time 7 % slower.) */
-#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
+#define Q8_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
 
-__attribute__((target(VNNI_TARGET)))
+__attribute__((target(Q8_VNNI_TARGET)))
 static float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-__attribute__((target(VNNI_TARGET)))
+__attribute__((target(Q8_VNNI_TARGET)))
 static void rows_times_vnni(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq,
                             const float *xd, int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
     const int64_t nb = k / QK;
@@ -116,29 +84,15 @@ static void rows_times_vnni(const uint8_t *w, int64_t row_bytes, int64_t r0, int
     }
 }
 
-/* The quantizer's SIMD twin: the same values (max of |x|, d = amax/127, x · 1/d rounded half to even by the
- * conversion, the scale rounded to f16). */
-__attribute__((target(VNNI_TARGET)))
-static void quantize_vnni(const float *x, int64_t n_blocks, int8_t *q, float *d) {
-    for (int64_t i = 0; i < n_blocks; i++) {
-        const __m512 a = _mm512_loadu_ps(x + i * QK), b = _mm512_loadu_ps(x + i * QK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float dd = amax / 127.0f, id = dd != 0.f ? 1.0f / dd : 0.f;
-        const __m512 v = _mm512_set1_ps(id);
-        _mm_storeu_si128((__m128i *)(q + i * QK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, v))));
-        _mm_storeu_si128((__m128i *)(q + i * QK + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, v))));
-        d[i] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-}
 #endif
 
 /* Weight rows [r0, r1) of a Q8_0 matrix (rows row_bytes apart) times Q8_0 activation rows xrow[0..m) (0..m
  * when xrow is NULL: quants xq [·, k], scales xd [·, k/32]) into out[i * ldo + r]. The products' drivers
- * (row chunks over threads, expert pairs) are kquant.c's kq_matmul and kq_matmul_pairs. */
+ * (row chunks over threads, expert pairs) are kquant.c's quant_matmul and quant_matmul_pairs. */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
                    int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable) {
 #if defined(__x86_64__)
-    if (!portable && q8_isa() == 2 && k / QK <= NB_MAX) {
+    if (!portable && (cpu_features() & CPU_VNNI) && k / QK <= NB_MAX) {
         rows_times_vnni(w, row_bytes, r0, r1, xq, xd, k, xrow, m, out, ldo);
         return;
     }

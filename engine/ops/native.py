@@ -18,18 +18,17 @@ _I = ctypes.c_int64
 _C = ctypes.c_int
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
-    "kq_quantize_q8k": ([_P, _I, _I, _P, _P, _P, _C], None),
-    "kq_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
-    "kq_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
-    "kq_q4k_order": ([_P, _I, _I, _P], None),
-    "kq_repack": ([_C, _P, _I, _I, _P, _C], None),
-    "kq_packed_bytes": ([_C], _I),
-    "kq_isa": ([], _C),
-    "q8_isa": ([], _C),
-    "q8_quantize_q8_0": ([_P, _I, _I, _P, _P], None),
-    "kq_group_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
-    "kq_attention": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
-    "kq_gdn_recurrent": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
+    "cpu_features": ([], _C),
+    "quantize_q8_k": ([_P, _I, _I, _P, _P, _P, _C], None),
+    "quantize_q8_0": ([_P, _I, _I, _P, _P], None),
+    "q8_k_to_q4_k_order": ([_P, _I, _I, _P], None),
+    "quant_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
+    "quant_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
+    "repack_x16": ([_C, _P, _I, _I, _P, _C], None),
+    "packed_x16_bytes": ([_C], _I),
+    "group_expert_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
+    "attention_causal": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
+    "gdn_recurrence": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
 }
 
 
@@ -53,7 +52,8 @@ QK_K = 256  # values per K-quant block (and per Q8_K activation block)
 QK_8_0 = 32  # values per Q8_0 block
 PRODUCT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)  # weight types with native products
 GROUP = 16  # rows interleaved in a packed weight
-PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kquant.c's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
+PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kernels.h's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
+_CPU_AVX512, _CPU_VNNI = 1, 2  # kernels.h's cpu_features() bits
 
 
 def available() -> bool:
@@ -62,12 +62,12 @@ def available() -> bool:
 
 def cpu_avx512() -> bool:
     """The stored-order K-quant products and the float kernels have AVX512 forms for this CPU."""
-    return LIB is not None and LIB.kq_isa() == 1
+    return LIB is not None and bool(LIB.cpu_features() & _CPU_AVX512)
 
 
 def cpu_vnni() -> bool:
     """AVX512-VNNI: the packed (16 rows interleaved) products and the stored-order Q8_0 product's dpbusd form."""
-    return LIB is not None and LIB.q8_isa() == 2
+    return LIB is not None and bool(LIB.cpu_features() & _CPU_VNNI)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -76,36 +76,36 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def quantize_q8_k(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor, portable: bool) -> None:
     """Rows x [M, K] float32 to Q8_K: quants q [M, K], scales d [M, K/256], sums of 16 quants bsums [M, K/16]."""
-    LIB.kq_quantize_q8k(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), bsums.data_ptr(),  # type: ignore[union-attr]
+    LIB.quantize_q8_k(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), bsums.data_ptr(),  # type: ignore[union-attr]
                         portable)
 
 
 def quantize_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
     """Rows x [M, K] float32 to Q8_0: quants q [M, K], f16-rounded scales d [M, K/32]."""
-    LIB.q8_quantize_q8_0(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr())  # type: ignore[union-attr]
+    LIB.quantize_q8_0(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr())  # type: ignore[union-attr]
 
 
 def q4_k_order(q: torch.Tensor) -> torch.Tensor:
     """Q8_K quants [M, K] in the order Q4_K blocks hold their values (the AVX512 stored-order Q4_K product)."""
     out = torch.empty_like(q)
-    LIB.kq_q4k_order(q.data_ptr(), q.shape[0], q.shape[1], out.data_ptr())  # type: ignore[union-attr]
+    LIB.q8_k_to_q4_k_order(q.data_ptr(), q.shape[0], q.shape[1], out.data_ptr())  # type: ignore[union-attr]
     return out
 
 
 def packed_bytes(qtype: QT, n_rows: int, n_blocks: int) -> int:
-    return n_rows * n_blocks * LIB.kq_packed_bytes(int(qtype))  # type: ignore[union-attr]
+    return n_rows * n_blocks * LIB.packed_x16_bytes(int(qtype))  # type: ignore[union-attr]
 
 
 def repack(qtype: QT, raw: torch.Tensor, n_rows: int, n_blocks: int, out: torch.Tensor, threads: int) -> None:
     """Stored blocks raw [n_rows, ·] interleaved 16 rows at a time into `out` (packed_bytes long)."""
-    LIB.kq_repack(int(qtype), raw.data_ptr(), n_rows, n_blocks, out.data_ptr(), threads)  # type: ignore[union-attr]
+    LIB.repack_x16(int(qtype), raw.data_ptr(), n_rows, n_blocks, out.data_ptr(), threads)  # type: ignore[union-attr]
 
 
 def matmul(code: int, w: torch.Tensor, n_out: int, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor | None,
            perm: torch.Tensor | None, k: int, out: torch.Tensor, threads: int, portable: bool) -> None:
     """out [M, n_out] = activation rows (q, d, bsums; perm: q in Q4_K order) × the weight bytes w of kernel type
     `code` (a ggml type, or a PACKED_CODE)."""
-    LIB.kq_matmul(code, w.data_ptr(), w.numel() // n_out, n_out, q.data_ptr(), d.data_ptr(), _ptr(bsums),  # type: ignore[union-attr]
+    LIB.quant_matmul(code, w.data_ptr(), w.numel() // n_out, n_out, q.data_ptr(), d.data_ptr(), _ptr(bsums),  # type: ignore[union-attr]
                   _ptr(perm), k, q.shape[0], out.data_ptr(), n_out, threads, portable)
 
 
@@ -116,7 +116,7 @@ def matmul_pairs(code: int, w: torch.Tensor, n_expert: int, rows: int, q: torch.
     expert experts[g]) multiplies activation row xrow[p] by that expert's matrix in the stack w (n_expert
     matrices of `rows` rows). Index tensors int64, contiguous."""
     expert_bytes = w.numel() // n_expert
-    LIB.kq_matmul_pairs(code, w.data_ptr(), expert_bytes, expert_bytes // rows, rows, q.data_ptr(),  # type: ignore[union-attr]
+    LIB.quant_matmul_pairs(code, w.data_ptr(), expert_bytes, expert_bytes // rows, rows, q.data_ptr(),  # type: ignore[union-attr]
                         d.data_ptr(), _ptr(bsums), _ptr(perm), k, xrow.data_ptr(), experts.shape[0],
                         experts.data_ptr(), starts.data_ptr(), out.data_ptr(), threads, portable)
 
@@ -138,7 +138,7 @@ def group_pairs(idx: torch.Tensor, n_expert: int) -> Groups:
     p_n, g_max = idx.numel(), min(idx.numel(), n_expert)
     buf = torch.empty(2 * p_n + 3 * g_max + 1, dtype=torch.long)
     order, tokens, experts, counts, starts = buf.split([p_n, p_n, g_max, g_max, g_max + 1])
-    g = LIB.kq_group_pairs(idx.data_ptr(), idx.shape[0], idx.shape[1], n_expert, order.data_ptr(),  # type: ignore[union-attr]
+    g = LIB.group_expert_pairs(idx.data_ptr(), idx.shape[0], idx.shape[1], n_expert, order.data_ptr(),  # type: ignore[union-attr]
                            tokens.data_ptr(), experts.data_ptr(), counts.data_ptr(), starts.data_ptr())
     if g < 0:
         raise ValueError(f"an expert id is outside [0, {n_expert})")
@@ -153,7 +153,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale
     h_kv, dv = v.shape[1], v.shape[2]
     q = q.contiguous()
     out = torch.empty(n, h * dv)
-    rc = LIB.kq_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
+    rc = LIB.attention_causal(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
                           scale, threads, portable)
     if rc != 0:
         raise MemoryError("no memory for the attention scores")
@@ -168,7 +168,7 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     n, hk, dk = k.shape
     h, dv = v.shape[1], v.shape[2]
     o = torch.empty(n, h, dv)
-    rc = LIB.kq_gdn_recurrent(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
+    rc = LIB.gdn_recurrence(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
                               S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, hk, dk, dv, threads, portable)
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")

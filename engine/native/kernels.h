@@ -1,0 +1,54 @@
+/* What the native kernel files share: ggml type ids, tile sizes, the activation rows' layout, instruction-set
+ * targets, and the functions one file calls in another. The calls between files form a DAG: kquant.c (the
+ * quantized products' drivers) calls q8_0.c and packed_x16.c; every file asks cpu.c which instruction sets run. */
+#ifndef FORETELL_KERNELS_H
+#define FORETELL_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QK_K 256  /* values per K-quant block and per Q8_K activation block */
+#define QK8_0 32  /* values per Q8_0 block */
+#define M_TILE 64
+#define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
+enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+/* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
+enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
+
+/* q8_0.c: Q8_0 weight rows (stored blocks) times Q8_0 activation rows */
+void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
+                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable);
+
+/* cpu.c: what this CPU runs, detected once: CPU_AVX512 (AVX512F/BW and F16C: the stored-order K-quant products,
+ * the Q8_K quantizer and the float kernels' register forms), CPU_VNNI (and AVX512VL, VNNI, FMA: the packed
+ * products and the Q8_0 ones). */
+enum { CPU_AVX512 = 1, CPU_VNNI = 2 };
+int cpu_features(void);
+
+typedef struct {
+    const int8_t *q;  /* [rows, k] */
+    const float *d;  /* [rows, k/256] */
+    const int16_t *bs;  /* [rows, k/16] */
+    int64_t k;
+} Acts;
+
+#if defined(__x86_64__)
+#define AVX512_TARGET "avx512f,avx512bw,f16c"
+
+typedef struct {
+    const int8_t *q;  /* the row's quants, block 0 */
+    const float *d;  /* its block scales */
+    const int16_t *bs;  /* its sums of 16 quants */
+} Row;
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
+
+/* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL) */
+void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo);
+#endif
+
+#endif

@@ -1,0 +1,323 @@
+/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI: repacking the stored
+ * blocks, and the products over the packed groups. */
+#include <omp.h>
+#include "kernels.h"
+
+#if defined(__x86_64__)
+/* ---- packed: 16 rows interleaved, for AVX512-VNNI ----------------------------------------------------
+ *
+ * A packed weight (repack_x16) is made of groups of 16 rows (a row chunk of ROW_CHUNK = 16 rows; an expert's
+ * matrix is whole groups), each group its rows' bytes (Q6_K: and a little padding): for each block index b the
+ * 16 rows' blocks b are stored together, interleaved so that int32 lane l of every vector belongs to row l. A dpbusd of a vector of
+ * values against a broadcast of 4 activation quants then adds 4 products for each of the 16 rows, and every
+ * scale, min and float step that the per-row layout took once per row (a madd, a conversion, two fmadds per row
+ * and block) is one instruction for 16 rows. The integers are those of the stored layout; each output's float
+ * sum is one lane accumulated block by block (as ggml's dot products do, and unlike the stored layout's lanes
+ * reduced at the end), the same whatever the number of activation rows.
+ *
+ * Q4_K group block (16 · 144 bytes): d [16] fp16, dmin [16] fp16; the 12 scale bytes of each row as three 32-bit
+ * words, word w of row l at 64 + 4 (16 w + l); then per sub-block j (32 values) four 64-byte vectors p, byte 4l + e
+ * = value 32j + 4p + e of row l | value 32j + 16 + 4p + e << 4.
+ * Q6_K group block (Q6K_GROUP_BYTES: 16 · 210 bytes and 32 of padding, 212 per row and block): per 32 values u
+ * (sub-blocks 2u, 2u+1), in pairs of u in the order the kernel reads them (Q6K_UNIT: with the low nibbles, the high
+ * bits and the scales in three regions of the block, products reading from memory ran at about half the speed),
+ * four 64-byte vectors p of low nibbles as Q4_K's, two vectors h of high bit pairs, byte 4l + e holding bits 4-5 of value 32u + 4(h + 2s) + e at bits 2s, 2s+1
+ * (s < 4), and the two sub-blocks' int8 scales, [sub-block][row]; at 3328 d [16] fp16.
+ * Q8_0 group (16 rows of nb blocks, 16 · nb · 34 bytes): the scales, [block][row] as f16, then per block eight
+ * 64-byte vectors v, byte 4l + e = quant 4v + e of row l offset by 128 (unsigned, as dpbusd takes it; each
+ * block's sum starts from −128 · Σx, so each lane is the exact Σ w·x). */
+#define GROUP 16
+_Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed groups");
+/* a packed Q6_K group block: 16 · 210 bytes and 32 of padding, so that every group block starts on a cache line
+ * and no 64-byte load of it straddles two */
+#define Q6K_GROUP_BYTES 3392
+/* where the bytes of values 32u … 32u+31 start in a packed Q6_K group block: pairs of them (832 bytes, whole lines) */
+#define Q6K_UNIT(u) (832 * ((u) / 2) + 256 * ((u) & 1))
+#ifndef X16_PREFETCH
+#define X16_PREFETCH 16384
+#endif
+#define X16_TILE 4  /* activation rows per pass over a group block (their sums stay in registers) */
+
+/* The 16 bytes (as two words) of a packed nibble vector row: for t < 16, nibble `shift` of q[t] | of q[16 + t] << 4
+ * (values t and 16 + t of a 32-value run: the four dwords go to vectors p = 0…3 of the run) */
+static inline void nibble_pairs(const uint8_t *q, int shift, uint64_t o[2]) {
+    const uint64_t m = 0x0F0F0F0F0F0F0F0FULL;
+    uint64_t w[4];
+    memcpy(w, q, 32);
+    o[0] = ((w[0] >> shift) & m) | (((w[2] >> shift) & m) << 4);
+    o[1] = ((w[1] >> shift) & m) | (((w[3] >> shift) & m) << 4);
+}
+
+/* dword p of a row's 16 bytes into lane l of vector p (64 bytes apart) */
+static inline void to_lanes(const uint64_t o[2], uint8_t *vec, int l) {
+    for (int p = 0; p < 4; p++) memcpy(vec + 64 * p + 4 * l, (const uint8_t *)o + 4 * p, 4);
+}
+
+static void repack_q4k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    for (int l = 0; l < GROUP; l++) {
+        const uint8_t *b = src + l * nb * 144;
+        memcpy(dst + 2 * l, b, 2);
+        memcpy(dst + 32 + 2 * l, b + 2, 2);
+        for (int w = 0; w < 3; w++) memcpy(dst + 64 + 4 * (GROUP * w + l), b + 4 + 4 * w, 4);
+        /* sub-block j: the low (j even) or high nibbles of quant bytes 32 (j / 2) … */
+        for (int j = 0; j < 8; j++) {
+            uint64_t o[2];
+            nibble_pairs(b + 16 + 32 * (j / 2), 4 * (j % 2), o);
+            to_lanes(o, dst + 256 + 256 * j, l);
+        }
+    }
+}
+
+static void repack_q6k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    const uint64_t m3 = 0x0303030303030303ULL;
+    for (int l = 0; l < GROUP; l++) {
+        const uint8_t *b = src + l * nb * 210, *ql = b, *qh = b + 128;
+        for (int u = 0; u < 8; u++) {
+            /* values 32u + t, t < 32: in half n = u / 4, quarter qq = u % 4 of ggml's layout, low 4 bits in nibble
+             * qq / 2 of ql[64n + 32 (qq % 2) + t], high 2 bits at bits 2qq of qh[32n + t] */
+            const int n = u / 4, qq = u % 4;
+            uint8_t *lo = dst + Q6K_UNIT(u), *hi = lo + 512 - 128 * (u & 1), *sc = lo + 768 - 224 * (u & 1);
+            uint64_t o[2];
+            nibble_pairs(ql + 64 * n + 32 * (qq % 2), 4 * (qq / 2), o);
+            to_lanes(o, lo, l);
+            uint64_t w[4];
+            memcpy(w, qh + 32 * n, 32);
+            /* byte 4h + e: the high bits of values t = 4h + 8s + e, s < 4, at bits 2s */
+            const uint64_t h8 = ((w[0] >> 2 * qq) & m3) | (((w[1] >> 2 * qq) & m3) << 2) |
+                                (((w[2] >> 2 * qq) & m3) << 4) | (((w[3] >> 2 * qq) & m3) << 6);
+            memcpy(hi + 4 * l, &h8, 4);
+            memcpy(hi + 64 + 4 * l, (const uint8_t *)&h8 + 4, 4);
+            sc[l] = b[192 + 2 * u];
+            sc[GROUP + l] = b[192 + 2 * u + 1];
+        }
+        memcpy(dst + 3328 + 2 * l, b + 208, 2);
+    }
+    memset(dst + 3328 + 2 * GROUP, 0, Q6K_GROUP_BYTES - 3328 - 2 * GROUP);
+}
+
+static void repack_q8_0_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+    uint8_t *q = dst + 2 * GROUP * nb;
+    for (int l = 0; l < GROUP; l++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (l * nb + b) * 34;
+            memcpy(dst + 2 * (GROUP * b + l), blk, 2);
+            uint64_t w[4];
+            memcpy(w, blk + 2, 32);
+            for (int v = 0; v < 4; v++) w[v] ^= 0x8080808080808080ULL;  /* + 128: unsigned, as dpbusd takes it */
+            for (int v = 0; v < 8; v++) memcpy(q + 512 * b + 64 * v + 4 * l, (const uint8_t *)w + 4 * v, 4);
+        }
+}
+
+/* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (the native-avx512vnni backend: only where
+ * the VNNI products run); dst holds packed_x16_bytes(qtype) per row and block. */
+int64_t packed_x16_bytes(int qtype) { return qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
+
+void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
+    const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
+    if (qtype == T_Q8_0) {  /* a Q8_0 group is laid out whole (its scales first) */
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+        for (int64_t g = 0; g < n_groups; g++)
+            repack_q8_0_group(src + g * GROUP * nb * bytes, nb, dst + g * GROUP * nb * bytes);
+        return;
+    }
+    const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t gb = 0; gb < n_groups * nb; gb++) {
+        const int64_t g = gb / nb, b = gb % nb;
+        const uint8_t *s = src + (g * GROUP * nb + b) * bytes;
+        uint8_t *d = dst + (g * nb + b) * group_bytes;
+        if (qtype == T_Q4_K) repack_q4k_group(s, nb, d);
+        else repack_q6k_group(s, nb, d);
+    }
+}
+
+/* Part s of 8 of the group block PREFETCH_BYTES ahead of blk (bytes long): spread over the block's eight steps,
+ * as a burst of all its lines at the block's start stalled on the core's outstanding misses. */
+static inline void x16_prefetch(const uint8_t *blk, int64_t bytes, int s) {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t c = s * lines / 8; c < (s + 1) * lines / 8; c++)
+        _mm_prefetch((const char *)blk + X16_PREFETCH + 64 * c, _MM_HINT_T0);
+}
+
+/* 4 activation quants broadcast to every lane */
+#define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
+
+/* Σ over 16 activation quants x of the value vectors v[0..3] (4 values of each of 16 rows per vector): two chains of
+ * two dpbusd (integers: any grouping gives the same sums) */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline __m512i dot16_x16(const __m512i *v, const int8_t *x) {
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], BCAST4(x));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], BCAST4(x + 4));
+    s0 = _mm512_dpbusd_epi32(s0, v[2], BCAST4(x + 8));
+    s1 = _mm512_dpbusd_epi32(s1, v[3], BCAST4(x + 12));
+    return _mm512_add_epi32(s0, s1);
+}
+
+/* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows: o[i · ldo + l]. */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f),
+                  m03 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GROUP * 144;
+        const __m512i u0 = _mm512_loadu_si512(blk + 64), u1 = _mm512_loadu_si512(blk + 128),
+                      u2 = _mm512_loadu_si512(blk + 192);
+        /* per lane (row): bytes sc0..3, sc4..7, mn0..3, mn4..7, as q4_k_scales decodes one row */
+        const __m512i sc[2] = {_mm512_and_si512(u0, m3f),
+                               _mm512_or_si512(_mm512_and_si512(u2, m0f),
+                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m03), 4))};
+        const __m512i mn03 = _mm512_and_si512(u1, m3f);
+        const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m0f),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m03), 4));
+        __m512i isum[X16_TILE];
+        for (int i = 0; i < T; i++) isum[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            x16_prefetch(blk, GROUP * 144, j);
+            const uint8_t *qv = blk + 256 + 256 * j;
+            __m512i v[8];
+            for (int p = 0; p < 4; p++) {
+                const __m512i q = _mm512_loadu_si512(qv + 64 * p);
+                v[p] = _mm512_and_si512(q, m4);
+                v[p + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            const __m512i scj = _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff);
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * QK_K + 32 * j;
+                const __m512i dot = _mm512_add_epi32(dot16_x16(v, x), dot16_x16(v + 4, x + 16));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot, scj));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        for (int i = 0; i < T; i++) {
+            /* Σ_j min_j · (sum of the sub-block's 32 quants), that sum split into 7 low bits and the rest so that
+             * both fit dpbusd's signed bytes: exact integers, as ggml's */
+            const __m256i s32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16)),
+                                                  _mm256_set1_epi16(1));
+            const __m128i lo = _mm256_cvtepi32_epi8(_mm256_and_si256(s32, _mm256_set1_epi32(127)));
+            const __m128i hi = _mm256_cvtepi32_epi8(_mm256_srai_epi32(s32, 7));
+            __m512i ml = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mn03, _mm512_set1_epi32(_mm_extract_epi32(lo, 0)));
+            ml = _mm512_dpbusd_epi32(ml, mn47, _mm512_set1_epi32(_mm_extract_epi32(lo, 1)));
+            __m512i mh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mn03, _mm512_set1_epi32(_mm_extract_epi32(hi, 0)));
+            mh = _mm512_dpbusd_epi32(mh, mn47, _mm512_set1_epi32(_mm_extract_epi32(hi, 1)));
+            const __m512i msum = _mm512_add_epi32(ml, _mm512_slli_epi32(mh, 7));
+            const __m512 dx = _mm512_set1_ps(rows[i].d[b]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+/* The same for packed Q6_K: values q (0…63) against the quants, times the sub-block's scale, less 32 · the
+ * sub-blocks' sums of 16 quants times their scales: Σ_j sc_j dot_j − 32 Σ_j sc_j bsum_j, the integer of the stored
+ * layout's products. */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * Q6K_GROUP_BYTES;
+        __m512i isum[X16_TILE], ssum[X16_TILE];
+        for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++) {
+            x16_prefetch(blk, Q6K_GROUP_BYTES, u);
+            const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1), *scb8 = lo + 768 - 224 * (u & 1);
+            const __m512i h0 = _mm512_loadu_si512(hb), h1 = _mm512_loadu_si512(hb + 64);
+            __m512i v[8];
+            for (int p = 0; p < 4; p++) {
+                const __m512i q = _mm512_loadu_si512(lo + 64 * p);
+                v[p] = _mm512_and_si512(q, m4);
+                v[p + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
+            /* value group g's high bits: vector g % 2, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
+            v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(h0, 4), m30, 0xF8);
+            v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(h1, 4), m30, 0xF8);
+            v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_slli_epi16(h0, 2), m30, 0xF8);
+            v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_slli_epi16(h1, 2), m30, 0xF8);
+            v[4] = _mm512_ternarylogic_epi32(v[4], h0, m30, 0xF8);
+            v[5] = _mm512_ternarylogic_epi32(v[5], h1, m30, 0xF8);
+            v[6] = _mm512_ternarylogic_epi32(v[6], _mm512_srli_epi16(h0, 2), m30, 0xF8);
+            v[7] = _mm512_ternarylogic_epi32(v[7], _mm512_srli_epi16(h1, 2), m30, 0xF8);
+            const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)scb8)),
+                          scb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scb8 + 16)));
+            /* the two sub-blocks' scales as an int16 pair per lane, for Σ_j sc_j · bsum_j by dpwssd */
+            const __m512i scp = _mm512_or_si512(_mm512_and_si512(sca, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(scb, 16));
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * QK_K + 32 * u;
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(dot16_x16(v, x), sca),
+                                                                     _mm512_mullo_epi32(dot16_x16(v + 4, x + 16), scb)));
+                ssum[i] = _mm512_dpwssd_epi32(ssum[i], scp, BCAST4(rows[i].bs + b * 16 + 2 * u));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 3328)));
+        for (int i = 0; i < T; i++) {
+            const __m512i p = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(ssum[i], 5));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+/* The same for a packed Q8_0 group (blocks of 32; rows[i].d: the activation row's Q8_0 scales). */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+    const uint8_t *qv = g + 2 * GROUP * nb;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m512 acc[X16_TILE];
+    for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[8];
+        for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512(qv + 512 * b + 64 * v);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * GROUP * b)));
+        for (int i = 0; i < T; i++) {
+            const int8_t *x = rows[i].q + b * 32;
+            const __m256i sx = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)x));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(dot16_x16(w, x), dot16_x16(w + 4, x + 16)),
+                                                 _mm512_set1_epi32(-128 * _mm_cvtsi128_si32(h)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(rows[i].d[b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
+}
+
+#define X16_CASES(FN)                                                                                             \
+    switch (tn) {                                                                                                 \
+    case 1: FN(g, nb, rows, o, ldo, 1); break;                                                                    \
+    case 2: FN(g, nb, rows, o, ldo, 2); break;                                                                    \
+    case 3: FN(g, nb, rows, o, ldo, 3); break;                                                                    \
+    default: FN(g, nb, rows, o, ldo, 4); break;                                                                   \
+    }
+
+/* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL). */
+__attribute__((target(VNNI_TARGET)))
+void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+    const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK_K);
+    Row rows[X16_TILE];
+    for (int64_t rc = r0; rc < r1; rc += GROUP) {
+        const uint8_t *g = w + rc * row_bytes;
+        for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {
+            const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;
+            for (int64_t i = 0; i < tn; i++) {
+                const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+                rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL};
+            }
+            float *o = out + t0 * ldo + rc;
+            if (qtype == T_Q4_K_PACKED) {
+                X16_CASES(q4_k_x16)
+            } else if (qtype == T_Q8_0_PACKED) {
+                X16_CASES(q8_0_x16)
+            } else {
+                X16_CASES(q6_k_x16)
+            }
+        }
+    }
+}
+#endif
