@@ -1,13 +1,13 @@
 """Causal attention over the KV cache: the native kernel (engine/native/attention.c) against its plain loops and
-the torch twin (`GatedAttention._attend`).
+the torch twin (`engine.ops.attention.attention_torch`).
 
     python bench/attention.py [--threads 2] [--reps 20] [--out bench/results/attention.json]
 
 Head shapes of the mid-size benchmark model (8 query heads, 2 KV heads, 256 dims) and of Qwen3.6-35B-A3B (16, 2,
-256); contexts of 512, 4096 and 8192 keys; 1 query (a decode step) and 4 (a verify pass). "native" is the engine's
-call, "plain" the same kernel with its plain C loops (`nativelib.PORTABLE_ATTENTION`: scores one key at a time, each
-output value loaded and stored per key), "torch" the engine's torch path; the three alternate rep by rep (each
-evicts the others' data, as the other layers of a decode step do), median counts.
+256); contexts of 512, 4096 and 8192 keys; 1 query (a decode step) and 4 (a verify pass). "native" is `ops.attention`
+on the default backend (the engine's call), "plain" the same kernel on the `native-portable` backend (its plain C
+loops: scores one key at a time, each output value loaded and stored per key), "torch" the torch backend; the three
+alternate rep by rep (each evicts the others' data, as the other layers of a decode step do), median counts.
 """
 from __future__ import annotations
 
@@ -25,17 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import nativelib  # noqa: E402
+from engine import ops  # noqa: E402
 from engine.cache import KVLayer  # noqa: E402
-from engine.models import qwen35  # noqa: E402
+from engine.ops import native  # noqa: E402
 
 SHAPES = [("mid-size fixture", 8, 2, 256), ("Qwen3.6-35B-A3B", 16, 2, 256)]
 CONTEXTS = [512, 4096, 8192]
-
-
-class _HP:
-    def __init__(self, h: int, h_kv: int, d: int):
-        self.n_head, self.n_head_kv, self.head_dim_k, self.head_dim_v = h, h_kv, d, d
 
 
 def main() -> None:
@@ -45,31 +40,24 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/attention.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not nativelib.available():
+    if not native.available():
         raise SystemExit("the native library is not built (pip install -e .)")
     gen = torch.Generator().manual_seed(0)
     rows = []
+    backends = {"native": ops.default_backend(), "plain": ops.Backend("native", "portable"), "torch": ops.TORCH}
     for what, h, h_kv, d in SHAPES:
-        att = qwen35.GatedAttention.__new__(qwen35.GatedAttention)
-        att.hp, att.scale = _HP(h, h_kv, d), d ** -0.5  # type: ignore[assignment]
+        scale = d ** -0.5
         for ctx in CONTEXTS:
             kv = KVLayer(torch.randn(ctx + 8, h_kv, d, generator=gen), torch.randn(ctx + 8, h_kv, d, generator=gen))
             for n in (1, 4):
                 q = torch.randn(n, h, d, generator=gen)
                 pos = ctx - n
-                paths = {
-                    "native": lambda: nativelib.attention(q, kv.k, kv.v, pos, att.scale),
-                    "plain": lambda: nativelib.attention(q, kv.k, kv.v, pos, att.scale),
-                    "torch": lambda: att._attend(q, kv, pos),
-                }
-                t: dict[str, list[float]] = {p: [] for p in paths}
+                t: dict[str, list[float]] = {p: [] for p in backends}
                 for _ in range(args.reps):
-                    for p, fn in paths.items():
-                        nativelib.PORTABLE_ATTENTION = p == "plain"
+                    for p, b in backends.items():
                         t0 = time.perf_counter()
-                        fn()
+                        ops.attention(q, kv.k, kv.v, pos, scale, b)
                         t[p].append(time.perf_counter() - t0)
-                nativelib.PORTABLE_ATTENTION = False
                 med = {p: statistics.median(v) for p, v in t.items()}
                 kv_bytes = 2 * ctx * h_kv * d * 4
                 rows.append({"shape": what, "n_head": h, "n_head_kv": h_kv, "head_dim": d, "context": ctx,
@@ -82,7 +70,7 @@ def main() -> None:
         "command": " ".join(["python", "bench/attention.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "reps": args.reps, "load_avg_at_start": os.getloadavg()[0],
-        "torch": torch.__version__, "rows": rows,
+        "torch": torch.__version__, "backends": {p: b.name for p, b in backends.items()}, "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -9,8 +9,9 @@ side's best round counts for prefill and for decode, and the median of the round
 
 Also the peak RSS of loading the model (in a fresh process), which must stay ≤ 1.3 × the file size:
 weights stay quantized and memory-mapped. Our prefill, the first pass over the model, includes packing the
-Q4_K / Q6_K weights for the VNNI products on their first use (engine.kquant.pack), as it includes reading the
-mapped file; llama.cpp repacks its weights while loading, outside its timed prefill.
+Q4_K / Q6_K weights for the VNNI products on their first use (engine.ops.linear.NativeLinear.pack, on the
+native-avx512vnni backend), as it includes reading the mapped file; llama.cpp repacks its weights while loading,
+outside its timed prefill. The engine runs on the default backend (`engine.ops.default_backend()`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,16 +49,15 @@ def load_rss(path: Path) -> dict:
 def bench_ours(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
     import torch
 
-    from engine import nativelib
-    from engine.modelfile import open_model
-    from engine.models.qwen35 import Qwen35Model
+    from engine.models.build import load_model
+    from engine.storage.modelfile import open_model
 
     torch.set_num_threads(threads)
-    m = Qwen35Model(open_model(path), n_ctx=len(prompt) + n_decode + 8)
+    m = load_model(open_model(path), n_ctx=len(prompt) + n_decode + 8)
     cache = m.new_cache(len(prompt) + n_decode + 8)
     t0 = time.perf_counter()
     logits = None
-    chunked = not nativelib.available()  # as the Engine's prefill does on the CPU
+    chunked = not m.sequential_prefill  # as the Engine's prefill does
     for s in range(0, len(prompt), 256):  # the Engine's prefill chunk
         logits = m.forward(prompt[s:s + 256], cache, chunked=chunked).logits[-1]
     t_prefill = time.perf_counter() - t0

@@ -1,15 +1,15 @@
-"""Q4_K / Q6_K / Q8_0 products: the native kernels (engine.kquant) against the torch paths.
+"""Q4_K / Q6_K / Q8_0 products: the native kernels against the torch backend.
 
     python bench/kquant.py [--threads 2] [--rounds 5] [--out bench/results/kquant.json]
 
 One product per weight shape of the mid-size benchmark model (bench/synthetic.py MID: Q4_K with Q6_K expert
 down projections and LM head), of the embedded model (Q8_0) and of a Q8_0 attention projection of a real
 model's width, and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk), the paths
-alternating round by round (best round counts). On AVX512-VNNI "native" Q4_K, Q6_K and Q8_0 run packed (`kquant.pack`:
-16 rows interleaved) and "stored" is the same product on the stored blocks. "torch" is `rowwise_matmul` with the native path switched off
-(`engine.kquant.usable` → False: dequantize-then-float for K-quants, the torch integer path engine.q8dot for
-Q8_0 rows of ≤ 512 values and dequantize-then-float for wider ones); "native" is `rowwise_matmul` as the
-engine runs it.
+alternating round by round (best round counts). "native" is the weight bound to the default backend
+(`ops.default_backend()`, as the engine runs it: on AVX512-VNNI, Q4_K, Q6_K and Q8_0 packed 16 rows interleaved);
+"stored" (where the default backend packs) is the same product in the stored block order (the `native-avx512`
+backend); "torch" is the `torch` backend (dequantize-then-float for K-quants, the torch integer path for Q8_0 rows
+of ≤ 512 values and dequantize-then-float for wider ones). Each path is `ops.linear` on the weight bound to it.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.timing import mean_seconds  # noqa: E402
-from engine import kquant, nativelib  # noqa: E402
-from engine.quant import QTensor  # noqa: E402
-from engine.quantize import random_blocks  # noqa: E402
-from engine.rowwise import rowwise_matmul  # noqa: E402
+from engine import ops  # noqa: E402
+from engine.ops import native  # noqa: E402
+from engine.storage.qtensor import QTensor  # noqa: E402
+from engine.storage.quantize import random_blocks  # noqa: E402
 
 SHAPES = [(QT.Q4_K, 4096, 1024, "attention q+gate"), (QT.Q4_K, 1024, 2048, "attention / GDN out"),
           (QT.Q4_K, 512, 1024, "shared expert gate"), (QT.Q6_K, 1024, 256, "expert down"),
@@ -48,25 +48,25 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/kquant.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not nativelib.available():
-        raise SystemExit("the native K-quant library is not built (pip install -e .)")
+    if not native.available():
+        raise SystemExit("the native library is not built (pip install -e .)")
     rng = np.random.default_rng(0)
-    usable = kquant.usable
+    default = ops.default_backend()
+    backends = {"native": default, "torch": ops.TORCH}
+    if default.packs:
+        backends["stored"] = ops.backend_named("native-avx512")
     rows_out = []
     for qt, n_out, k, what in SHAPES:
         w = QTensor(random_blocks((n_out, k), qt, rng, 1 / np.sqrt(k)), qt, (n_out, k))
+        lins = {p: ops.bind(w, b) for p, b in backends.items()}
         for m in ROWS:
             x = torch.randn(m, k)
             big = n_out * k * m
             reps = max(1, min(200, int(2e9 // (big * 40))))
-            paths = ["native", "torch"] + (["stored"] if qt in kquant.PACKED and kquant.packs() else [])
-            t = {p: float("inf") for p in paths}
+            t = {p: float("inf") for p in lins}
             for _ in range(args.rounds):
-                for path in paths:
-                    kquant.usable = usable if path != "torch" else (lambda w, x: False)  # type: ignore[assignment]
-                    kquant.PACK = path != "stored"
-                    t[path] = min(t[path], mean_seconds(lambda: rowwise_matmul(x.clone(), w), reps))
-            kquant.usable, kquant.PACK = usable, True  # type: ignore[assignment]
+                for path, lin in lins.items():
+                    t[path] = min(t[path], mean_seconds(lambda lin=lin: ops.linear(x.clone(), lin), reps))
             row = {"type": qt.name, "out": n_out, "in": k, "what": what, "m": m,
                    "native_ms": t["native"] * 1e3, "torch_ms": t["torch"] * 1e3,
                    "speedup": t["torch"] / t["native"], "native_gb_s": w.nbytes / t["native"] / 1e9}
@@ -78,7 +78,8 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "rounds": args.rounds, "load_avg_at_start": os.getloadavg()[0],
-        "cpu": platform.processor() or platform.machine(), "kernels": kquant.isa(), "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "backends": {p: b.name for p, b in backends.items()}, "torch": torch.__version__,
         "products": rows_out,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,14 +1,16 @@
-"""Q8_0 products: the integer path (engine.q8dot) against dequantize-then-float (the path it replaced).
+"""Q8_0 products of the torch backend: its integer path (engine.ops.torch_int8) against dequantize-then-float.
 
     python bench/q8dot.py [--threads 1] [--rounds 5] [--prompts 16] [--out bench/results/q8dot.json]
 
 Two measurements, each alternating the two paths round by round (best round counts):
 * one product per weight shape of the embedded model (and wider matrices) and row count M (1 = a decode
-  step, 2–8 = verify passes, 64 = a prefill chunk): `q8dot.matmul` against `rowwise_matmul` with the integer
-  path off; `engine_integer` says which one the engine uses for that shape (`q8dot.MAX_COLS`);
+  step, 2–8 = verify passes, 64 = a prefill chunk): the weight bound to the torch backend's integer product
+  (`Int8Linear`) against the same weight dequantized (`DequantLinear`); `engine_integer` says which one the torch
+  backend uses for that shape (`Int8Layouts.max_cols`);
 * decode of the embedded model answering the first `--prompts` held-out evaluation prompts (greedy, MTP
   off, replies end at EOS, ≤ 64 tokens): tokens over decode time, as in bench/mtp.py.
-The "float" path is the same code with the integer path switched off (`engine.q8dot.usable` → False).
+The "float" decode is the torch backend with its integer path off (`Int8Layouts(max_cols=0)`). The native backends
+run Q8_0 in their own kernels (bench/kquant.py); this is the path where the native library is missing.
 """
 from __future__ import annotations
 
@@ -30,21 +32,18 @@ import gguf.quants as gq  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from bench.timing import mean_seconds  # noqa: E402
-from engine import q8dot  # noqa: E402
-from engine.generate import GenerationConfig, Stats, load  # noqa: E402
-from engine.quant import QTensor  # noqa: E402
-from engine.rowwise import rowwise_matmul  # noqa: E402
+from engine import ops  # noqa: E402
+from engine.events import EngineConfig, GenerationConfig, Stats  # noqa: E402
+from engine.generate import load  # noqa: E402
+from engine.ops.linear import DequantLinear, Int8Linear  # noqa: E402
+from engine.storage.qtensor import QTensor  # noqa: E402
 from engine.training.data import eval_prompts  # noqa: E402
 
 SHAPES = [(8192, 256, "LM head"), (512, 256, "attention q / GDN qkv"), (256, 256, "shared expert, out"),
           (256, 128, "expert down"), (256, 512, "MTP eh_proj"), (1024, 1024, "wider model"),
           (2048, 2048, "wider model")]
 ROWS = [1, 2, 4, 8, 64]
-_INTEGER = q8dot.usable
-
-
-def _path(integer: bool) -> None:
-    q8dot.usable = _INTEGER if integer else (lambda w, x: False)  # type: ignore[assignment]
+FLOAT = ops.Backend("torch", "torch", int8=ops.Int8Layouts(max_cols=0))  # the torch backend, integer path off
 
 
 def bench_products(rounds: int) -> list[dict]:
@@ -52,29 +51,28 @@ def bench_products(rounds: int) -> list[dict]:
     out = []
     for n, k, what in SHAPES:
         w = QTensor(gq.quantize(rng.standard_normal((n, k)).astype(np.float32), QT.Q8_0), QT.Q8_0, (n, k))
+        lin = {True: Int8Linear(w, ops.TORCH), False: DequantLinear(w, ops.TORCH)}
         for m in ROWS:
             x = torch.randn(m, k)
             reps = max(3, int(2e7 / (n * k * max(m, 4))))
             best = {True: float("inf"), False: float("inf")}
-            _path(False)
             for _ in range(rounds):
-                best[True] = min(best[True], mean_seconds(lambda: q8dot.matmul(x.clone(), w), reps))
-                best[False] = min(best[False], mean_seconds(lambda: rowwise_matmul(x.clone(), w), reps))
-            _path(True)
+                for integer in (True, False):
+                    best[integer] = min(best[integer],
+                                        mean_seconds(lambda i=integer: ops.linear(x.clone(), lin[i]), reps))
             out.append({"shape": [n, k], "weight": what, "rows": m, "integer_s": best[True], "float_s": best[False],
-                        "speedup": best[False] / best[True], "engine_integer": q8dot.usable(w, x)})
+                        "speedup": best[False] / best[True], "engine_integer": ops.bind(w, ops.TORCH).kind == "int8"})
             print(f"  {n:5d}×{k:<5d} M={m:<3d} integer {best[True] * 1e6:8.1f} µs  float {best[False] * 1e6:8.1f} µs"
                   f"  ×{best[False] / best[True]:.2f}", flush=True)
     return out
 
 
 def bench_decode(n_prompts: int, rounds: int) -> dict:
-    eng = load(None)
+    engines = {True: load(None, EngineConfig(backend=ops.TORCH)), False: load(None, EngineConfig(backend=FLOAT))}
     prompts = eval_prompts()[:n_prompts]
     best: dict[bool, dict] = {}
     for _ in range(rounds):
-        for integer in (True, False):
-            _path(integer)
+        for integer, eng in engines.items():
             tokens, seconds = 0, 0.0
             for p in prompts:
                 eng.reset()
@@ -88,8 +86,8 @@ def bench_decode(n_prompts: int, rounds: int) -> dict:
             rate = tokens / seconds
             if integer not in best or rate > best[integer]["decode_tok_s"]:
                 best[integer] = {"decode_tokens": tokens, "decode_s": seconds, "decode_tok_s": rate}
-    _path(True)
-    res = {"workload": f"embedded model, first {n_prompts} held-out evaluation prompts, greedy, MTP off",
+    res = {"workload": f"embedded model on the torch backend, first {n_prompts} held-out evaluation prompts, greedy, "
+                       "MTP off",
            "integer": best[True], "float": best[False],
            "speedup": best[True]["decode_tok_s"] / best[False]["decode_tok_s"]}
     print(f"  decode: integer {best[True]['decode_tok_s']:.1f} tok/s, float {best[False]['decode_tok_s']:.1f} tok/s "

@@ -1,4 +1,6 @@
-"""Throughput of engine.quant: dequantization and tiled matmul per GGUF type, on CPU threads.
+"""Throughput of the dequantizing path per GGUF type, on CPU threads: engine.storage.qtensor's dequantization and
+the torch backend's product over dequantized tiles (engine.ops.linear.DequantLinear: x rounded as llama.cpp
+rounds it, one product per row).
 
     .venv/bin/python bench/quant.py [--out bench/results/quant.json] [--threads 2]
 
@@ -27,8 +29,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import quant  # noqa: E402
-from engine.quant import QTensor  # noqa: E402
+from engine import ops  # noqa: E402
+from engine.ops.linear import DequantLinear  # noqa: E402
+from engine.storage import qtensor as quant  # noqa: E402
+from engine.storage.qtensor import QTensor  # noqa: E402
 
 # byte offsets of fp16 scale fields per block; they get finite, moderate values
 _F16_FIELDS: dict[QT, tuple[int, ...]] = {
@@ -86,7 +90,7 @@ class Timing:
 
 
 def dequant_all(t: QTensor) -> None:
-    """The whole tensor, one tile-sized row range per call (what matmul and row lookups do)."""
+    """The whole tensor, one tile-sized row range per call (what the dequantizing product does)."""
     step = max(1, quant.TILE_ELEMENTS // t.n_cols)
     for r0 in range(0, t.n_rows, step):
         t.dequantize(slice(r0, r0 + step))
@@ -96,8 +100,9 @@ def bench_types(types: list[QT], n: int, k: int, budget_s: float, rounds: int) -
     gen = torch.Generator().manual_seed(0)
     x1, x8 = torch.randn(1, k, generator=gen), torch.randn(8, k, generator=gen)
     weights = {q: QTensor(random_weight(q, n, k), q, (n, k)) for q in types}
-    cases = {q: {"dequant": lambda t=t: dequant_all(t), "matmul_x1": lambda t=t: t.matmul(x1),
-                 "matmul_x8": lambda t=t: t.matmul(x8)} for q, t in weights.items()}
+    lins = {q: DequantLinear(t, ops.TORCH) for q, t in weights.items()}
+    cases = {q: {"dequant": lambda t=t: dequant_all(t), "matmul_x1": lambda q=q: ops.linear(x1, lins[q]),
+                 "matmul_x8": lambda q=q: ops.linear(x8, lins[q])} for q, t in weights.items()}
     timings = {(q, name): Timing() for q in types for name in cases[q]}
     for _ in range(rounds):
         for q in types:
@@ -108,18 +113,14 @@ def bench_types(types: list[QT], n: int, k: int, budget_s: float, rounds: int) -
 
 
 def tile_sweep(types: list[QT], tiles: list[int], n: int, k: int, budget_s: float, rounds: int) -> list[dict[str, object]]:
-    """matmul throughput per tile size, to justify quant.TILE_ELEMENTS."""
-    default = quant.TILE_ELEMENTS
+    """Product throughput per tile size, to justify engine.storage.qtensor.TILE_ELEMENTS."""
     weights = {q: QTensor(random_weight(q, n, k), q, (n, k)) for q in types}
     xs = {"x1": torch.randn(1, k), "x8": torch.randn(8, k)}
     timings = {(q, tile, xn): Timing() for q in types for tile in tiles for xn in xs}
-    try:
-        for _ in range(rounds):
-            for (q, tile, xn), tm in timings.items():
-                quant.TILE_ELEMENTS = tile
-                tm.run(lambda: weights[q].matmul(xs[xn]), budget_s)
-    finally:
-        quant.TILE_ELEMENTS = default
+    for _ in range(rounds):
+        for (q, tile, xn), tm in timings.items():
+            lin = DequantLinear(weights[q], ops.TORCH, tile_elements=tile)
+            tm.run(lambda: ops.linear(xs[xn], lin), budget_s)
     return [{"type": q.name, "tile_elements": tile, "tile_mib_fp32": tile * 4 / 2**20,
              **{f"matmul_{xn}_elements_per_s": timings[q, tile, xn].summary(n * k)["elements_per_s"] for xn in xs}}
             for q in types for tile in tiles]
@@ -152,7 +153,7 @@ def main() -> None:
         print(f"sweep {s['type']:5s} tile {s['tile_elements']:>8d}: x1 {s['matmul_x1_elements_per_s'] / 1e9:5.2f} "
               f"x8 {s['matmul_x8_elements_per_s'] / 1e9:5.2f} Ge/s", flush=True)
     report = {
-        "benchmark": "engine.quant dequantize / tiled matmul throughput (elements of the weight per second)",
+        "benchmark": "engine.storage.qtensor dequantize / tiled matmul throughput (elements of the weight per second)",
         "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -164,7 +165,8 @@ def main() -> None:
         "tile_elements": quant.TILE_ELEMENTS,
         "method": "best of all runs (median also given); each figure is run for --budget seconds in each of "
                   "--rounds passes over all types. dequant = the whole weight as tile-sized row ranges via "
-                  "QTensor.dequantize(rows); matmul = QTensor.matmul(x) with fp32 x [1, k] and [8, k]. "
+                  "QTensor.dequantize(rows); matmul = ops.linear(x, DequantLinear(w, ops.TORCH)) (dequantize-then-"
+                  "multiply, x rounded as llama.cpp rounds it) with fp32 x [1, k] and [8, k]. "
                   "elements = weight elements (n*k) per second",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

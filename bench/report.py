@@ -89,9 +89,12 @@ def _q8dot(d: dict) -> list[str]:
 
 
 def _kquant(d: dict) -> list[str]:
+    kernels = (", ".join(f"{p} = {b}" for p, b in d["backends"].items()) if "backends" in d
+               else d.get("kernels", "?"))
     out = ["## Q4_K / Q6_K / Q8_0 native kernels vs the torch paths (`bench/kquant.py`)", "",
-           "torch: dequantize-then-float; for Q8_0 rows of ≤ 512 values the torch integer path (`engine.q8dot`).", "",
-           f"Command: `{d['command']}` ({d['date']}), {d['threads']} thread(s), kernels: {d['kernels']}, best of "
+           "torch: dequantize-then-float; for Q8_0 rows of ≤ 512 values the torch integer path "
+           "(`engine.ops.torch_int8`).", "",
+           f"Command: `{d['command']}` ({d['date']}), {d['threads']} thread(s), kernels: {kernels}, best of "
            f"{d['rounds']} rounds, the two paths alternating.", "",
            "Q4_K, Q6_K and Q8_0 native run packed (16 rows interleaved) for AVX512-VNNI where the CPU has it; *stored* "
            "is the stored block order's kernels (× packed = stored / native).", "",

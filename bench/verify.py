@@ -29,49 +29,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.synthetic import MID, cached  # noqa: E402
-import engine.experts as experts_mod  # noqa: E402
-import engine.models.qwen35 as model_mod  # noqa: E402
-from engine.modelfile import open_model  # noqa: E402
-from engine.models.qwen35 import Qwen35Model  # noqa: E402
-from engine import kquant, q8dot  # noqa: E402
-from engine.rowwise import project, rowwise_matmul  # noqa: E402
+from engine import ops  # noqa: E402
+from engine.cache import Cache  # noqa: E402
+from engine.models.build import load_model  # noqa: E402
+from engine.storage.modelfile import open_model  # noqa: E402
 
+# What the ops of the pass being measured read and how long the routed experts took: the backend's observer
+# (engine.ops.OpEvent) counts every product's weight bytes (for the routed experts, the distinct experts a pass
+# uses, each read once) and times the routed experts.
 _bytes_read = [0]
+_in_experts: dict = {"s": 0.0, "distinct": [], "on": False}
 
 
-def _counting(x, w, ggml_activations=True):  # type: ignore[no-untyped-def]
-    _bytes_read[0] += w.nbytes
-    return rowwise_matmul(x, w, ggml_activations)
+def _observe(e: ops.OpEvent) -> None:
+    _bytes_read[0] += e.nbytes
+    if e.op == "moe_experts" and _in_experts["on"]:
+        _in_experts["s"] += e.seconds
+        _in_experts["distinct"].append(e.experts)
 
 
-def _counting_project(x, ws):  # type: ignore[no-untyped-def]
-    _bytes_read[0] += sum(w.nbytes for w in ws)
-    return project(x, ws)
+def snapshot(cache: Cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the cache's GDN states (conv and recurrent), to rewind it with `restore` between passes."""
+    return {i: (s.conv.clone(), s.ssm.clone()) for i, s in cache.gdn.items()}
 
 
-_select = q8dot.select
-
-
-def _counting_select(gate_up, down, at):  # type: ignore[no-untyped-def]
-    g, d = _select(gate_up, down, at)  # the integer path reads the selected experts' int8 planes
-    _bytes_read[0] += sum(t.nbytes for t in (g.qs, g.d, d.qs, d.d))
-    return g, d
-
-
-_gather = experts_mod.gather_experts
-
-
-def _counting_gather(w, experts):  # type: ignore[no-untyped-def]
-    _bytes_read[0] += w.nbytes // w.shape[0] * len(experts)
-    return _gather(w, experts)
-
-
-_pairs = kquant.matmul_pairs
-
-
-def _counting_pairs(xr, w, xrow, experts, starts):  # type: ignore[no-untyped-def]
-    _bytes_read[0] += w.nbytes // w.shape[0] * experts.numel()  # the native path reads each selected expert once
-    return _pairs(xr, w, xrow, experts, starts)
+def restore(cache: Cache, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
+    """The GDN states of `snap` back in `cache`, and its length set to `pos` (the KV rows past it are ignored)."""
+    for i, (conv, ssm) in snap.items():
+        cache.gdn[i].conv = conv.clone()  # rebound: the current one may view a pass's window that captures read
+        cache.gdn[i].ssm.copy_(ssm)
+    cache.pos = pos
 
 
 def timed(fn, reps: int, setup=None) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -85,20 +72,6 @@ def timed(fn, reps: int, setup=None) -> tuple[float, int]:  # type: ignore[no-un
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), _bytes_read[0]
-
-
-_run_experts = model_mod.run_experts
-_in_experts = {"s": 0.0, "distinct": [], "on": False}
-
-
-def _timed_experts(x, idx, *a, **k):  # type: ignore[no-untyped-def]
-    if not _in_experts["on"]:
-        return _run_experts(x, idx, *a, **k)
-    _in_experts["distinct"].append(int(torch.unique(idx).numel()))  # outside the timed call
-    t0 = time.perf_counter()
-    y = _run_experts(x, idx, *a, **k)
-    _in_experts["s"] += time.perf_counter() - t0
-    return y
 
 
 def where_time_goes(n: int, fn, reps: int, setup) -> dict:  # type: ignore[no-untyped-def]
@@ -130,30 +103,25 @@ def main() -> None:
     ap.add_argument("--out", help="default: bench/results/verify.json for 'mid', verify_default.json for 'default'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_mod.rowwise_matmul = _counting
-    model_mod.project = _counting_project
-    model_mod.run_experts = _timed_experts
-    experts_mod.gather_experts = _counting_gather
-    q8dot.select = _counting_select
-    kquant.matmul_pairs = _counting_pairs
+    backend = ops.default_backend().with_observer(_observe)
 
-    from engine.modelfile import default_model_path
+    from engine.storage.modelfile import default_model_path
     path = cached("mid", ROOT / "build/bench") if args.model == "mid" else \
         default_model_path() if args.model == "default" else Path(args.model)
     out = args.out or str(ROOT / ("bench/results/verify.json" if args.model == "mid" else
                                   "bench/results/verify_default.json"))
     mf = open_model(path)
-    m = Qwen35Model(mf, n_ctx=1200)
+    m = load_model(mf, n_ctx=1200, backend=backend)
     rng = np.random.default_rng(0)
     vocab = min(32000, mf.hparams.n_vocab)
     context = rng.integers(0, vocab, 64).tolist()
     draft = rng.integers(0, vocab, 8).tolist()
     cache = m.new_cache(1200)
     m.forward(context, cache, logit_rows="none")
-    snap = cache.snapshot()
+    snap = snapshot(cache)
 
     def reset() -> None:
-        cache.restore(snap, len(context))
+        restore(cache, snap, len(context))
 
     def step(toks: list[int], capture: bool):  # type: ignore[no-untyped-def]
         return m.forward(toks, cache, logit_rows="all", capture=capture)
@@ -225,7 +193,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "load_avg_at_start": os.getloadavg()[0], "torch": torch.__version__,
-        "kquant_kernels": kquant.isa(),
+        "backend": backend.name,
         "model": {"file": path.name, "shape": MID.__dict__ if args.model == "mid" else None},
         "decode_step_s": t1, "decode_step_weight_bytes": b1,
         "verify": rows, "prefill_512": prefill, "routed_experts_share": breakdown,

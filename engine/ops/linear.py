@@ -140,13 +140,17 @@ def _rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), w.t().unsqueeze(0).expand(n, -1, -1)).squeeze(1)
 
 
-def tile_rows(w: QTensor) -> int:
+def tile_rows(w: QTensor, tile_elements: int = TILE_ELEMENTS) -> int:
     """Rows per dequantized tile: fixed per weight (never by N), so tiling cannot change results."""
-    return max(1, min(w.n_rows, TILE_ELEMENTS // max(w.n_cols, 1)))
+    return max(1, min(w.n_rows, tile_elements // max(w.n_cols, 1)))
 
 
 class DequantLinear(Linear):
     kind = "dequant"
+
+    def __init__(self, weight: QTensor, backend: Backend, tile_elements: int = TILE_ELEMENTS):
+        super().__init__(weight, backend)
+        self.tile_elements = tile_elements  # values dequantized at a time (bench/quant.py's tile sweep)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         w: QTensor = self.weight  # type: ignore[assignment]
@@ -154,7 +158,7 @@ class DequantLinear(Linear):
         x2 = round_for(x, w.qtype.name).reshape(-1, k)
         if w.qtype == QT.F32 and w.raw.device == x2.device:
             return _rowwise(x2, w.raw.view(torch.float32).view(n_out, k)).reshape(*x.shape[:-1], n_out)
-        step = tile_rows(w)
+        step = tile_rows(w, self.tile_elements)
         if step >= n_out:
             return _rowwise(x2, w.dequantize(slice(0, n_out), device=x2.device)).reshape(*x.shape[:-1], n_out)
         y = torch.empty(x2.shape[0], n_out, dtype=torch.float32, device=x2.device)
