@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.synthetic import MID, cached  # noqa: E402
 from engine import ops  # noqa: E402
-from engine.cache import Cache  # noqa: E402
+from tests.fixtures import restore, snapshot  # noqa: E402
 from engine.models.build import load_model  # noqa: E402
 from engine.storage.modelfile import open_model  # noqa: E402
 
@@ -46,19 +46,6 @@ def _observe(e: ops.OpEvent) -> None:
     if e.op == "moe_experts" and _in_experts["on"]:
         _in_experts["s"] += e.seconds
         _in_experts["distinct"].append(e.experts)
-
-
-def snapshot(cache: Cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of the cache's GDN states (conv and recurrent), to rewind it with `restore` between passes."""
-    return {i: (s.conv.clone(), s.ssm.clone()) for i, s in cache.gdn.items()}
-
-
-def restore(cache: Cache, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
-    """The GDN states of `snap` back in `cache`, and its length set to `pos` (the KV rows past it are ignored)."""
-    for i, (conv, ssm) in snap.items():
-        cache.gdn[i].conv = conv.clone()  # rebound: the current one may view a pass's window that captures read
-        cache.gdn[i].ssm.copy_(ssm)
-    cache.pos = pos
 
 
 def timed(fn, reps: int, setup=None) -> tuple[float, int]:  # type: ignore[no-untyped-def]

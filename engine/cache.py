@@ -153,13 +153,3 @@ class Cache:
                 steps.write(index, s.ssm)
             else:
                 s.ssm.copy_(steps[index])
-
-    def snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the GDN states (tests and benchmarks rewind a cache with `restore`; the engine never does)."""
-        return {i: (s.conv.clone(), s.ssm.clone()) for i, s in self.gdn.items()}
-
-    def restore(self, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
-        for i, (c, m) in snap.items():
-            self.gdn[i].conv = c.clone()  # rebound: the current one may view a pass's window that captures read
-            self.gdn[i].ssm.copy_(m)
-        self.pos = pos

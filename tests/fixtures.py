@@ -15,8 +15,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as T
 
+from engine.cache import Cache
 from engine.storage.modelfile import HParams, expected_tensors
 from engine.storage.writer import Vocab, make_hparams, write_gguf
 
@@ -169,3 +171,18 @@ if __name__ == "__main__":  # `python -m tests.fixtures OUT.gguf`: a demo model 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_fixture(out, TINY_MOE)
     print(out)
+
+
+# Rewinding a cache (tests and benchmarks; the engine itself never rewinds GDN states: it commits captured ones)
+
+def snapshot(cache: Cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the cache's GDN states (conv and recurrent), to rewind it with `restore` between passes."""
+    return {i: (s.conv.clone(), s.ssm.clone()) for i, s in cache.gdn.items()}
+
+
+def restore(cache: Cache, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
+    """The GDN states of `snap` back in `cache`, and its length set to `pos` (the KV rows past it are ignored)."""
+    for i, (conv, ssm) in snap.items():
+        cache.gdn[i].conv = conv.clone()  # rebound: the current one may view a pass's window that captures read
+        cache.gdn[i].ssm.copy_(ssm)
+    cache.pos = pos

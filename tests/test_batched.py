@@ -18,7 +18,7 @@ from engine.storage.modelfile import open_model
 from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
 from tests.conftest import backend_params
-from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, restore, snapshot
 
 Q8_MOE = FixtureSpec(qtype="Q8_0")
 # Every backend the machine runs must be batch-invariant: the native kernels in each instruction-set form (Q4_K /
@@ -50,10 +50,10 @@ def test_verify_sized_passes_are_bit_identical(spec: FixtureSpec, backend: ops.B
     tail = _toks(spec, 8, seed=2)
     base = m.new_cache(1100)
     m.forward(prefix, base, logit_rows="none")
-    snap = base.snapshot()
+    snap = snapshot(base)
     ref = _per_token(m, tail, base)
     for n in range(2, 9):
-        base.restore(snap, len(prefix))
+        restore(base, snap, len(prefix))
         got = m.forward(tail[:n], base, logit_rows="all", capture=True).logits
         assert torch.equal(got, ref[:n]), n
 

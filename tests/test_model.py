@@ -9,7 +9,7 @@ import torch
 from engine.storage.modelfile import open_model
 from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
-from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, restore, snapshot
 
 N_TOK = 96
 
@@ -89,7 +89,7 @@ def test_cache_truncate_and_state_capture() -> None:
     toks = _tokens(KQUANT_MOE, 12)
     c = m.new_cache(64)
     m.forward(toks[:8], c, logit_rows="none")
-    snap = c.snapshot()
+    snap = snapshot(c)
     res = m.forward(toks[8:], c, logit_rows="all", capture=True)
     # Commit the state after position 1 of the 4-token pass, truncate the attention cache to match,
     # and continue: the result equals a run that never saw tokens 10 and 11.
@@ -100,7 +100,7 @@ def test_cache_truncate_and_state_capture() -> None:
     m.forward(toks[:10], c2, logit_rows="none")
     ref = m.forward([5], c2, logit_rows="last").logits
     assert torch.equal(cont, ref)
-    c.restore(snap, 8)
+    restore(c, snap, 8)
     again = m.forward(toks[8:], c, logit_rows="all").logits
     assert torch.equal(again, res.logits)
     with pytest.raises(ValueError):
