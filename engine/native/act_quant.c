@@ -66,10 +66,10 @@ static void quantize_q8k_block_avx512(const float *xb, int8_t *qb, float *d, int
 }
 #endif
 
-void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int portable) {
+void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa) {
     const int64_t nb = k / QK_K;
 #if defined(__x86_64__)
-    if (!portable && (cpu_features() & CPU_AVX512)) {
+    if (isa_runs(isa, ISA_AVX512)) {
         for (int64_t i = 0; i < m_rows * nb; i++)
             quantize_q8k_block_avx512(x + i * QK_K, q + i * QK_K, d + i, bsums + i * 16);
         return;

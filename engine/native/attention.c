@@ -11,9 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
 #define LANES 16
 
@@ -101,13 +99,13 @@ static void values_avx512(const float *p, int64_t t_max, const float *sum, int64
  * them once per head set the pace. Returns 0, or −1 when out of memory. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
-                 int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int portable) {
+                 int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int isa) {
 #if defined(__x86_64__)
-    const int avx512 = !portable && __builtin_cpu_supports("avx512f");
+    const int avx512 = isa_runs(isa, ISA_AVX512);
     const int wide = avx512 && dk % LANES == 0, wide_v = avx512 && dv % 128 == 0;
 #else
     const int wide = 0, wide_v = 0;
-    (void)portable;
+    (void)isa;
 #endif
     const int64_t group = n_head / n_kv, t_max = pos + n;
     /* heads per work item: the whole group unless that leaves threads idle */

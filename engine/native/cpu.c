@@ -16,7 +16,14 @@ int cpu_features(void) {
         if (bw && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
             FEATURES |= CPU_VNNI;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+            FEATURES |= CPU_AVX2;
 #endif
     }
     return FEATURES;
+}
+
+int isa_runs(int isa, int level) {
+    static const int need[] = {0, CPU_AVX2, CPU_AVX512, CPU_AVX512 | CPU_VNNI};
+    return isa >= level && (cpu_features() & need[level]) == need[level];
 }

@@ -87,14 +87,15 @@ DEFINE_HEAD(8)
 #endif
 
 /* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
- * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. portable: the loop below even where the register form could run (tests compare the two).
+ * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: below ISA_AVX512, the loop below even where the register form could run (tests compare
+ * the two).
  * Returns 0, or -1 if dv > MAX_DV. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
                      const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
-                     int64_t dv, int n_threads, int portable) {
+                     int64_t dv, int n_threads, int isa) {
     if (dv > MAX_DV) return -1;
-    const int avx512 = (cpu_features() & CPU_AVX512) && !portable;
+    const int avx512 = isa_runs(isa, ISA_AVX512);
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t h = 0; h < H; h++) {
         const float *Sin = S_in + h * dk * dv;

@@ -21,13 +21,18 @@ enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
 /* q8_0.c: Q8_0 weight rows (stored blocks) times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
-                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable);
+                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
 
 /* cpu.c: what this CPU runs, detected once: CPU_AVX512 (AVX512F/BW and F16C: the stored-order K-quant products,
  * the Q8_K quantizer and the float kernels' register forms), CPU_VNNI (and AVX512VL, VNNI, FMA: the packed
- * products and the Q8_0 ones). */
-enum { CPU_AVX512 = 1, CPU_VNNI = 2 };
+ * products and the Q8_0 ones), CPU_AVX2 (and FMA, F16C: the 256-bit products). */
+enum { CPU_AVX512 = 1, CPU_VNNI = 2, CPU_AVX2 = 4 };
 int cpu_features(void);
+
+/* The instruction-set level a call asks for (engine.ops.backend's isa, the one choice): every kernel runs its best
+ * form at or below that level that this CPU has. isa_runs(isa, level): whether a form of `level` may run. */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
+int isa_runs(int isa, int level);
 
 typedef struct {
     const int8_t *q;  /* [rows, k] */
@@ -38,6 +43,22 @@ typedef struct {
 
 #if defined(__x86_64__)
 #define AVX512_TARGET "avx512f,avx512bw,f16c"
+#define AVX2_TARGET "avx2,fma,f16c"
+
+/* the horizontal sum of 8 float lanes, always in this order (halves, then pairs, then the last two) */
+__attribute__((target("avx"), always_inline))
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+__attribute__((target("f16c"), always_inline))
+static inline float fp16_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
 
 typedef struct {
     const int8_t *q;  /* the row's quants, block 0 */

@@ -113,15 +113,7 @@ static int32_t dot_scalar(const Block *w, const int8_t *x) {
  * per 64 values either way); the mins' term as per-block float weights of the activations' scaled sums of
  * 16 (no faster, and its rounding, unlike ggml's integer Σ min·bsum, doubled the KL to llama.cpp). */
 #if defined(__x86_64__)
-__attribute__((target(AVX512_TARGET)))
-static inline float fp16_f16c(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* A Q4_K block's 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
-__attribute__((target(AVX512_TARGET)))
 static inline __m128i q4_k_scales(const uint8_t *blk) {
     uint32_t u[3];
     memcpy(u, blk + 4, 12);
@@ -283,6 +275,108 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
         }
     }
 }
+
+/* AVX2 products (with FMA and F16C: the x86-64 desktop CPUs without AVX512), on the stored blocks as ggml's AVX2 dot
+ * products read them: a 32-byte vector holds one 32-value sub-block of Q4_K (the low or the high nibbles of a
+ * 32-byte chunk, so the quants stay in their natural order) or two 16-value sub-blocks of Q6_K; maddubs (u8 values ×
+ * s8 quants → 16-bit pair sums, at most 2·63·127) then madd by the sub-blocks' 16-bit scales give exact int32 lanes.
+ * Per block, as in the AVX512 form: p · d·d_x (Q4_K: less Σ min·bsum · dmin·d_x) into the row's 8 float lanes, summed
+ * across (hsum8) at the end of the weight row. vector j of a block multiplies quants 32j … 32j+31. */
+__attribute__((target(AVX2_TARGET)))
+static void rows_q4_k_avx2(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 144;
+        const float d = fp16_f16c(blk), dmin = fp16_f16c(blk + 2);
+        const __m128i sm = q4_k_scales(blk);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* sc0..7 as 16-bit, both halves */
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  /* mn0 mn0 mn1 mn1 …: one per bsum */
+        __m256i v[8], s[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            v[2 * c] = _mm256_and_si256(q, m4);
+            v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        for (int j = 0; j < 8; j++) s[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+        for (int64_t i = 0; i < tn; i++) {
+            const int8_t *x = rows[i].q + b * QK_K;
+            __m256i p = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                p = _mm256_add_epi32(p, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j))), s[j]));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+            const float dx = rows[i].d[b];
+            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * d), acc[i]);
+            acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(-dx * dmin), f);
+        }
+    }
+}
+
+/* Q6_K: the stored values are q + 32, so 32 · Σ sc·bsum comes off p. Vector 4n + t holds quants 128n + 32t …, the
+ * sub-blocks 8n + 2t (low 128 bits) and 8n + 2t + 1 (high). */
+__attribute__((target(AVX2_TARGET)))
+static void rows_q6_k_avx2(const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256i pick[4];  /* per 128-bit half, the 16-bit scale 2t (low) and 2t + 1 (high) into every lane */
+    for (int t = 0; t < 4; t++)
+        pick[t] = _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 * (4 * t + 3) + 4 * t + 2)),
+                                   _mm_set1_epi16((short)(0x0100 * (4 * t + 1) + 4 * t)));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210;
+        const float d = fp16_f16c(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m256i v[8], s[8];
+        for (int n = 0; n < 2; n++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            v[4 * n] = _mm256_or_si256(_mm256_and_si256(q0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+            v[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+            v[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+            v[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+            const __m256i half = _mm256_permute2x128_si256(sc16, sc16, n ? 0x11 : 0x00);  /* sc 8n … 8n+7, twice */
+            for (int t = 0; t < 4; t++) s[4 * n + t] = _mm256_shuffle_epi8(half, pick[t]);
+        }
+        for (int64_t i = 0; i < tn; i++) {
+            const int8_t *x = rows[i].q + b * QK_K;
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
+            __m256i p = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+            for (int j = 0; j < 8; j++)
+                p = _mm256_add_epi32(p, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j))), s[j]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(rows[i].d[b] * d), acc[i]);
+        }
+    }
+}
+
+/* Weight rows [r0, r1) times the activation rows, a tile of M_TILE at a time; each weight row's blocks are
+ * unpacked once per tile and multiplied by every row of it. */
+__attribute__((target(AVX2_TARGET)))
+static void rows_times_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                            const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+    const int64_t nb = a->k / QK_K;
+    Row rows[M_TILE];
+    __m256 acc[M_TILE];
+    for (int64_t t0 = 0; t0 < m; t0 += M_TILE) {
+        const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
+        for (int64_t i = 0; i < tn; i++) {
+            const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
+            rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs + xr * nb * 16};
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const char *ahead = (const char *)w + r * row_bytes + PREFETCH_BYTES;
+            for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+            for (int64_t i = 0; i < tn; i++) acc[i] = _mm256_setzero_ps();
+            if (qtype == T_Q4_K) rows_q4_k_avx2(w + r * row_bytes, nb, rows, tn, acc);
+            else rows_q6_k_avx2(w + r * row_bytes, nb, rows, tn, acc);
+            for (int64_t i = 0; i < tn; i++) out[(t0 + i) * ldo + r] = hsum8(acc[i]);
+        }
+    }
+}
 #endif
 
 /* ---- products ----------------------------------------------------------------------------------- */
@@ -290,9 +384,9 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
 /* Weight rows [r0, r1) of one matrix (rows of row_bytes) times activation rows xrow[0..m) (0..m when
  * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                       const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable) {
+                       const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
     if (qtype == T_Q8_0) {
-        q8_rows_times(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo, portable);
+        q8_rows_times(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo, isa);
         return;
     }
 #if defined(__x86_64__)
@@ -300,8 +394,12 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
         return;
     }
-    if (!portable && (cpu_features() & CPU_AVX512)) {
+    if (isa_runs(isa, ISA_AVX512)) {
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
+        return;
+    }
+    if (isa_runs(isa, ISA_AVX2)) {
+        rows_times_avx2(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
         return;
     }
 #endif
@@ -337,17 +435,18 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
 
 /* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k], or a Q8_0 weight and
  * Q8_0 rows (xd [m, k/32], xbs unused); y row stride ldy.
- * xperm: the quants in Q4_K nibble order (q8_k_to_q4_k_order; Q4_K on the AVX512 path only, else unused). */
+ * xperm: the quants in Q4_K nibble order (q8_k_to_q4_k_order; Q4_K on the AVX512 path only, else unused).
+ * isa: the instruction-set level asked for (kernels.h ISA_*). */
 void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
                const int16_t *xbs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy, int n_threads,
-               int portable) {
+               int isa) {
     const Acts a = {xq, xd, xbs, k};
     const int64_t n_chunks = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
     cpu_features();  /* detected before the parallel region, not racily inside it */
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t c = 0; c < n_chunks; c++) {
         const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
-        rows_times(qtype, w, row_bytes, r0, r1, &a, xperm, NULL, m, y, ldy, portable);
+        rows_times(qtype, w, row_bytes, r0, r1, &a, xperm, NULL, m, y, ldy, isa);
     }
 }
 
@@ -357,7 +456,7 @@ void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows
 void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
                      const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
                      const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts, float *out,
-                     int n_threads, int portable) {
+                     int n_threads, int isa) {
     const Acts a = {xq, xd, xbs, k};
     const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
     cpu_features();  /* detected before the parallel region, not racily inside it */
@@ -377,7 +476,7 @@ void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64
                 if (at < lo || at >= hi) continue;
                 const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
                 rows_times(qtype, w + experts[g] * expert_bytes, row_bytes, r0, r1, &a, xperm, xrow + p0, p1 - p0,
-                           out + p0 * n_rows, n_rows, portable);
+                           out + p0 * n_rows, n_rows, isa);
             }
         }
     }

@@ -8,8 +8,8 @@
  *
  * Bits: the float work for an output element (one weight row times one activation row) runs in the same
  * order whatever the number of rows, the grouping of rows or the thread split, so row i of a multi-token pass
- * is bit-identical to a one-token pass. The AVX512-VNNI and portable products group the float sums
- * differently (a few ulps apart), each batch-invariant.
+ * is bit-identical to a one-token pass. The AVX512-VNNI and AVX2 products give the same bits; the portable one
+ * groups the float sums differently (a few ulps apart), each batch-invariant.
  *
  * Called by kquant.c's product drivers; the activations are quantized in act_quant.c.
  */
@@ -28,72 +28,75 @@ static float f16_at(const uint8_t *p) {
 #if defined(__x86_64__)
 #define R 8
 #define NB_MAX 1024  /* blocks per row the SIMD products take (k ≤ 32768); wider rows run the portable ones */
-/* Weight rows [r0, r1) times activation rows xrow[0..m), in AVX512-VNNI (256-bit), eight weight rows at a time:
- * per activation row, eight independent 8-lane float sums (one per weight row) keep the FMA chains apart and
- * share the activation's loads. dpbusd multiplies unsigned by signed bytes, so the weight quants go in offset
- * by 128 (w ^ 0x80) and each block's sum starts from −128·Σx (per lane, made once per activation block): each
- * int32 lane is then the exact sum of four products w·x, scaled by d_w·d_x into the row's float sum, reduced
- * at the end of the row. Every output element gets that same sequence (a leftover weight row reuses a lane of
- * the group), so the grouping and the number of rows change no bits. (Measured: summing eight blocks' lanes
- * across first, to scale exact block sums, was 1.3× slower here; four rows at a time 7 % slower.) */
+/* Weight rows [r0, r1) times activation rows xrow[0..m), 256 bits at a time, eight weight rows at a time: per
+ * activation row, eight independent 8-lane float sums (one per weight row) keep the FMA chains apart and share the
+ * activation's loads. Int32 lane l of a block's product is the exact sum of the four products w·x of bytes
+ * 4l … 4l+3, scaled by d_w·d_x into the row's float sum, reduced at the end of the row (hsum8). Every output element
+ * gets that same sequence (a leftover weight row reuses a lane of the group), so the grouping and the number of rows
+ * change no bits, and the two instruction sets below, having the same lanes, give the same bits.
+ *   AVX512-VNNI: dpbusd multiplies unsigned by signed bytes, so the weight quants go in offset by 128 (w ^ 0x80)
+ *   and each block's sum starts from −128·Σx (per lane, made once per activation block).
+ *   AVX2: maddubs of |w| and x·sign(w) (pairs of at most 2·128·127, no saturation), then madd by ones.
+ * (Measured on AVX512: summing eight blocks' lanes across first, to scale exact block sums, was 1.3× slower; four
+ * rows at a time 7 % slower.) */
 #define Q8_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
 
-__attribute__((target(Q8_VNNI_TARGET)))
-static float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#define DEFINE_Q8_ROWS_TIMES(NAME, TARGET, PER_BLOCK, DOT)                                                       \
+__attribute__((target(TARGET)))                                                                                  \
+static void NAME(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd, \
+                 int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {                          \
+    const int64_t nb = k / QK;                                                                                   \
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                              \
+    float dws[R][nb];                                                                                            \
+    for (int64_t r = r0; r < r1; r += R) {                                                                       \
+        const int nr = r1 - r < R ? (int)(r1 - r) : R;                                                           \
+        const uint8_t *rw[R];                                                                                    \
+        for (int j = 0; j < R; j++) {                                                                            \
+            rw[j] = w + (r + (j < nr ? j : 0)) * row_bytes;                                                      \
+            for (int64_t b = 0; b < nb; b++) dws[j][b] = fp16_f16c(rw[j] + b * BLOCK_BYTES);                     \
+        }                                                                                                        \
+        for (int64_t i = 0; i < m; i++) {                                                                        \
+            const int64_t xr = xrow ? xrow[i] : i;                                                               \
+            const int8_t *x = xq + xr * k;                                                                       \
+            const float *dx = xd + xr * nb;                                                                      \
+            __m256 acc[R];                                                                                       \
+            for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();                                            \
+            for (int64_t b = 0; b < nb; b++) {                                                                   \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + b * QK));                            \
+                PER_BLOCK                                                                                        \
+                for (int j = 0; j < R; j++) {                                                                    \
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(rw[j] + b * BLOCK_BYTES + 2));       \
+                    const __m256 p = _mm256_cvtepi32_ps(DOT);                                                    \
+                    acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dws[j][b] * dx[b]), acc[j]);                      \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int j = 0; j < nr; j++) out[i * ldo + r + j] = hsum8(acc[j]);                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    (void)flip, (void)ones;                                                                                      \
 }
 
-__attribute__((target(Q8_VNNI_TARGET)))
-static void rows_times_vnni(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq,
-                            const float *xd, int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
-    const int64_t nb = k / QK;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    float dws[R][nb];
-    for (int64_t r = r0; r < r1; r += R) {
-        const int nr = r1 - r < R ? (int)(r1 - r) : R;
-        const uint8_t *rw[R];
-        for (int j = 0; j < R; j++) {
-            rw[j] = w + (r + (j < nr ? j : 0)) * row_bytes;
-            for (int64_t b = 0; b < nb; b++) {
-                uint16_t h;
-                memcpy(&h, rw[j] + b * BLOCK_BYTES, 2);
-                dws[j][b] = _cvtsh_ss(h);  /* F16C: the portable conversion is a library call */
-            }
-        }
-        for (int64_t i = 0; i < m; i++) {
-            const int64_t xr = xrow ? xrow[i] : i;
-            const int8_t *x = xq + xr * k;
-            const float *dx = xd + xr * nb;
-            __m256 acc[R];
-            for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + b * QK));
-                const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                      _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, xv));
-                for (int j = 0; j < R; j++) {
-                    const __m256i wv = _mm256_xor_si256(
-                        _mm256_loadu_si256((const __m256i *)(rw[j] + b * BLOCK_BYTES + 2)), flip);
-                    const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(base, wv, xv));
-                    acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dws[j][b] * dx[b]), acc[j]);
-                }
-            }
-            for (int j = 0; j < nr; j++) out[i * ldo + r + j] = hsum8(acc[j]);
-        }
-    }
-}
+DEFINE_Q8_ROWS_TIMES(rows_times_vnni, Q8_VNNI_TARGET,
+                     const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, xv));,
+                     _mm256_dpbusd_epi32(base, _mm256_xor_si256(wv, flip), xv))
 
+DEFINE_Q8_ROWS_TIMES(rows_times_avx2, AVX2_TARGET, ,
+                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones))
 #endif
 
 /* Weight rows [r0, r1) of a Q8_0 matrix (rows row_bytes apart) times Q8_0 activation rows xrow[0..m) (0..m
  * when xrow is NULL: quants xq [·, k], scales xd [·, k/32]) into out[i * ldo + r]. The products' drivers
  * (row chunks over threads, expert pairs) are kquant.c's quant_matmul and quant_matmul_pairs. */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
-                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int portable) {
+                   int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
 #if defined(__x86_64__)
-    if (!portable && (cpu_features() & CPU_VNNI) && k / QK <= NB_MAX) {
+    if (k / QK <= NB_MAX && isa_runs(isa, ISA_AVX512) && (cpu_features() & CPU_VNNI)) {
         rows_times_vnni(w, row_bytes, r0, r1, xq, xd, k, xrow, m, out, ldo);
+        return;
+    }
+    if (k / QK <= NB_MAX && isa_runs(isa, ISA_AVX2)) {
+        rows_times_avx2(w, row_bytes, r0, r1, xq, xd, k, xrow, m, out, ldo);
         return;
     }
 #endif

@@ -90,9 +90,10 @@ def act_format(weight_type: str) -> str:
     return weight_type if weight_type in ("F16", "BF16") else "F32"
 
 
-def quantize(x: torch.Tensor, fmt: str, on_native: bool, portable: bool = False) -> QuantRows:
+def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = 3) -> QuantRows:
     """x [..., K] float32 as rows [M, K] in ggml's quantize_row_q8_0 (fmt "Q8_0") or quantize_row_q8_K ("Q8_K"),
-    by the native kernels (`on_native`; `portable`: their C loops) or torch ops (Q8_0 only): the same bits."""
+    by the native kernels (`on_native`, at instruction-set `level`: Backend.level) or torch ops (Q8_0 only): the same
+    bits whatever the form."""
     memo = _MEMO[fmt]
     hit = memo.get(x)
     if hit is not None:
@@ -110,7 +111,7 @@ def quantize(x: torch.Tensor, fmt: str, on_native: bool, portable: bool = False)
     else:
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_K),
                       torch.empty(m, k // 16, dtype=torch.int16))
-        native.quantize_q8_k(xc, r.q, r.d, r.bsums, portable)  # type: ignore[arg-type]
+        native.quantize_q8_k(xc, r.q, r.d, r.bsums, level)  # type: ignore[arg-type]
     return memo.put(x, r)
 
 

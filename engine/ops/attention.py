@@ -30,7 +30,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scal
     if backend.native and _floats(q, k, v) and k.is_contiguous() and v.is_contiguous():
         n, h, dk = q.shape
         work = n * h * (pos + n) * (dk + v.shape[2])
-        return native.attention(q, k, v, pos, scale, backend.n_threads(work), backend.portable)
+        return native.attention(q, k, v, pos, scale, backend.n_threads(work), backend.level)
     return attention_torch(q, k, v, pos, scale)
 
 

@@ -4,7 +4,9 @@ Native backends run engine/native's kernels in one instruction-set form each:
   - ``native-avx512vnni``: quantized weights packed 16 rows interleaved for dpbusd (where a matrix is made of
     whole 16-row groups; the others read their stored blocks), AVX512 float kernels;
   - ``native-avx512``: the stored block order as mapped, AVX512 kernels (Q8_0 with VNNI where the CPU has it);
-  - ``native-portable``: the portable C loops (what a CPU without AVX512 runs).
+  - ``native-avx2``: the stored block order, AVX2 (+FMA, F16C) products; the float kernels' loops built for AVX2
+    (what most desktop CPUs run);
+  - ``native-portable``: the portable C loops.
 The ``torch`` backend runs everything in torch ops (Q8_0 in integer GEMMs, other types dequantized tile by tile,
 attention and the delta rule as torch loops): the twin the native kernels are tested against, and the path on
 accelerators and where the native library is missing. A native backend used for a layer on another device falls
@@ -20,7 +22,9 @@ import torch
 
 from engine.ops import native
 
-NATIVE_ISAS = ("avx512vnni", "avx512", "portable")
+NATIVE_ISAS = ("avx512vnni", "avx512", "avx2", "portable")
+# the level each asks the native library for (kernels.h ISA_*): a kernel runs its best form at or below it
+ISA_LEVEL = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,11 @@ class Backend:
         return self.isa == "portable"
 
     @property
+    def level(self) -> int:
+        """The instruction-set level the native calls ask for."""
+        return ISA_LEVEL.get(self.isa, 0)
+
+    @property
     def packs(self) -> bool:
         """Quantized weights interleaved 16 rows at a time for the VNNI products."""
         return self.isa == "avx512vnni"
@@ -111,6 +120,8 @@ def available_backends() -> list[Backend]:
             out.append(Backend("native", "avx512vnni"))
         if native.cpu_avx512():
             out.append(Backend("native", "avx512"))
+        if native.cpu_avx2():
+            out.append(Backend("native", "avx2"))
         out.append(Backend("native", "portable"))
     return out + [TORCH]
 

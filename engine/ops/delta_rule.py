@@ -63,7 +63,7 @@ def _native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if not (S.is_contiguous() and out.is_contiguous()):
         raise ValueError("the GDN state must be contiguous")
     q, k, v, beta, decay = (t.contiguous() for t in (q, k, v, beta, decay))
-    return native.gdn_recurrence(q, k, v, beta, decay, S, out, backend.n_threads(n * h * dk * dv), backend.portable)
+    return native.gdn_recurrence(q, k, v, beta, decay, S, out, backend.n_threads(n * h * dk * dv), backend.level)
 
 
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,

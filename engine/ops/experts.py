@@ -214,7 +214,7 @@ def _pairs(x: torch.Tensor, lin: NativeLinear, xrow: torch.Tensor, experts: torc
     """Routed-expert products out [P, rows]: pair p (grouped by expert: group g = pairs starts[g]…starts[g+1] on
     expert experts[g]) multiplies row xrow[p] of x by that expert's matrix in the stack."""
     w, b = lin.weight, lin.backend
-    xr = quantize(x, lin.fmt, on_native=True, portable=b.portable)
+    xr = quantize(x, lin.fmt, on_native=True, level=b.level)
     e_all = w.shape[0]
     rows = w.n_rows // e_all
     raw, code = lin.kernel_bytes()
@@ -223,7 +223,7 @@ def _pairs(x: torch.Tensor, lin: NativeLinear, xrow: torch.Tensor, experts: torc
     xrow, experts, starts = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                              for t in (xrow, experts, starts))
     native.matmul_pairs(code, raw, e_all, rows, xr.q, xr.d, xr.bsums, lin.perm(xr, code), w.n_cols, xrow, experts,
-                        starts, out, b.n_threads(p_n * rows * w.n_cols), b.portable)
+                        starts, out, b.n_threads(p_n * rows * w.n_cols), b.level)
     return out
 
 

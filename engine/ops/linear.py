@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.ops import native, torch_int8
 from engine.ops.activations import act_format, quantize, round_for
-from engine.ops.backend import Backend, OpEvent
+from engine.ops.backend import ISA_LEVEL, Backend, OpEvent
 from engine.storage.pages import release_pages
 from engine.storage.qtensor import TILE_ELEMENTS, QTensor
 
@@ -108,16 +108,17 @@ class NativeLinear(Linear):
 
     def perm(self, xr, code: int) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
         """Q8_K quants in Q4_K value order, for the AVX512 stored-order Q4_K product."""
-        return xr.q4k_order() if code == QT.Q4_K and not self.backend.portable and native.cpu_avx512() else None
+        avx512 = self.backend.level >= ISA_LEVEL["avx512"] and native.cpu_avx512()
+        return xr.q4k_order() if code == QT.Q4_K and avx512 else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.backend
-        xr = quantize(x, self.fmt, on_native=True, portable=b.portable)
+        xr = quantize(x, self.fmt, on_native=True, level=b.level)
         n_out = w.n_rows
         raw, code = self.kernel_bytes()
         y = torch.empty(xr.rows, n_out)
         native.matmul(code, raw, n_out, xr.q, xr.d, xr.bsums, self.perm(xr, code), w.n_cols, y,
-                      b.n_threads(n_out * w.n_cols), b.portable)
+                      b.n_threads(n_out * w.n_cols), b.level)
         return y.reshape(*x.shape[:-1], n_out)
 
 

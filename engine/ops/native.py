@@ -1,6 +1,6 @@
 """The native library (engine/native/*.c, built with the package by setup.py), loaded with ctypes.
 
-One wrapper per exported kernel, taking the backend's choices (portable C loops or not, thread count) as
+One wrapper per exported kernel, taking the backend's choices (instruction-set level, thread count) as
 arguments: nothing here decides which kernel runs, engine.ops.backend and the ops modules do. Where the library
 is missing (a source install without a C compiler) `LIB` is None and only the torch backend exists.
 """
@@ -53,7 +53,7 @@ QK_8_0 = 32  # values per Q8_0 block
 PRODUCT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)  # weight types with native products
 GROUP = 16  # rows interleaved in a packed weight
 PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kernels.h's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
-_CPU_AVX512, _CPU_VNNI = 1, 2  # kernels.h's cpu_features() bits
+_CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = 1, 2, 4  # kernels.h's cpu_features() bits
 
 
 def available() -> bool:
@@ -70,14 +70,19 @@ def cpu_vnni() -> bool:
     return LIB is not None and bool(LIB.cpu_features() & _CPU_VNNI)
 
 
+def cpu_avx2() -> bool:
+    """AVX2 with FMA and F16C: the 256-bit products."""
+    return LIB is not None and bool(LIB.cpu_features() & _CPU_AVX2)
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def quantize_q8_k(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor, portable: bool) -> None:
+def quantize_q8_k(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor, isa: int) -> None:
     """Rows x [M, K] float32 to Q8_K: quants q [M, K], scales d [M, K/256], sums of 16 quants bsums [M, K/16]."""
     LIB.quantize_q8_k(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), bsums.data_ptr(),  # type: ignore[union-attr]
-                        portable)
+                        isa)
 
 
 def quantize_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
@@ -102,23 +107,23 @@ def repack(qtype: QT, raw: torch.Tensor, n_rows: int, n_blocks: int, out: torch.
 
 
 def matmul(code: int, w: torch.Tensor, n_out: int, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor | None,
-           perm: torch.Tensor | None, k: int, out: torch.Tensor, threads: int, portable: bool) -> None:
+           perm: torch.Tensor | None, k: int, out: torch.Tensor, threads: int, isa: int) -> None:
     """out [M, n_out] = activation rows (q, d, bsums; perm: q in Q4_K order) × the weight bytes w of kernel type
     `code` (a ggml type, or a PACKED_CODE)."""
     LIB.quant_matmul(code, w.data_ptr(), w.numel() // n_out, n_out, q.data_ptr(), d.data_ptr(), _ptr(bsums),  # type: ignore[union-attr]
-                  _ptr(perm), k, q.shape[0], out.data_ptr(), n_out, threads, portable)
+                  _ptr(perm), k, q.shape[0], out.data_ptr(), n_out, threads, isa)
 
 
 def matmul_pairs(code: int, w: torch.Tensor, n_expert: int, rows: int, q: torch.Tensor, d: torch.Tensor,
                  bsums: torch.Tensor | None, perm: torch.Tensor | None, k: int, xrow: torch.Tensor,
-                 experts: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, threads: int, portable: bool) -> None:
+                 experts: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, threads: int, isa: int) -> None:
     """Routed-expert products out [P, rows]: pair p (grouped by expert: group g = pairs starts[g]…starts[g+1] on
     expert experts[g]) multiplies activation row xrow[p] by that expert's matrix in the stack w (n_expert
     matrices of `rows` rows). Index tensors int64, contiguous."""
     expert_bytes = w.numel() // n_expert
     LIB.quant_matmul_pairs(code, w.data_ptr(), expert_bytes, expert_bytes // rows, rows, q.data_ptr(),  # type: ignore[union-attr]
                         d.data_ptr(), _ptr(bsums), _ptr(perm), k, xrow.data_ptr(), experts.shape[0],
-                        experts.data_ptr(), starts.data_ptr(), out.data_ptr(), threads, portable)
+                        experts.data_ptr(), starts.data_ptr(), out.data_ptr(), threads, isa)
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def group_pairs(idx: torch.Tensor, n_expert: int) -> Groups:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float, threads: int,
-              portable: bool) -> torch.Tensor:
+              isa: int) -> torch.Tensor:
     """Causal attention of queries q [n, H, D] (query i at position pos + i) over the cache rows k [≥ pos + n, H_kv,
     D], v [·, H_kv, D_v] (float32, contiguous, on the CPU): out [n, H·D_v]."""
     n, h, dk = q.shape
@@ -154,14 +159,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale
     q = q.contiguous()
     out = torch.empty(n, h * dv)
     rc = LIB.attention_causal(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
-                          scale, threads, portable)
+                          scale, threads, isa)
     if rc != 0:
         raise MemoryError("no memory for the attention scores")
     return out
 
 
 def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
-                   S: torch.Tensor, out: torch.Tensor, threads: int, portable: bool) -> torch.Tensor:
+                   S: torch.Tensor, out: torch.Tensor, threads: int, isa: int) -> torch.Tensor:
     """The delta rule over n tokens: q, k [n, H_k, d_k] (value head h reads key head h mod H_k), v [n, H, d_v],
     β and e^g [n, H] (all contiguous); from state S [H, d_k, d_v] to the state after the last token in `out`
     (S itself: in place). Returns o [n, H, d_v]."""
@@ -169,7 +174,7 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     h, dv = v.shape[1], v.shape[2]
     o = torch.empty(n, h, dv)
     rc = LIB.gdn_recurrence(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
-                              S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, hk, dk, dv, threads, portable)
+                              S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, hk, dk, dv, threads, isa)
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")
     return o
