@@ -9,8 +9,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdlib.h>
-#include <omp.h>
 #include "kernels.h"
 
 #define LANES 16
@@ -92,12 +92,89 @@ static void values_avx512(const float *p, int64_t t_max, const float *sum, int64
 }
 #endif
 
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    int64_t n, pos, n_head, n_kv, dk, dv, group, per, runs;
+    float scale;
+    int wide, wide_v;
+    _Atomic int failed;
+} Attn;
+
+/* Each thread's scores buffer, grown as needed and kept (the pool's threads live as long as the process). */
+static __thread float *SCORES;
+static __thread int64_t SCORES_CAP;
+
+static int scores_ready(int64_t need) {
+    if (SCORES_CAP >= need) return 0;
+    float *p = realloc(SCORES, (size_t)need * sizeof(float));
+    if (!p) return -1;
+    SCORES = p;
+    SCORES_CAP = need;
+    return 0;
+}
+
+/* one work item: query i, KV head hk, `per` of its query heads from h0 */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void attention_item(void *ctx, int64_t item) {
+    Attn *job = ctx;
+    const float *q = job->q, *k = job->k, *v = job->v;
+    float *out = job->out;
+    const int64_t n_head = job->n_head, n_kv = job->n_kv, dk = job->dk, dv = job->dv, per = job->per;
+    const int64_t t_max = job->pos + job->n, runs = job->runs;
+    const float scale = job->scale;
+    if (scores_ready(t_max * per)) {
+        job->failed = 1;
+        return;
+    }
+    float *p = SCORES;
+    const int64_t i = item / (n_kv * runs), hk = item / runs % n_kv, h0 = hk * job->group + item % runs * per;
+    const int64_t t_n = job->pos + i + 1;
+    float m[per], sum[per];
+    for (int64_t g = 0; g < per; g++) m[g] = -INFINITY, sum[g] = 0.f;
+#if defined(__x86_64__)
+    if (job->wide) {
+        scores_avx512(q + (i * n_head + h0) * dk, per, k + hk * dk, n_kv * dk, t_n, dk, scale, p, t_max);
+    } else
+#endif
+    {
+        for (int64_t t = 0; t < t_n; t++) {
+            const float *kt = k + (t * n_kv + hk) * dk;
+            for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + (i * n_head + h0 + g) * dk, kt, dk) * scale;
+        }
+    }
+    for (int64_t g = 0; g < per; g++) {
+        float *pg = p + g * t_max;
+        for (int64_t t = 0; t < t_n; t++)
+            if (pg[t] > m[g]) m[g] = pg[t];
+        for (int64_t t = 0; t < t_n; t++) {
+            pg[t] = expf(pg[t] - m[g]);
+            sum[g] += pg[t];
+        }
+        float *o = out + (i * n_head + h0 + g) * dv;
+        for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
+    }
+#if defined(__x86_64__)
+    if (job->wide_v) {  /* the group's heads are adjacent in out */
+        values_avx512(p, t_max, sum, per, v + hk * dv, n_kv * dv, t_n, dv, out + (i * n_head + h0) * dv);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < t_n; t++) {
+        const float *vt = v + (t * n_kv + hk) * dv;
+        for (int64_t g = 0; g < per; g++) {
+            const float w = p[g * t_max + t] / sum[g];
+            float *o = out + (i * n_head + h0 + g) * dv;
+            for (int64_t j = 0; j < dv; j++) o[j] += w * vt[j];
+        }
+    }
+}
+
 /* q [n, n_head, dk] (query i at position pos + i), k [·, n_kv, dk] and v [·, n_kv, dv] the cache rows from 0,
  * out [n, n_head, dv]. Head h reads KV head h / (n_head / n_kv). The query heads that share a KV head are run
  * together over the keys (split into as many runs as the threads need work items), so each key and value row is
  * read once for all of them instead of once per head: at long contexts the rows come from memory, and reading
  * them once per head set the pace. Returns 0, or −1 when out of memory. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
 int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
                  int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int isa) {
 #if defined(__x86_64__)
@@ -107,65 +184,13 @@ int attention_causal(const float *q, const float *k, const float *v, float *out,
     const int wide = 0, wide_v = 0;
     (void)isa;
 #endif
-    const int64_t group = n_head / n_kv, t_max = pos + n;
+    const int64_t group = n_head / n_kv;
     /* heads per work item: the whole group unless that leaves threads idle */
     int64_t per = group;
     while (per > 1 && n * n_kv * (group / per) < n_threads) per /= 2;
     while (group % per) per--;
     const int64_t runs = group / per;
-    int failed = 0;
-    #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        float *p = malloc((size_t)(t_max * per) * sizeof(float));
-        if (!p) {
-            #pragma omp atomic write
-            failed = 1;
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t item = 0; item < n * n_kv * runs; item++) {
-                const int64_t i = item / (n_kv * runs), hk = item / runs % n_kv, h0 = hk * group + item % runs * per;
-                const int64_t t_n = pos + i + 1;
-                float m[per], sum[per];
-                for (int64_t g = 0; g < per; g++) m[g] = -INFINITY, sum[g] = 0.f;
-#if defined(__x86_64__)
-                if (wide) {
-                    scores_avx512(q + (i * n_head + h0) * dk, per, k + hk * dk, n_kv * dk, t_n, dk, scale, p, t_max);
-                } else
-#endif
-                {
-                    for (int64_t t = 0; t < t_n; t++) {
-                        const float *kt = k + (t * n_kv + hk) * dk;
-                        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + (i * n_head + h0 + g) * dk, kt, dk) * scale;
-                    }
-                }
-                for (int64_t g = 0; g < per; g++) {
-                    float *pg = p + g * t_max;
-                    for (int64_t t = 0; t < t_n; t++)
-                        if (pg[t] > m[g]) m[g] = pg[t];
-                    for (int64_t t = 0; t < t_n; t++) {
-                        pg[t] = expf(pg[t] - m[g]);
-                        sum[g] += pg[t];
-                    }
-                    float *o = out + (i * n_head + h0 + g) * dv;
-                    for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
-                }
-#if defined(__x86_64__)
-                if (wide_v) {  /* the group's heads are adjacent in out */
-                    values_avx512(p, t_max, sum, per, v + hk * dv, n_kv * dv, t_n, dv, out + (i * n_head + h0) * dv);
-                    continue;
-                }
-#endif
-                for (int64_t t = 0; t < t_n; t++) {
-                    const float *vt = v + (t * n_kv + hk) * dv;
-                    for (int64_t g = 0; g < per; g++) {
-                        const float w = p[g * t_max + t] / sum[g];
-                        float *o = out + (i * n_head + h0 + g) * dv;
-                        for (int64_t j = 0; j < dv; j++) o[j] += w * vt[j];
-                    }
-                }
-            }
-            free(p);
-        }
-    }
-    return failed ? -1 : 0;
+    Attn job = {q, k, v, out, n, pos, n_head, n_kv, dk, dv, group, per, runs, scale, wide, wide_v, 0};
+    pool_run(n_threads, n * n_kv * runs, attention_item, &job);
+    return job.failed ? -1 : 0;
 }

@@ -12,7 +12,6 @@
  */
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 #include "kernels.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -86,71 +85,85 @@ DEFINE_HEAD(4)
 DEFINE_HEAD(8)
 #endif
 
-/* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
- * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: below ISA_AVX512, the loop below even where the register form could run (tests compare
- * the two).
- * Returns 0, or -1 if dv > MAX_DV. */
+typedef struct {
+    const float *q, *k, *v, *beta, *decay, *S_in;
+    float *S_out, *o;
+    int64_t n, H, Hk, dk, dv;
+    int avx512;
+} Gdn;
+
+/* one value head's tokens: a pool item */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
-                     const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
-                     int64_t dv, int n_threads, int isa) {
-    if (dv > MAX_DV) return -1;
-    const int avx512 = isa_runs(isa, ISA_AVX512);
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t h = 0; h < H; h++) {
-        const float *Sin = S_in + h * dk * dv;
-        float *Sh = S_out + h * dk * dv;
+static void gdn_head(void *ctx, int64_t h) {
+    const Gdn *job = ctx;
+    const float *q = job->q, *k = job->k, *v = job->v, *beta = job->beta, *decay = job->decay;
+    float *o = job->o;
+    const int64_t n = job->n, H = job->H, Hk = job->Hk, dk = job->dk, dv = job->dv;
+    const int avx512 = job->avx512;
+    const float *Sin = job->S_in + h * dk * dv;
+    float *Sh = job->S_out + h * dk * dv;
 #if defined(__x86_64__)
-        if (avx512 && (dv == 64 || dv == 128)) {
-            (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, Hk, h, dk);
-            continue;
-        }
+    if (avx512 && (dv == 64 || dv == 128)) {
+        (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, Hk, h, dk);
+        return;
+    }
 #endif
-        (void)avx512;
-        const int64_t kh = h % Hk;
-        float u[MAX_DV], e[MAX_DV];
-        /* token 0's decay and Sᵀk; later tokens' are done in the previous token's update sweep */
-        for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
-        for (int64_t i = 0; i < dk; i++) {
-            const float *in = Sin + i * dv;
-            float *row = Sh + i * dv;
-            const float ki = k[kh * dk + i], dec = decay[h];
-            for (int64_t j = 0; j < dv; j++) {
-                row[j] = in[j] * dec;
-                u[j] += row[j] * ki;
-            }
+    (void)avx512;
+    const int64_t kh = h % Hk;
+    float u[MAX_DV], e[MAX_DV];
+    /* token 0's decay and Sᵀk; later tokens' are done in the previous token's update sweep */
+    for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float *in = Sin + i * dv;
+        float *row = Sh + i * dv;
+        const float ki = k[kh * dk + i], dec = decay[h];
+        for (int64_t j = 0; j < dv; j++) {
+            row[j] = in[j] * dec;
+            u[j] += row[j] * ki;
         }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t th = t * H + h, tk = t * Hk + kh;
-            const float *kt = k + tk * dk, *qt = q + tk * dk, *vt = v + th * dv, bt = beta[th];
-            float *ot = o + th * dv;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t th = t * H + h, tk = t * Hk + kh;
+        const float *kt = k + tk * dk, *qt = q + tk * dk, *vt = v + th * dv, bt = beta[th];
+        float *ot = o + th * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            e[j] = (vt[j] - u[j]) * bt;
+            ot[j] = 0.f;
+        }
+        const int next = t + 1 < n;
+        const float *kn = next ? k + (tk + Hk) * dk : NULL;
+        const float decn = next ? decay[th + H] : 0.f;
+        if (next)
+            for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
+        /* one sweep: token t's update and output, then token t+1's decay and Sᵀk — element by element the
+         * same operations as separate sweeps (built without FP contraction) */
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = Sh + i * dv;
+            const float ki = kt[i], qi = qt[i];
             for (int64_t j = 0; j < dv; j++) {
-                e[j] = (vt[j] - u[j]) * bt;
-                ot[j] = 0.f;
+                row[j] += ki * e[j];
+                ot[j] += row[j] * qi;
             }
-            const int next = t + 1 < n;
-            const float *kn = next ? k + (tk + Hk) * dk : NULL;
-            const float decn = next ? decay[th + H] : 0.f;
-            if (next)
-                for (int64_t j = 0; j < dv; j++) u[j] = 0.f;
-            /* one sweep: token t's update and output, then token t+1's decay and Sᵀk — element by element the
-             * same operations as separate sweeps (built without FP contraction) */
-            for (int64_t i = 0; i < dk; i++) {
-                float *row = Sh + i * dv;
-                const float ki = kt[i], qi = qt[i];
+            if (next) {
+                const float kni = kn[i];
                 for (int64_t j = 0; j < dv; j++) {
-                    row[j] += ki * e[j];
-                    ot[j] += row[j] * qi;
-                }
-                if (next) {
-                    const float kni = kn[i];
-                    for (int64_t j = 0; j < dv; j++) {
-                        row[j] *= decn;
-                        u[j] += row[j] * kni;
-                    }
+                    row[j] *= decn;
+                    u[j] += row[j] * kni;
                 }
             }
         }
     }
+}
+
+/* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
+ * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: below ISA_AVX512, the loop above
+ * even where the register form could run (tests compare the two). Heads are the threads' items.
+ * Returns 0, or -1 if dv > MAX_DV. */
+int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
+                     const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
+                     int64_t dv, int n_threads, int isa) {
+    if (dv > MAX_DV) return -1;
+    Gdn j = {q, k, v, beta, decay, S_in, S_out, o, n, H, Hk, dk, dv, isa_runs(isa, ISA_AVX512)};
+    pool_run(n_threads, H, gdn_head, &j);
     return 0;
 }

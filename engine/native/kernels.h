@@ -34,6 +34,11 @@ int cpu_features(void);
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
 int isa_runs(int isa, int level);
 
+/* pool.c: fn(ctx, i) for i in [0, n_items) on up to n_threads threads (the caller's included), each item once;
+ * returns when all are done. The caller works too and never waits for a thread that has not started an item. */
+typedef void (*pool_fn)(void *ctx, int64_t item);
+void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx);
+
 typedef struct {
     const int8_t *q;  /* [rows, k] */
     const float *d;  /* [rows, k/256] */

@@ -9,10 +9,8 @@
  * (one weight row times one activation row) runs in the same order whatever the number of rows, the
  * grouping of rows or the thread split. Row i of a multi-token pass is bit-identical to a one-token pass.
  *
- * Loaded with ctypes (engine/ops/native.py); no Python API. Threads: OpenMP (torch's runtime, which the
- * process has already loaded).
+ * Loaded with ctypes (engine/ops/native.py); no Python API. Threads: the kernels' pool (pool.c).
  */
-#include <omp.h>
 #include "kernels.h"
 
 static float fp16(const uint8_t *p) {
@@ -430,54 +428,63 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
     }
 }
 
-/* the unpacking of a weight block, in products of it by one activation row (measured: ~2.4 on AVX512) */
-#define UNPACK_COST 2
 
 /* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k], or a Q8_0 weight and
  * Q8_0 rows (xd [m, k/32], xbs unused); y row stride ldy.
  * xperm: the quants in Q4_K nibble order (q8_k_to_q4_k_order; Q4_K on the AVX512 path only, else unused).
  * isa: the instruction-set level asked for (kernels.h ISA_*). */
+typedef struct {
+    int qtype, isa;
+    const uint8_t *w;
+    int64_t row_bytes, n_rows, m, ldy;
+    Acts a;
+    const int8_t *xperm;
+    float *y;
+} Matmul;
+
+static void matmul_item(void *ctx, int64_t c) {  /* one chunk of ROW_CHUNK weight rows */
+    const Matmul *j = ctx;
+    const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
+    rows_times(j->qtype, j->w, j->row_bytes, r0, r1, &j->a, j->xperm, NULL, j->m, j->y, j->ldy, j->isa);
+}
+
 void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
                const int16_t *xbs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy, int n_threads,
                int isa) {
-    const Acts a = {xq, xd, xbs, k};
-    const int64_t n_chunks = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
-    cpu_features();  /* detected before the parallel region, not racily inside it */
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t c = 0; c < n_chunks; c++) {
-        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
-        rows_times(qtype, w, row_bytes, r0, r1, &a, xperm, NULL, m, y, ldy, isa);
-    }
+    Matmul j = {qtype, isa, w, row_bytes, n_rows, m, ldy, {xq, xd, xbs, k}, xperm, y};
+    cpu_features();  /* detected before the threads start, not racily among them */
+    pool_run(n_threads, (n_rows + ROW_CHUNK - 1) / ROW_CHUNK, matmul_item, &j);
 }
 
 /* Routed experts: pairs sorted by expert, group g = pairs [starts[g], starts[g+1]) all on expert
  * experts[g]; pair p multiplies activation row xrow[p] by expert experts[g]'s matrix (n_rows rows in the
- * stack W [E, n_rows, k], expert_bytes apart). out [P, n_rows]. */
+ * stack W [E, n_rows, k], expert_bytes apart). out [P, n_rows]. Items are (group, chunk of rows), claimed in
+ * order by whichever thread is free: an expert with more pairs weighs more, and the claiming evens it out. */
+typedef struct {
+    int qtype, isa;
+    const uint8_t *w;
+    int64_t expert_bytes, row_bytes, n_rows, per;
+    Acts a;
+    const int8_t *xperm;
+    const int64_t *xrow, *experts, *starts;
+    float *out;
+} Pairs;
+
+static void pairs_item(void *ctx, int64_t item) {
+    const Pairs *j = ctx;
+    const int64_t g = item / j->per, c = item % j->per, p0 = j->starts[g], p1 = j->starts[g + 1];
+    const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
+    rows_times(j->qtype, j->w + j->experts[g] * j->expert_bytes, j->row_bytes, r0, r1, &j->a, j->xperm,
+               j->xrow + p0, p1 - p0, j->out + p0 * j->n_rows, j->n_rows, j->isa);
+}
+
 void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
                      const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
                      const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts, float *out,
                      int n_threads, int isa) {
-    const Acts a = {xq, xd, xbs, k};
     const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
-    cpu_features();  /* detected before the parallel region, not racily inside it */
-    /* Work items are (group, chunk of rows), split into contiguous runs of equal cost: an item costs the
-     * unpacking of its weight rows plus one product per pair, so experts with more pairs weigh more (an
-     * even split by item count left one thread waiting for the other). */
-    #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t total = 0;
-        for (int64_t g = 0; g < n_groups; g++) total += per * (UNPACK_COST + starts[g + 1] - starts[g]);
-        const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
-        int64_t at = 0;
-        for (int64_t g = 0; g < n_groups && at < hi; g++) {
-            const int64_t p0 = starts[g], p1 = starts[g + 1], cost = UNPACK_COST + p1 - p0;
-            for (int64_t c = 0; c < per; c++, at += cost) {
-                if (at < lo || at >= hi) continue;
-                const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
-                rows_times(qtype, w + experts[g] * expert_bytes, row_bytes, r0, r1, &a, xperm, xrow + p0, p1 - p0,
-                           out + p0 * n_rows, n_rows, isa);
-            }
-        }
-    }
+    Pairs j = {qtype, isa, w, expert_bytes, row_bytes, n_rows, per, {xq, xd, xbs, k}, xperm, xrow, experts, starts,
+               out};
+    cpu_features();
+    pool_run(n_threads, n_groups * per, pairs_item, &j);
 }

@@ -17,6 +17,15 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
 
+class ExpertStack(ctypes.Structure):
+    """moe.c's ExpertStack: one projection's experts as the products read them."""
+
+    _fields_ = [("w", _P), ("expert_bytes", _I), ("n_rows", _I), ("k", _I), ("code", ctypes.c_int32),
+                ("threads", ctypes.c_int32)]
+
+
+_STACK = ctypes.POINTER(ExpertStack)
+
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "cpu_features": ([], _C),
     "quantize_q8_k": ([_P, _I, _I, _P, _P, _P, _C], None),
@@ -28,6 +37,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "packed_x16_bytes": ([_C], _I),
     "group_expert_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
     "attention_causal": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
+    "moe_routed": ([_STACK, _STACK, _STACK, _P, _I, _P, _P, _I, _I, _P, _C], _C),
     "gdn_recurrence": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
 }
 
@@ -124,6 +134,26 @@ def matmul_pairs(code: int, w: torch.Tensor, n_expert: int, rows: int, q: torch.
     LIB.quant_matmul_pairs(code, w.data_ptr(), expert_bytes, expert_bytes // rows, rows, q.data_ptr(),  # type: ignore[union-attr]
                         d.data_ptr(), _ptr(bsums), _ptr(perm), k, xrow.data_ptr(), experts.shape[0],
                         experts.data_ptr(), starts.data_ptr(), out.data_ptr(), threads, isa)
+
+
+def expert_stack(code: int, w: torch.Tensor, n_expert: int, rows: int, k: int, threads: int) -> ExpertStack:
+    """A stack of n_expert matrices [rows, k] (bytes w of kernel type `code`) for moe_routed."""
+    return ExpertStack(w.data_ptr(), w.numel() // n_expert, rows, k, code, threads)
+
+
+def moe_routed(stacks: tuple[ExpertStack, ExpertStack, ExpertStack], x: torch.Tensor, idx: torch.Tensor,
+               w: torch.Tensor, n_expert: int, isa: int) -> torch.Tensor:
+    """A pass's routed experts in one call: x [n, d] float32, idx [n, k] int64 and w [n, k] float32 (contiguous)
+    → y [n, d] = Σ_s w[t, s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t, s], in slot order."""
+    gate, up, down = stacks
+    y = torch.empty(x.shape[0], down.n_rows)
+    rc = LIB.moe_routed(ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), x.data_ptr(), x.shape[0],  # type: ignore[union-attr]
+                        idx.data_ptr(), w.data_ptr(), idx.shape[1], n_expert, y.data_ptr(), isa)
+    if rc == -2:
+        raise ValueError(f"an expert id is outside [0, {n_expert})")
+    if rc != 0:
+        raise MemoryError("no memory for the routed experts' pass")
+    return y
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+/* A MoE layer's routed experts for the n tokens of a pass, in one call: the pairs grouped by expert, the
+ * activations quantized as each projection's weights need, gate and up products, silu(gate) · up, the down
+ * products, and the outputs weighted and summed over each token's top-k slots in slot order. Each expert's
+ * blocks are read once per pass whatever n is, and every output element takes the same steps whatever n and the
+ * thread split (the products' rule, kquant.c), so a pass over n tokens gives each token a one-token pass's bits.
+ * One call where the Python driver made about fifteen (engine/ops/experts.py), with the same kernels.
+ */
+#include <stdlib.h>
+#include "kernels.h"
+
+int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order,
+                           int64_t *tokens, int64_t *experts, int64_t *counts, int64_t *starts);
+void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa);
+void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d);
+void q8_k_to_q4_k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out);
+void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
+                        const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
+                        const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
+                        float *out, int n_threads, int isa);
+
+/* One projection's stack of experts as the products read it: bytes (stored blocks or packed), kernel type code
+ * (a ggml type or a T_*_PACKED), n_expert matrices of n_rows × k, expert_bytes apart. */
+typedef struct {
+    const uint8_t *w;
+    int64_t expert_bytes, n_rows, k;
+    int32_t code, threads;
+} ExpertStack;
+
+/* Activation rows quantized for one weight type: Q8_0 for Q8_0 weights, else Q8_K (with the Q4_K order of the
+ * quants where the AVX512 stored-order Q4_K product reads them). */
+typedef struct {
+    int8_t *q, *perm;
+    float *d;
+    int16_t *bs;
+} QRows;
+
+static int q8_0_code(int code) { return code == T_Q8_0 || code == T_Q8_0_PACKED; }
+
+static int quantize_for(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
+    const int64_t k = s->k;
+    r->q = malloc((size_t)(m * k));
+    r->d = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
+    r->bs = q8_0_code(s->code) ? NULL : malloc((size_t)(m * (k / 16)) * sizeof(int16_t));
+    r->perm = NULL;
+    if (!r->q || !r->d || (!q8_0_code(s->code) && !r->bs)) return -1;
+    if (q8_0_code(s->code)) {
+        quantize_q8_0(x, m, k, r->q, r->d);
+        return 0;
+    }
+    quantize_q8_k(x, m, k, r->q, r->d, r->bs, isa);
+    if (s->code == T_Q4_K && isa_runs(isa, ISA_AVX512)) {
+        r->perm = malloc((size_t)(m * k));
+        if (!r->perm) return -1;
+        q8_k_to_q4_k_order(r->q, m, k, r->perm);
+    }
+    return 0;
+}
+
+static void release(QRows *r) {
+    free(r->q), free(r->d), free(r->bs), free(r->perm);
+}
+
+static void pairs(const ExpertStack *s, const QRows *x, const int64_t *xrow, int64_t n_groups,
+                  const int64_t *experts, const int64_t *starts, float *out, int isa) {
+    const int64_t row_bytes = s->expert_bytes / s->n_rows;
+    quant_matmul_pairs(s->code, s->w, s->expert_bytes, row_bytes, s->n_rows, x->q, x->d, x->bs, x->perm, s->k, xrow,
+                       n_groups, experts, starts, out, s->threads, isa);
+}
+
+/* x [n, d]; idx [n, k_used] expert ids in [0, n_expert), wts [n, k_used] their weights; y [n, d]:
+ * y[t] = Σ_s wts[t, s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t, s], summed in slot order from 0.
+ * Returns 0, -1 when out of memory, -2 for an expert id out of range. */
+int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down, const float *x, int64_t n,
+               const int64_t *idx, const float *wts, int64_t k_used, int64_t n_expert, float *y, int isa) {
+    const int64_t p_n = n * k_used, f = gate->n_rows, d = down->n_rows;
+    int64_t *ints = malloc((size_t)(3 * p_n + 3 * n_expert + 1) * sizeof(int64_t));
+    float *g = malloc((size_t)(p_n * f) * sizeof(float)), *u = malloc((size_t)(p_n * f) * sizeof(float));
+    float *o = malloc((size_t)(p_n * d) * sizeof(float));
+    QRows xg = {0}, xu = {0}, xh = {0};
+    int rc = -1;
+    if (!ints || !g || !u || !o) goto done;
+    int64_t *order = ints, *tokens = order + p_n, *self = tokens + p_n, *experts = self + p_n,
+            *counts = experts + n_expert, *starts = counts + n_expert;
+    const int64_t n_groups = group_expert_pairs(idx, n, k_used, n_expert, order, tokens, experts, counts, starts);
+    if (n_groups < 0) {
+        rc = -2;
+        goto done;
+    }
+    if (quantize_for(gate, x, n, isa, &xg)) goto done;
+    const int same = q8_0_code(up->code) == q8_0_code(gate->code) && (up->code == T_Q4_K) == (gate->code == T_Q4_K);
+    if (!same && quantize_for(up, x, n, isa, &xu)) goto done;
+    pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
+    pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);
+    for (int64_t i = 0; i < p_n * f; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    if (quantize_for(down, g, p_n, isa, &xh)) goto done;
+    for (int64_t p = 0; p < p_n; p++) self[p] = p;
+    pairs(down, &xh, self, n_groups, experts, starts, o, isa);
+    /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
+    for (int64_t p = 0; p < p_n; p++) tokens[order[p]] = p;
+    for (int64_t t = 0; t < n; t++) {
+        float *yt = y + t * d;
+        for (int64_t j = 0; j < d; j++) yt[j] = 0.f;
+        for (int64_t s = 0; s < k_used; s++) {
+            const float ws = wts[t * k_used + s], *os = o + tokens[t * k_used + s] * d;
+            for (int64_t j = 0; j < d; j++) yt[j] += ws * os[j];
+        }
+    }
+    rc = 0;
+done:
+    release(&xg), release(&xu), release(&xh);
+    free(ints), free(g), free(u), free(o);
+    return rc;
+}

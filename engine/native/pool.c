@@ -1,0 +1,136 @@
+/* The kernels' threads: one pool, kept warm across the ops of a step, that never waits for a thread that has not
+ * shown up.
+ *
+ * A call splits its work into items; the caller and the workers claim items one at a time from a shared counter,
+ * and the call returns once every item is done. The caller works too and claims whatever is left, so when the
+ * workers' cores are taken (a browser, a build: a desktop's CPU is shared) it finishes the call alone at one
+ * thread's speed instead of waiting a scheduler time slice for each worker at each op, which is what an OpenMP
+ * region's barrier does (a decode step of the embedded model went from 8 ms to 25-30 ms with one busy process on
+ * a 2-core machine). Between calls the workers spin for a short while (the next op of a step comes within tens of
+ * microseconds), then sleep on a futex.
+ *
+ * Which thread runs an item never changes what the item computes: the kernels give every output to one item.
+ */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+#include "kernels.h"
+
+#define MAX_WORKERS 63
+#define SPIN_IDLE 5000  /* pauses a worker spins for before sleeping (tens of microseconds: the gap between a step's ops) */
+#define SPIN_DONE 2000  /* pauses the caller spins waiting for claimed items, before yielding its core */
+
+typedef struct {
+    pool_fn fn;
+    void *ctx;
+    int64_t n_items;
+    int helpers;  /* workers allowed to join (the call's thread count − 1) */
+} Job;
+
+/* state: the job generation (high 32 bits) and the next item to claim (low 32); a claim is a CAS on both, so a
+ * worker that read an old job can never claim an item of a new one. Job slots alternate by generation: the caller
+ * writes the next job's slot while the current one's is still read. */
+static _Atomic uint64_t STATE;
+static Job JOBS[2];
+static _Atomic int64_t DONE;
+static _Atomic uint32_t WAKE;  /* futex word, bumped when a job is published to sleeping workers */
+static _Atomic int SLEEPING;
+static int N_WORKERS;
+static pthread_mutex_t START = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t CALL = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time: Python threads may call in */
+
+/* Claims and runs items of the generation in `s`'s job until none is left; returns whether any was run. */
+static int work(uint64_t s, int worker) {
+    const uint32_t gen = (uint32_t)(s >> 32);
+    const Job *j = &JOBS[gen & 1];
+    const pool_fn fn = j->fn;
+    void *ctx = j->ctx;
+    const int64_t n = j->n_items;
+    if (worker > j->helpers) return 0;
+    int ran = 0;
+    for (;;) {
+        if ((uint32_t)(s >> 32) != gen || (int64_t)(s & 0xffffffffu) >= n) return ran;
+        if (atomic_compare_exchange_weak_explicit(&STATE, &s, s + 1, memory_order_acq_rel, memory_order_acquire)) {
+            fn(ctx, (int64_t)(s & 0xffffffffu));
+            atomic_fetch_add_explicit(&DONE, 1, memory_order_release);
+            ran = 1;
+            s = atomic_load_explicit(&STATE, memory_order_acquire);
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&STATE) >> 32);
+    for (;;) {
+        uint64_t s = atomic_load_explicit(&STATE, memory_order_acquire);
+        for (int i = 0; (uint32_t)(s >> 32) == seen && i < SPIN_IDLE; i++) {
+            PAUSE();
+            s = atomic_load_explicit(&STATE, memory_order_acquire);
+        }
+        if ((uint32_t)(s >> 32) == seen) {  /* idle: sleep until a job is published */
+            const uint32_t w = atomic_load(&WAKE);
+            atomic_fetch_add(&SLEEPING, 1);
+            if ((uint32_t)(atomic_load(&STATE) >> 32) == seen)
+                syscall(SYS_futex, &WAKE, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+            atomic_fetch_sub(&SLEEPING, 1);
+            continue;
+        }
+        seen = (uint32_t)(s >> 32);
+        work(s, id);
+    }
+    return NULL;
+}
+
+static void start_workers(int n) {
+    pthread_mutex_lock(&START);
+    for (; N_WORKERS < n && N_WORKERS < MAX_WORKERS; N_WORKERS++) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &a, worker_main, (void *)(intptr_t)(N_WORKERS + 1)) != 0) {
+            pthread_attr_destroy(&a);
+            break;
+        }
+        pthread_attr_destroy(&a);
+    }
+    pthread_mutex_unlock(&START);
+}
+
+void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
+    if (n_threads <= 1 || n_items <= 1) {
+        for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
+        return;
+    }
+    if (N_WORKERS < n_threads - 1) start_workers(n_threads - 1);
+    pthread_mutex_lock(&CALL);
+    const uint64_t old = atomic_load(&STATE);
+    const uint32_t gen = (uint32_t)(old >> 32) + 1;
+    JOBS[gen & 1] = (Job){fn, ctx, n_items, n_threads - 1};
+    atomic_store_explicit(&DONE, 0, memory_order_relaxed);
+    const uint64_t s = (uint64_t)gen << 32;
+    atomic_store(&STATE, s);  /* sequentially consistent: ordered before the read of SLEEPING */
+    if (atomic_load(&SLEEPING) > 0) {
+        atomic_fetch_add(&WAKE, 1);
+        syscall(SYS_futex, &WAKE, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
+    }
+    work(s, 0);
+    /* items other threads claimed may still run; one preempted mid-item may need this core back */
+    for (int i = 0; atomic_load_explicit(&DONE, memory_order_acquire) < n_items; i++) {
+        if (i < SPIN_DONE) PAUSE();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&CALL);
+}
