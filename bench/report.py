@@ -32,6 +32,85 @@ def _tokenizer(d: dict) -> list[str]:
 
 
 def _decode(d: dict) -> list[str]:
+    if "cases" not in d:
+        return _decode_mid_only(d)
+    m, ll, st = d["machine"], d["llama_cpp"], d["settings"]
+    flags = ", ".join(m.get("flags", [])) or "?"
+    load = " / ".join(f"{x:.2f}" for x in m["load_avg_at_start"])
+    if m.get("load_avg_at_end"):
+        load += ", at end " + " / ".join(f"{x:.2f}" for x in m["load_avg_at_end"])
+    out = ["## Prefill / decode / TTFT vs llama.cpp's server (`bench/decode.py`)", "",
+           f"Command: `{d['command']}` ({d['date']}"
+           + (f", commit {d['git']['commit'][:10]}{' + local changes' if d['git'].get('dirty') else ''}"
+              if d.get("git", {}).get("commit") else "") + ").", "",
+           f"Machine: {m.get('cpu_model', m['cpu'])}, {m['cores']} cores ({flags}), {st['threads']} threads per engine, "
+           f"load average (1 / 5 / 15 min) at start {load}. Foretell backend: `{d['backend']}`; llama.cpp: {ll['package']} "
+           f"(`{ll['system_info']}`), its server in-process, draft-mtp with n_max = K (n_min {ll['draft_n_min']}, "
+           f"p_min {ll['draft_p_min']}).", "",
+           f"{st['decoding'][:1].upper() + st['decoding'][1:]}; every engine run is a fresh process and load"
+           + (", warmed up by 4 untimed tokens" if st["warmup"] else ", first request timed (no warm-up)")
+           + f"; best of {st['rounds']} round(s) per setting (highest decode and prefill tok/s, lowest TTFT), the "
+           "engines alternating. Decode tok/s = (tokens − 1) / time from the first token to the last; TTFT measured "
+           "by the caller; prefill tok/s as each engine reports it (ours includes the MTP head's pass over the "
+           "prompt). Ratios are ours / llama.cpp: above 1 is faster for tok/s, slower for TTFT.", ""]
+    titles = {"embedded": "Embedded default model, chat", "mid": "Mid-size synthetic MoE",
+              "load-mid": "Under load: mid-size synthetic MoE", "load-embedded": "Under load: embedded default model"}
+    for case, c in d["cases"].items():
+        out += _decode_case(titles.get(case, case), c)
+    mem = d.get("load_memory")
+    if mem:
+        out += [f"Peak RSS after loading the mid model in Foretell: {mem['peak_rss_mib']:.0f} MiB for a "
+                f"{mem['file_mib']:.0f} MiB file ({mem['ratio']:.2f}× the file; limit 1.3×).", ""]
+    return out
+
+
+def _setting(name: str) -> str:
+    return "plain" if name == "off" else "MTP auto" if name == "auto" else f"MTP K={name.removeprefix('k')}"
+
+
+def _decode_case(title: str, c: dict) -> list[str]:
+    o_all, r_all = c["ours"], c["llama_cpp"]
+    out = [f"### {title}", "", f"`{c['model']['file']}` ({c['model']['bytes'] / 2**20:.0f} MiB): {c['workload']}.", "",
+           "| setting | Foretell decode tok/s | llama.cpp decode tok/s | × decode | Foretell prefill tok/s | "
+           "llama.cpp prefill tok/s | Foretell TTFT ms | llama.cpp TTFT ms | Foretell acceptance | "
+           "llama.cpp acceptance |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def acc(x: dict | None) -> str:
+        return f"{x['acceptance']:.3f}" if x and "acceptance" in x else "–"
+
+    for name, o in o_all.items():
+        r = r_all.get(name)
+        if r is None:
+            out.append(f"| {_setting(name)} | {o['decode_tok_s']:.1f} | – | – | {o['prefill_tok_s']:.0f} | – | "
+                       f"{o['ttft_ms']:.1f} | – | {acc(o)} | – |")
+        else:
+            out.append(f"| {_setting(name)} | {o['decode_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                       f"{o['decode_tok_s'] / r['decode_tok_s']:.3f} | {o['prefill_tok_s']:.0f} | "
+                       f"{r['prefill_tok_s']:.0f} | {o['ttft_ms']:.1f} | {r['ttft_ms']:.1f} | {acc(o)} | {acc(r)} |")
+    labels = {"plain": "plain vs plain", "mtp_best_vs_llama_mtp_best": "our best MTP vs llama.cpp's best draft-mtp",
+              "mtp_auto_vs_llama_mtp_best": "our MTP auto vs llama.cpp's best draft-mtp",
+              "mtp_best_vs_llama_plain": "our best MTP vs llama.cpp plain",
+              "mtp_auto_vs_llama_plain": "our MTP auto vs llama.cpp plain"}
+    n_rounds = len(c.get("rounds", []))
+    out += ["", f"| ours / llama.cpp | settings | decode | prefill | TTFT | decode, median of {n_rounds} rounds' ratios |",
+            "|---|---|---|---|---|---|"]
+    for key, q in c["ratios"].items():
+        twin = key.replace("mtp_auto", "mtp_best")
+        if twin != key and c["ratios"].get(twin, {}).get("ours") == "auto":
+            continue  # the same comparison as the row above
+        med = c["ratios_median_of_rounds"].get(key, {}).get("decode")
+        out.append(f"| {labels.get(key, key)} | {_setting(q['ours'])} / {_setting(q['llama_cpp'])} | "
+                   f"{q['decode']:.3f} | {q['prefill']:.3f} | {q['ttft']:.3f} | "
+                   + (f"{med:.3f} |" if med is not None else "– |"))
+    slow = c.get("slowdown_vs_unloaded")
+    if slow:
+        out += ["", f"Plain decode under load / without it: Foretell {slow['ours']:.3f}, "
+                f"llama.cpp {slow['llama_cpp']:.3f}."]
+    return out + [""]
+
+
+def _decode_mid_only(d: dict) -> list[str]:
+    """The earlier layout of decode.json: the mid model only, llama-cpp-python as the peer."""
     o, r, q = d["ours"], d["llama_cpp"], d["ratio_ours_over_llama"]
     mem = d["load_memory"]
     out = ["## Baseline prefill / decode vs llama.cpp (`bench/decode.py`)", "",
