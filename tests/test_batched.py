@@ -148,3 +148,19 @@ def test_native_grouping_equals_a_stable_argsort() -> None:
     assert torch.equal(g.starts, torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(c_ref, 0)]))
     with pytest.raises(ValueError):
         nl.group_pairs(torch.tensor([[0, 16]]), 16)
+
+
+@pytest.mark.parametrize("backend", backend_params(native_only=True))
+def test_native_experts_pass_equals_the_torch_twin(backend: ops.Backend) -> None:
+    """The one-call native pass (engine/native/moe.c: grouping, gate/up, silu·up, down, slot sum) computes what the
+    torch backend computes from the dequantized experts with llama.cpp's activation rounding, to float32 rounding of
+    the products' scaling (6e-7 of the largest output here; a slot weight on the wrong expert is off by order 1)."""
+    mf = open_model(fixture_path(KQUANT_MOE))
+    p = "blk.1."
+    ws = [mf.tensor(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")]
+    router = mf.tensor(p + "ffn_gate_inp.weight").dequantize()
+    x = torch.randn(6, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(1))
+    w, idx = route(x @ router.T, KQUANT_MOE.n_expert_used)
+    native = ops.moe_experts(x, idx, w, ops.Experts(*ws, backend))
+    twin = ops.moe_experts(x, idx, w, ops.Experts(*ws, ops.TORCH))
+    torch.testing.assert_close(native, twin, rtol=0, atol=1e-5 * twin.abs().max().item())

@@ -177,20 +177,6 @@ def test_packing_a_file_backed_weight_drops_its_pages_not_its_bytes() -> None:
     assert torch.equal(w.raw, before)  # read back from the file
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_avx2_products_agree_with_the_portable_ones(qt: T) -> None:
-    """The AVX2 forms take the portable loops' exact integer block sums; only the float sums' grouping (8 lanes, then
-    across) separates them."""
-    if not native.cpu_avx2():
-        pytest.skip("this CPU has no AVX2")
-    w = _weight(qt, 40, 1536, seed=8)
-    x = _x(6, 1536, seed=9)
-    portable = ops.linear(x, _bind(w, ops.Backend("native", "portable")))
-    avx2 = ops.linear(x.clone(), _bind(w, ops.backend_named("native-avx2")))
-    assert not torch.equal(avx2, portable) or qt == T.Q8_0  # a different float order (Q8_0 may coincide)
-    torch.testing.assert_close(avx2, portable, rtol=1e-5, atol=1e-5 * portable.abs().max().item())
-
-
 def test_q8_0_avx2_product_has_the_vnni_bits() -> None:
     """maddubs on |w| and x·sign(w) then madd by ones makes the int32 lanes dpbusd makes (bytes 4l … 4l+3), and the
     float work after them is the same: the same bits."""

@@ -87,7 +87,9 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
         goto done;
     }
     if (quantize_for(gate, x, n, isa, &xg)) goto done;
-    const int same = q8_0_code(up->code) == q8_0_code(gate->code) && (up->code == T_Q4_K) == (gate->code == T_Q4_K);
+    /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
+    const int same = q8_0_code(up->code) == q8_0_code(gate->code) &&
+                     (xg.perm || !(up->code == T_Q4_K && isa_runs(isa, ISA_AVX512)));
     if (!same && quantize_for(up, x, n, isa, &xu)) goto done;
     pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
     pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);

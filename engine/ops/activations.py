@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 import torch
 
 from engine.ops import native
+from engine.ops.backend import ISA_LEVEL
 
 T = TypeVar("T")
 
@@ -90,7 +91,7 @@ def act_format(weight_type: str) -> str:
     return weight_type if weight_type in ("F16", "BF16") else "F32"
 
 
-def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = 3) -> QuantRows:
+def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = ISA_LEVEL["avx512vnni"]) -> QuantRows:
     """x [..., K] float32 as rows [M, K] in ggml's quantize_row_q8_0 (fmt "Q8_0") or quantize_row_q8_K ("Q8_K"),
     by the native kernels (`on_native`, at instruction-set `level`: Backend.level) or torch ops (Q8_0 only): the same
     bits whatever the form."""

@@ -75,11 +75,6 @@ class Backend:
         return self.kind == "native"
 
     @property
-    def portable(self) -> bool:
-        """Native kernels in their portable C loops."""
-        return self.isa == "portable"
-
-    @property
     def level(self) -> int:
         """The instruction-set level the native calls ask for."""
         return ISA_LEVEL.get(self.isa, 0)

@@ -1,11 +1,11 @@
 """Routed experts for N tokens at once, grouped by expert.
 
 Each token picks its own top-k experts; the (token, slot) pairs are grouped by expert so every selected expert's
-gate/up/down weights are read once per pass, whatever N is: by the native kernels (one call per projection for all
-pairs), by the torch integer Q8_0 products, or gathered and dequantized (one call for a group of experts). Every
-product is one independent row product (as in engine.ops.linear) and the k expert outputs of a token are reduced
-in top-k slot order, so a pass over N tokens is bit-identical to N passes of one. Experts run where their bytes
-are: on the CPU for CPU stacks, or from an ExpertCache's slots on the accelerator.
+gate/up/down weights are read once per pass, whatever N is: by the native kernels (the whole pass in one call,
+engine/native/moe.c; with an expert cache, one call per projection for all pairs), by the torch integer Q8_0
+products, or gathered and dequantized (one call for a group of experts). Every product is one independent row
+product (as in engine.ops.linear) and the k expert outputs of a token are reduced in top-k slot order, so a pass
+over N tokens is bit-identical to N passes of one. Experts run where their bytes are: on the CPU for CPU stacks, or from an ExpertCache's slots on the accelerator.
 """
 from __future__ import annotations
 
