@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.errors import EngineError
+from engine.server.run import add_arguments as serve_arguments
 
 def _model_arg(value: str | None) -> Path:
     from engine.storage.modelfile import default_model_path
@@ -216,6 +217,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.server.run import serve
+
+    return serve(args, _engine(args, n_ctx=args.ctx))
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -275,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     _device_args(s)
     s.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the model (/v1/chat/completions, ...)")
+    s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
+    serve_arguments(s)
+    _device_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,0 +1,237 @@
+"""The OpenAI wire format: request bodies checked field by field into engine configs, and the response parts
+(usage, llama-server's `timings`, finish reasons, error bodies).
+
+Validation is hand-written rather than a schema library: the few fields are checked with messages that name
+the field, bools are never taken for numbers (JSON `true` is not 1), and unknown fields are ignored as
+OpenAI clients send many. A field the engine cannot honour (n > 1, logprobs, tools, penalties) is refused
+with 400 rather than silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.events import GenerationConfig, Stats
+from engine.sampling import SamplingConfig
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOP_STRINGS = 16
+MAX_DRAFT = 8
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, validated: the prompt (chat messages, text, or token ids) and how to generate."""
+
+    chat: bool
+    prompt: list[dict[str, str]] | str | list[int]
+    gen: GenerationConfig
+    max_tokens: int | None  # None: the server's default (its GenerationConfig's)
+    stream: bool
+    include_usage: bool
+    enable_thinking: bool | None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_chat(body: dict[str, Any], defaults: GenerationConfig) -> Request:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array of messages", "messages")
+    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    thinking = (kwargs or {}).get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise bad("'chat_template_kwargs.enable_thinking' must be true or false", "chat_template_kwargs")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("only the 'text' response_format is supported", "response_format", "unsupported_parameter")
+    return _request(body, defaults, chat=True, prompt=messages, max_tokens=max_tokens, enable_thinking=thinking)
+
+
+def parse_completion(body: dict[str, Any], defaults: GenerationConfig) -> Request:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise bad("'prompt' must be a non-empty string", "prompt")
+    if body.get("echo") or body.get("suffix") or _int(body, "best_of", 1) not in (None, 1):
+        raise bad("'echo', 'suffix' and 'best_of' are not supported by this server", None, "unsupported_parameter")
+    max_tokens = _int(body, "max_tokens", 1)
+    return _request(body, defaults, chat=False, prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens,
+                    enable_thinking=None)
+
+
+def _request(body: dict[str, Any], defaults: GenerationConfig, *, chat: bool, prompt: Any, max_tokens: int | None,
+             enable_thinking: bool | None) -> Request:
+    if _int(body, "n", 1) not in (None, 1):
+        raise bad("only n = 1 is supported", "n", "unsupported_parameter")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _float(body, name, -2.0, 2.0) not in (None, 0.0):
+            raise bad(f"'{name}' is not supported; use 'repeat_penalty'", name, "unsupported_parameter")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    s = defaults.sampling
+    seed = _int(body, "seed", -1)  # -1: a random seed (llama-server's convention)
+    sampling = SamplingConfig(
+        temperature=_or(_float(body, "temperature", 0.0, 2.0), s.temperature),
+        top_k=_or(_int(body, "top_k", 0), s.top_k),
+        top_p=_or(_float(body, "top_p", 0.0, 1.0, low_open=True), s.top_p),
+        min_p=_or(_float(body, "min_p", 0.0, 1.0), s.min_p),
+        repeat_penalty=_or(_float(body, "repeat_penalty", 0.0, 10.0, low_open=True), s.repeat_penalty),
+        repeat_last_n=s.repeat_last_n,
+        seed=s.seed if seed is None else None if seed == -1 else seed,
+    )
+    mtp, draft = _mtp(body.get("mtp"), defaults)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = (opts or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
+    gen = replace(defaults, sampling=sampling, stop_strings=_stop(body.get("stop")), mtp=mtp, draft=draft,
+                  enable_thinking=enable_thinking)
+    return Request(chat=chat, prompt=prompt, gen=gen, max_tokens=max_tokens, stream=stream,
+                   include_usage=include_usage, enable_thinking=enable_thinking)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(f"{param} must be an object with 'role' and 'content'", param)
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{param}.role is {role!r}; this server takes {', '.join(sorted(ROLES))}", f"{param}.role")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):  # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise bad(f"{param}.content: only text parts are supported", f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"{param}.content must be a string or an array of text parts", f"{param}.content")
+    return {"role": ROLES[role], "content": content}
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _int(body: dict[str, Any], name: str, low: int, high: int = 2**63 - 1) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(f"'{name}' must be an integer", name)
+    if not low <= v <= high:
+        raise bad(f"'{name}' must be in [{low}, {high}], got {v}", name)
+    return v
+
+
+def _float(body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise bad(f"'{name}' must be a number", name)
+    if v > high or v < low or (low_open and v == low):
+        lo = "(" if low_open else "["
+        raise bad(f"'{name}' must be in {lo}{low:g}, {high:g}], got {v}", name)
+    return float(v)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or an array of strings", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(s for s in items if s)
+
+
+def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
+    """The `mtp` extension: false (plain decoding), true (auto depth) or a draft depth 1..8."""
+    if value is None:
+        return defaults.mtp, defaults.draft
+    if isinstance(value, bool):
+        return value, None if value else defaults.draft
+    if isinstance(value, int) and 1 <= value <= MAX_DRAFT:
+        return True, value
+    raise bad(f"'mtp' must be false, true or a draft depth 1..{MAX_DRAFT}", "mtp")
+
+
+# -- response parts --------------------------------------------------------------------------------------------
+def finish_reason(done_reason: str) -> str:
+    return "length" if done_reason in ("max_tokens", "context_full") else "stop"
+
+
+def usage(st: Stats) -> dict[str, Any]:
+    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated_tokens,
+            "total_tokens": st.prompt_tokens + st.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": st.prompt_tokens - st.prefill_tokens}}
+
+
+def timings(st: Stats) -> dict[str, Any]:
+    """llama-server's per-response `timings`: prompt = the tokens computed before the first one (the rest came
+    from the cache), predicted = every generated token, timed after the first."""
+    prompt_ms = st.ttft_s * 1000
+    predicted_ms = max(st.elapsed_s - st.ttft_s, 0.0) * 1000
+    spec = st.speculative
+    return {
+        "cache_n": st.prompt_tokens - st.prefill_tokens,
+        "prompt_n": st.prefill_tokens, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / st.prefill_tokens if st.prefill_tokens else 0.0,
+        "prompt_per_second": st.prefill_tok_s,
+        "predicted_n": st.generated_tokens, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": 1000 / st.decode_tok_s if st.decode_tok_s else 0.0,
+        "predicted_per_second": st.decode_tok_s,
+        "draft_n": spec.drafted if spec else 0, "draft_n_accepted": spec.accepted if spec else 0,
+    }

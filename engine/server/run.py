@@ -1,0 +1,132 @@
+"""Running the server: uvicorn in the foreground (`python -m engine serve`) or on a background thread (the app's
+"Serve on localhost" switch, the tests).
+
+The socket is bound here, not by uvicorn, so a port in use is an `EngineError` with a plain message (uvicorn
+would exit the process) and port 0 gives an ephemeral port whose number is known before the first request.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from engine.errors import EngineError
+
+if TYPE_CHECKING:  # engine.events imports torch: the CLI's parser must not
+    from engine.events import GenerationConfig
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
+
+
+class LocalServer:
+    """One engine served over HTTP; `start()` returns once it accepts connections, `stop()` shuts it down."""
+
+    def __init__(self, engine: object, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 api_key: str | None = None, defaults: Callable[[], GenerationConfig] | None = None,
+                 max_waiting: int = 8, lock: threading.Lock | None = None, cors_origins: tuple[str, ...] = ()):
+        import uvicorn
+
+        from engine.events import GenerationConfig
+        from engine.server.app import create_app
+        from engine.server.scheduler import Scheduler
+
+        self.scheduler = Scheduler(engine, defaults or GenerationConfig, max_waiting=max_waiting, lock=lock)
+        self.app = create_app(self.scheduler, api_key=api_key, cors_origins=cors_origins)
+        self.sock = _bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        # No signal handlers off the main thread; no access log: clients' prompts are nobody's business.
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                                     lifespan="off", timeout_graceful_shutdown=5))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def model_name(self) -> str:
+        from engine.server.app import model_name
+
+        return model_name(self.scheduler.engine)
+
+    @property
+    def metrics(self):  # engine.server.metrics.ServerMetrics
+        return self.scheduler.metrics
+
+    def set_engine(self, engine: object) -> None:
+        """Serve another engine from the next request on (the app loaded a new model)."""
+        self.scheduler.engine = engine
+
+    def run(self) -> None:
+        """Serve in this thread until interrupted (Ctrl+C)."""
+        try:
+            self._server.run(sockets=[self.sock])
+        finally:
+            self.scheduler.close()
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self.run, name="foretell-serve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise EngineError(f"the server did not start on {self.url}")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def add_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default 8080; 0 = any free port)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--queue", type=int, default=8, help="requests that may wait behind the running one (default 8); "
+                   "more are refused with 429")
+    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeatable; default: none)")
+    s.add_argument("--ctx", type=int, default=4096, help="context length")
+    s.add_argument("--no-mtp", dest="mtp", action="store_false", default=True,
+                   help="plain decoding by default (a request may still ask for MTP)")
+    s.add_argument("--draft", default="auto", choices=["auto"] + [str(k) for k in range(1, 9)],
+                   help="default draft depth 1-8 or 'auto'")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="reply length when a request sets none (default: until the context is full)")
+    s.add_argument("--temp", type=float, default=0.0, help="default temperature when a request sets none (0 = greedy)")
+
+
+def serve(args: argparse.Namespace, engine: object) -> int:
+    """The CLI's `serve`: defaults from the flags, the URL on stderr, then serve until Ctrl+C."""
+    import sys
+
+    from engine.events import GenerationConfig
+    from engine.sampling import SamplingConfig
+
+    draft = None if args.draft == "auto" else int(args.draft)
+    gen = GenerationConfig(max_tokens=args.max_tokens or args.ctx, mtp=args.mtp, draft=draft,
+                           sampling=SamplingConfig(temperature=args.temp))
+    server = LocalServer(engine, host=args.host, port=args.port, api_key=args.api_key, defaults=lambda: gen,
+                         max_waiting=args.queue, cors_origins=tuple(args.cors))
+    print(f"serving {server.model_name} on {server.url} (OpenAI API; Ctrl+C stops)", file=sys.stderr, flush=True)
+    server.run()
+    return 0
