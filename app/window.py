@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QHBoxLayo
 
 from app.charts import MetricsDock
 from app.chat_view import ChatView
+from app.serve_panel import ServePanel
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
 from app.store import Store
 from app.worker import EngineController
@@ -101,7 +102,13 @@ class MainWindow(QMainWindow):
         self.sidebar = self._dock("Conversations", side, Qt.DockWidgetArea.LeftDockWidgetArea)
 
         self.settings_panel = SettingsPanel(self.settings)
-        self.settings_dock = self._dock("Settings", self.settings_panel, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.serve_panel = ServePanel(self.engine.worker, lambda: self.settings.generation_config())
+        box = QWidget()
+        box_col = QVBoxLayout(box)
+        box_col.setContentsMargins(0, 0, 0, 0)
+        box_col.addWidget(self.settings_panel)
+        box_col.addWidget(self.serve_panel)
+        self.settings_dock = self._dock("Settings", box, Qt.DockWidgetArea.RightDockWidgetArea)
         self.metrics = MetricsDock()
         self.metrics_dock = self._dock("Live metrics", self.metrics, Qt.DockWidgetArea.RightDockWidgetArea)
         self.info = QLabel("No model loaded")
@@ -394,6 +401,7 @@ class MainWindow(QMainWindow):
         self.edit_btn.setEnabled(ready and not self.generating and self.conv_id is not None)
 
     def closeEvent(self, e) -> None:  # noqa: N802
+        self.serve_panel.stop()
         self.engine.shutdown()
         save_settings(self.qs, self.settings)
         super().closeEvent(e)

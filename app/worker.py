@@ -48,6 +48,9 @@ class EngineWorker(QObject):
         super().__init__()
         self.engine: Engine | None = None
         self.stop_flag = threading.Event()
+        # Held while generating; app.serve_panel's server takes the same lock, so the window and the
+        # server never generate on one engine at once.
+        self.gen_lock = threading.Lock()
 
     @Slot(object, object)
     def load(self, path: str | None, config: EngineConfig) -> None:
@@ -70,14 +73,15 @@ class EngineWorker(QObject):
             return
         self.stop_flag.clear()
         try:
-            for ev in self.engine.generate(messages, gen, self.stop_flag):
-                if isinstance(ev, Token):
-                    if ev.text:
-                        self.token.emit(ev.text, ev.accepted_draft)
-                elif isinstance(ev, Stats):
-                    self.stats.emit(ev)
-                elif isinstance(ev, Done):
-                    self.finished.emit(ev.reason, ev.message)
+            with self.gen_lock:
+                for ev in self.engine.generate(messages, gen, self.stop_flag):
+                    if isinstance(ev, Token):
+                        if ev.text:
+                            self.token.emit(ev.text, ev.accepted_draft)
+                    elif isinstance(ev, Stats):
+                        self.stats.emit(ev)
+                    elif isinstance(ev, Done):
+                        self.finished.emit(ev.reason, ev.message)
         except EngineError as e:
             self.failed.emit(str(e))
         except Exception as e:
