@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,12 @@ def metric(srv: LocalServer, name: str) -> float:
     return 0.0
 
 
+def per_position(srv: LocalServer) -> dict[str, float]:
+    _, out = raw(srv, "GET", "/metrics")
+    rows = [ln for ln in out["text"].splitlines() if ln.startswith("foretell:spec_decode_num_accepted_tokens_per_pos")]
+    return {ln.split('"')[1]: float(ln.split()[-1]) for ln in rows}
+
+
 def chat(c: openai.OpenAI, text: str, **kw):
     return c.chat.completions.create(model="foretell-demo", messages=[{"role": "user", "content": text}], **kw)
 
@@ -97,6 +104,7 @@ def test_chat_reply_usage_timings_and_mtp_counters(server) -> None:
     c = client(server)
     drafts0 = metric(server, "spec_decode_num_draft_tokens_total")
     accepted0 = metric(server, "spec_decode_num_accepted_tokens_total")
+    per_pos0 = per_position(server)
     r = c.chat.completions.create(model="foretell-demo", max_tokens=12, temperature=0, extra_body={"mtp": 2},
                                   messages=[{"role": "system", "content": "Answer briefly."},
                                             {"role": "user", "content": "Who made the heaven?"}])
@@ -109,9 +117,10 @@ def test_chat_reply_usage_timings_and_mtp_counters(server) -> None:
     assert t["predicted_n"] == r.usage.completion_tokens and t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
     assert t["prompt_ms"] > 0 and t["draft_n"] >= t["draft_n_accepted"] >= 0
     if r.usage.completion_tokens > 2:  # depth 2 on: every verify pass drafted
-        assert t["draft_n"] > 0
+        assert t["draft_n"] > 0 and t["draft_n_accepted"] > 0  # greedy on the demo model: most drafts hold
     assert metric(server, "spec_decode_num_draft_tokens_total") - drafts0 == t["draft_n"]
     assert metric(server, "spec_decode_num_accepted_tokens_total") - accepted0 == t["draft_n_accepted"]
+    assert sum(per_position(server).values()) - sum(per_pos0.values()) == t["draft_n_accepted"]
     plain = chat(c, "Who made the heaven?", max_tokens=12, extra_body={"mtp": False})
     assert plain.model_extra["timings"]["draft_n"] == 0
 
@@ -328,11 +337,41 @@ def test_opens_thinking() -> None:
     assert not opens_thinking("<|im_start|>assistant\n")
 
 
-def test_serve_cli_port_in_use_is_one_line(server) -> None:
-    proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", str(server.port)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and proc.stderr.startswith("error: cannot listen on 127.0.0.1:")
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_serve_cli_serves_with_its_flags_and_port_in_use_is_one_line() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", "0", "--max-tokens", "3", "--no-mtp"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("serving foretell-demo on http://127.0.0.1:"), line
+        url = line.split()[3]
+        port = int(url.split(":")[2].split("/")[0])
+        r = openai.OpenAI(base_url=url, api_key="none", max_retries=0).chat.completions.create(
+            model="foretell-demo", messages=[{"role": "user", "content": "Hi"}])
+        assert r.usage.completion_tokens <= 3 and r.model_extra["timings"]["draft_n"] == 0  # the flags' defaults
+        busy = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 1 and busy.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}")
+        assert len(busy.stderr.strip().splitlines()) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def test_cors_only_when_asked(eng, server) -> None:
+    origin = "http://editor.example"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    srv = LocalServer(eng, port=0, cors_origins=(origin,), lock=server.scheduler.lock)
+    srv.start()
+    try:
+        for target, allowed in ((srv, True), (server, False)):
+            conn = http.client.HTTPConnection("127.0.0.1", target.port, timeout=30)
+            conn.request("OPTIONS", "/v1/chat/completions", headers=preflight)
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            assert (resp.getheader("access-control-allow-origin") == origin) is allowed
+    finally:
+        srv.stop()
 
 
 def test_shared_lock_serializes_with_another_holder(server) -> None:

@@ -128,5 +128,9 @@ def serve(args: argparse.Namespace, engine: object) -> int:
     server = LocalServer(engine, host=args.host, port=args.port, api_key=args.api_key, defaults=lambda: gen,
                          max_waiting=args.queue, cors_origins=tuple(args.cors))
     print(f"serving {server.model_name} on {server.url} (OpenAI API; Ctrl+C stops)", file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the signal it caught
+        pass
+    print("stopped", file=sys.stderr)
     return 0
