@@ -93,7 +93,7 @@ class ServePanel(QWidget):
         if self.server is None:
             return
         m = self.server.metrics
-        self.count.setText(f"{m.requests_finished} answered, {m.running} running, {m.waiting} waiting")
+        self.count.setText(f"{m.requests_finished} finished, {m.running} running, {m.waiting} waiting")
 
     @Slot(object)
     def _on_loaded(self, info: dict) -> None:

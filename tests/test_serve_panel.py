@@ -37,7 +37,7 @@ def test_switch_serves_the_loaded_engine(qtbot) -> None:
         assert panel.url.text() == f"http://127.0.0.1:{port}/v1" and not panel.port.isEnabled()
         reply = _post(port, {"messages": [{"role": "user", "content": "Hi"}]})
         assert 1 <= reply["usage"]["completion_tokens"] <= 4  # the app's settings are the defaults
-        qtbot.waitUntil(lambda: panel.count.text().startswith("1 answered"), timeout=5_000)
+        qtbot.waitUntil(lambda: panel.count.text().startswith("1 finished"), timeout=5_000)
         panel.switch.setChecked(False)
         assert panel.server is None and panel.url.text() == "Off" and panel.port.isEnabled()
         with pytest.raises(ConnectionRefusedError):

@@ -92,8 +92,9 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, cors_origins
         watcher = asyncio.create_task(_stop_on_disconnect(request, job))
         try:
             return JSONResponse(await reply.collect(job))
-        finally:
+        finally:  # done, or cancelled (the server is shutting down): nothing more is wanted either way
             watcher.cancel()
+            job.stop.set()
 
     async def api_error(request: HTTPRequest, exc: Exception) -> Response:
         assert isinstance(exc, APIError)

@@ -25,7 +25,8 @@ class LocalServer:
 
     def __init__(self, engine: object, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, defaults: Callable[[], GenerationConfig] | None = None,
-                 max_waiting: int = 8, lock: threading.Lock | None = None, cors_origins: tuple[str, ...] = ()):
+                 max_waiting: int = 8, lock: threading.Lock | None = None, cors_origins: tuple[str, ...] = (),
+                 shutdown_grace_s: int = 5):
         import uvicorn
 
         from engine.events import GenerationConfig
@@ -36,9 +37,11 @@ class LocalServer:
         self.app = create_app(self.scheduler, api_key=api_key, cors_origins=cors_origins)
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        # No signal handlers off the main thread; no access log: clients' prompts are nobody's business.
+        # No access log: clients' requests are nobody's business. On stop, replies in flight get
+        # `shutdown_grace_s`, then are cancelled, which stops their generations.
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                     lifespan="off", timeout_graceful_shutdown=5))
+                                                     lifespan="off",
+                                                     timeout_graceful_shutdown=shutdown_grace_s))
         self._thread: threading.Thread | None = None
 
     @property
