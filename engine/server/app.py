@@ -88,7 +88,7 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, cors_origins
             raise APIError(429, f"{e}; try again shortly", type="rate_limit_error", code="queue_full") from None
         reply = _Reply(req, model_name(eng), ReasoningSplitter(thinking) if chat else None)
         if req.stream:
-            return StreamingResponse(reply.stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
+            return _EventStream(job, reply.stream(job))
         watcher = asyncio.create_task(_stop_on_disconnect(request, job))
         try:
             return JSONResponse(await reply.collect(job))
@@ -155,6 +155,21 @@ def _encode(eng: Any, req: Request) -> tuple[list[int], bool]:
     return ids, thinking
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop their job however the response ends: complete, failed, or cancelled by
+    starlette on `http.disconnect` (even before the first event, when no generator cleanup would run)."""
+
+    def __init__(self, job: Job, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.stop.set()
+
+
 async def _stop_on_disconnect(request: HTTPRequest, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -217,35 +232,32 @@ class _Reply:
         return out
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
-        try:
-            if self.req.chat:
-                first = self._choice("", "", None, delta=True)
-                first["delta"] = {"role": "assistant", "content": ""}
-                yield self._sse(self._envelope([first], chunk=True))
-            final: Stats | None = None
-            done = Done("stopped")
-            async for ev in job.events():
-                if isinstance(ev, Token):
-                    r, c = self._parts(ev.text)
-                    if r or c:
-                        yield self._sse(self._envelope([self._choice(r, c, None, delta=True)], chunk=True))
-                elif isinstance(ev, Stats):
-                    final = ev
-                elif isinstance(ev, Done):
-                    done = ev
-                elif isinstance(ev, Failure):
-                    yield self._sse(APIError(500, ev.message, type="server_error").body())
-                    return
-            r, c = self._parts("", final=True)
-            last = self._envelope([self._choice(r, c, protocol.finish_reason(done.reason), delta=True)], chunk=True)
-            if final is not None:
-                last["timings"] = protocol.timings(final)
-            yield self._sse(last)
-            if self.req.include_usage and final is not None:
-                yield self._sse({**self._envelope([], chunk=True), "usage": protocol.usage(final)})
-            yield "data: [DONE]\n\n"
-        finally:  # the client left (starlette cancelled us) or the reply is complete: either way, stop
-            job.stop.set()
+        if self.req.chat:
+            first = self._choice("", "", None, delta=True)
+            first["delta"] = {"role": "assistant", "content": ""}
+            yield self._sse(self._envelope([first], chunk=True))
+        final: Stats | None = None
+        done = Done("stopped")
+        async for ev in job.events():
+            if isinstance(ev, Token):
+                r, c = self._parts(ev.text)
+                if r or c:
+                    yield self._sse(self._envelope([self._choice(r, c, None, delta=True)], chunk=True))
+            elif isinstance(ev, Stats):
+                final = ev
+            elif isinstance(ev, Done):
+                done = ev
+            elif isinstance(ev, Failure):
+                yield self._sse(APIError(500, ev.message, type="server_error").body())
+                return
+        r, c = self._parts("", final=True)
+        last = self._envelope([self._choice(r, c, protocol.finish_reason(done.reason), delta=True)], chunk=True)
+        if final is not None:
+            last["timings"] = protocol.timings(final)
+        yield self._sse(last)
+        if self.req.include_usage and final is not None:
+            yield self._sse({**self._envelope([], chunk=True), "usage": protocol.usage(final)})
+        yield "data: [DONE]\n\n"
 
     def _sse(self, payload: dict[str, Any]) -> str:
         if self.req.include_usage and "choices" in payload and "usage" not in payload:
