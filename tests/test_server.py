@@ -154,6 +154,16 @@ def test_text_completions_streamed_and_not(server) -> None:
     assert stopped.choices[0].finish_reason == "stop" and r.choices[0].text[2:4] not in stopped.choices[0].text
 
 
+def test_message_forms_clients_send(server) -> None:
+    """Text parts (Open WebUI, newer SDKs), the developer role (= system), an assistant turn with null content."""
+    parts = chat(client(server), "Hi", max_tokens=6, temperature=0)
+    r = client(server).chat.completions.create(model="foretell-demo", max_tokens=6, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": None}, {"role": "user", "content": [{"type": "text", "text": "H"},
+                                                                           {"type": "text", "text": "i"}]}])
+    assert r.choices[0].message.content and r.usage.prompt_tokens > parts.usage.prompt_tokens
+
+
 def test_seeded_sampling_reproduces(server) -> None:
     c = client(server)
     kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 40, "min_p": 0.05})
