@@ -249,13 +249,13 @@ class _StopStrings:
         return out
 
 
-def load(path: str | os.PathLike[str] | None = None, config: EngineConfig = EngineConfig(),
+def load(path: str | os.PathLike[str] | ModelFile | None = None, config: EngineConfig = EngineConfig(),
          progress: ProgressFn | None = None) -> Engine:
-    """Open, validate and prepare a model (None = the embedded default model)."""
+    """Open, validate and prepare a model (None = the embedded default model; a ModelFile: one already opened)."""
     report = progress or (lambda f, m: None)
-    p = Path(path) if path is not None else default_model_path()
+    p = path.path if isinstance(path, ModelFile) else Path(path) if path is not None else default_model_path()
     report(0.0, f"opening {p.name}")
-    mf = open_model(p)
+    mf = path if isinstance(path, ModelFile) else open_model(p)
     report(0.5, "preparing weights")
     try:
         eng = Engine(mf, config)
