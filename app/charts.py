@@ -61,8 +61,9 @@ class Reply:
         return self.mode if self.mode in ("off", "auto") else "fixed"
 
 
-def speedup_text(tok_s: float, reference: float | None) -> str:
-    return f"×{tok_s / reference:.1f} vs MTP off" if reference else ""
+def speedup(tok_s: float, reference: float | None) -> str:
+    """"×1.9": decode speed against the MTP-off reference."""
+    return f"×{tok_s / reference:.1f}" if reference else ""
 
 
 class Chart(QWidget):
@@ -186,7 +187,8 @@ class MetricsDock(QWidget):
     def _legend(self) -> None:
         sw = '<span style="color:{c}">■</span> {t}'
         parts = [sw.format(c=MODE_COLOURS["off"], t="MTP off"), sw.format(c=MODE_COLOURS["fixed"], t="fixed depth K"),
-                 sw.format(c=MODE_COLOURS["auto"], t="auto depth"), "– – average without MTP"]
+                 sw.format(c=MODE_COLOURS["auto"], t="auto depth"), "– – MTP-off average",
+                 "×N on a bar: its speed against that average"]
         self.replies_legend.setText(" &nbsp; ".join(parts))
 
     def set_dark(self, dark: bool) -> None:
@@ -295,7 +297,10 @@ class MetricsDock(QWidget):
         for chart, line, ring in ((self.c_speed, self.l_speed, self.tok_s), (self.c_acc, self.l_acc, self.acceptance),
                                   (self.c_len, self.l_len, self.mean_len)):
             line.setData(*ring.data())
-            chart.show_data(bool(np.isfinite(ring.data()[1]).any()))
+            finite = ring.data()[1][np.isfinite(ring.data()[1])]
+            chart.show_data(finite.size > 0)
+            if finite.size and chart is not self.c_acc:  # speeds and lengths from zero, so bars of change read true
+                chart.plot.setYRange(0, float(finite.max()) * 1.15 or 1.0)
         self._draw_depth()
         if self.layer_hits is not None:  # GPU expert cache: per-layer hit rate over time
             if self.c_cache.isHidden():
@@ -330,8 +335,9 @@ class MetricsDock(QWidget):
                           pens=[pg.mkPen(None)] * len(shown))
         fg = "#d0d0d0" if self.dark else "#303030"
         for xi, r in zip(x, shown):
-            text = speedup_text(r.tok_s, ref) if r.kind != "off" else ""
-            label = pg.TextItem(f"{r.mode}\n{text}" if text else r.mode, color=fg, anchor=(0.5, 1.0))
+            text = speedup(r.tok_s, ref) if r.kind != "off" else ""
+            label = pg.TextItem(f"{text}\n{r.mode}" if text else r.mode, color=fg, anchor=(0.5, 1.0))
+            label.setToolTip(f"{r.tok_s:.1f} tokens/s, MTP {r.mode}" + (f", {text} vs MTP off" if text else ""))
             label.setPos(float(xi), r.tok_s)
             self.p_replies.addItem(label)
             self.bar_labels.append(label)
@@ -341,6 +347,7 @@ class MetricsDock(QWidget):
         top = max([r.tok_s for r in shown] + [ref or 0.0])
         self.p_replies.setYRange(0, top * 1.35)
         self.p_replies.setXRange(first - 0.6, first + max(len(shown), 4) - 0.4)
+        self.p_replies.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x]])  # replies are whole numbers
         self.c_replies.show_data()
 
     def _draw_depth(self) -> None:
@@ -369,7 +376,7 @@ class MetricsDock(QWidget):
         ref, source = self.reference()
         if self.replies and self.replies[-1].kind != "off" and ref:
             r = self.replies[-1]
-            text = (f"<b>Last reply (MTP {r.mode}): {speedup_text(r.tok_s, ref)}</b> "
+            text = (f"<b>Last reply (MTP {r.mode}): {speedup(r.tok_s, ref)} vs MTP off</b> "
                     f"({r.tok_s:.1f} against {ref:.1f} tokens/s, {source}).<br>{text}")
         elif self.replies and not ref:
             text += "<br>Send a reply with MTP off (Settings) to see whether MTP helps on this model."

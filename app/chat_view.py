@@ -22,8 +22,8 @@ from PySide6.QtGui import QGuiApplication, QTextDocument
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 READABLE_WIDTH = 860
-EXAMPLES = ("What is 12 plus 30?", "How many days are there from 3 May to 17 May?", "Convert 5 km to metres.",
-            "What does json.dumps do?", "Count from 3 to 9.")
+EXAMPLES = ("Hello!", "What is 12 plus 30?", "Count from 3 to 9.", "Convert 5 km to metres.",
+            "What does json.dumps do?", "What day comes after Tuesday?")
 WELCOME = """<h2>Welcome to Foretell</h2>
 <p>Foretell runs language models on this computer: nothing you type leaves it.</p>
 <p>The built-in demonstration model is tiny: it answers short questions of the kinds it was trained on —
@@ -32,7 +32,7 @@ For real work open a Qwen3.5/3.6 GGUF model (<b>File › Open model…</b>, the 
 or drop a .gguf file on the window).</p>
 <p>Try one of these:</p>
 {examples}
-<p style="color:gray">Replies show their speed; the <b>Metrics</b> tab shows whether speculative decoding with the
+<p style="color:{muted}">Replies show their speed; the <b>Metrics</b> tab shows whether speculative decoding with the
 model's MTP head makes them faster (switch it in <b>Settings</b>).</p>"""
 FENCE = re.compile(r"```([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
@@ -140,6 +140,11 @@ class ChatView(QTextBrowser):
         return next((m.text for m in reversed(self.messages) if m.role == "assistant"), "")
 
     # -- rendering ---------------------------------------------------------------------------------
+    @property
+    def muted(self) -> str:
+        """Secondary text (footers, thinking) readable on either theme's background."""
+        return "#a4a8ae" if self.dark else "#666666"
+
     def resizeEvent(self, e) -> None:  # noqa: N802 (Qt override)
         side = max(0, (self.width() - READABLE_WIDTH) // 2)
         self.setViewportMargins(side, 0, side, 0)
@@ -150,7 +155,7 @@ class ChatView(QTextBrowser):
         parts = []
         if not self.messages:
             items = "".join(f'<li><a href="ask:{quote(q)}">{html.escape(q)}</a></li>' for q in EXAMPLES)
-            parts.append(WELCOME.format(examples=f"<ul>{items}</ul>"))
+            parts.append(WELCOME.format(examples=f"<ul>{items}</ul>", muted=self.muted))
         for i, m in enumerate(self.messages):
             who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
             links = []
@@ -166,7 +171,7 @@ class ChatView(QTextBrowser):
             parts.append(f'<p style="margin-top:10px"><b>{who}</b> &nbsp; <span style="font-size:small">{tools}</span></p>')
             parts.append(self._message_html(m, i))
             if m.footer:
-                parts.append(f'<p style="color:gray; font-size:small">{html.escape(m.footer)}</p>')
+                parts.append(f'<p style="color:{self.muted}; font-size:small">{html.escape(m.footer)}</p>')
         bar = self.verticalScrollBar()
         at_end = bar.value() >= bar.maximum() - 4
         self.setHtml("".join(parts))
@@ -175,7 +180,7 @@ class ChatView(QTextBrowser):
 
     def _message_html(self, m: ViewMessage, idx: int) -> str:
         if m.role == "assistant" and m.stopped and not m.text.strip():
-            return '<p style="color:gray"><i>Stopped before any text.</i></p>'
+            return f'<p style="color:{self.muted}"><i>Stopped before any text.</i></p>'
         if m.role != "assistant":
             return f"<p>{html.escape(m.text).replace(chr(10), '<br>')}</p>"
         if self.color_drafts:  # token-level view: accepted-draft tokens highlighted, no Markdown
@@ -189,7 +194,7 @@ class ChatView(QTextBrowser):
             label = "▾ Thinking" if m.show_thinking else "▸ Thinking (click to show)"
             out.append(f'<p><a href="think:{idx}">{label}</a></p>')
             if m.show_thinking:
-                out.append(f'<p style="color:gray">{html.escape(think.group(1).strip())}</p>')
+                out.append(f'<p style="color:{self.muted}">{html.escape(think.group(1).strip())}</p>')
             text = text[:think.start()] + text[think.end():]
         out.append(render_markdown(text.strip(), self.dark, self._codes))
         return "".join(out)

@@ -40,6 +40,8 @@ def footer(stats: dict[str, Any]) -> str:
         parts.append(f"{stats['mean_accepted_length']:.1f} tokens per step")
     elif stats.get("mtp") == "off":
         parts.append("MTP off")
+    elif stats.get("mtp"):
+        parts.append(f"MTP {stats['mtp']}: nothing drafted")
     reason = STOP_WORDS.get(stats.get("stop_reason", ""))
     if reason:
         parts.append(reason)

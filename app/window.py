@@ -104,7 +104,7 @@ class MainWindow(QMainWindow):
         self.prompt.setAccessibleName("Message")
         self.prompt.setPlaceholderText("Message (Enter to send, Shift+Enter for a new line)")
         self.prompt.setMinimumHeight(52)
-        self.prompt.setMaximumHeight(110)
+        self.prompt.setMaximumHeight(90)
         col.addWidget(self.prompt)
         row = QHBoxLayout()
         self.send_btn = QPushButton("Send")
@@ -173,6 +173,7 @@ class MainWindow(QMainWindow):
         sb.addWidget(self.progress)
         sb.addWidget(self.undo_btn)
         for w in (self.context_label, self.device_label, self.model_label):
+            w.setContentsMargins(8, 0, 8, 0)
             sb.addPermanentWidget(w)
         self.undo_timer = QTimer(self, singleShot=True, interval=20_000)
 
@@ -231,15 +232,31 @@ class MainWindow(QMainWindow):
         avail = screen.availableGeometry() if screen else None
         w, h = (1280, 800) if avail is None else (min(1280, avail.width()), min(800, avail.height()))
         self.resize(w, h)
-        self.resizeDocks([self.sidebar, self.panel], [220, max(320, w // 4)], Qt.Orientation.Horizontal)
+        self._fit_docks = True
+        self._fit_dock_widths()
+
+    def _fit_dock_widths(self) -> None:
+        """The chat column is capped at a readable width; a wide window gives the rest to the panel."""
+        w = self.width()
+        self.resizeDocks([self.sidebar, self.panel], [220, min(560, max(360, w - 220 - 920))],
+                         Qt.Orientation.Horizontal)
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 (Qt override)
+        super().resizeEvent(e)
+        if getattr(self, "_fit_docks", False):  # until the window has settled (a window manager maximises late)
+            self._fit_dock_widths()
+
+    def showEvent(self, e) -> None:  # noqa: N802 (Qt override)
+        super().showEvent(e)
+        QTimer.singleShot(2000, lambda: setattr(self, "_fit_docks", False))
 
     def _restore_layout(self) -> None:
         geo, state = self.qs.value("window/geometry"), self.qs.value("window/state")
         self._default_layout()
         if geo is not None:
             self.restoreGeometry(geo)
-        if state is not None:
-            self.restoreState(state, LAYOUT_VERSION)
+        if state is not None and self.restoreState(state, LAYOUT_VERSION):
+            self._fit_docks = False  # the user's own widths
         self.tabs.setCurrentIndex(int(self.qs.value("window/tab", 0) or 0) % len(TABS))
 
     def _save_layout(self) -> None:

@@ -53,9 +53,9 @@ def test_charts_answer_whether_mtp_helps(qtbot) -> None:
     assert ref == dock.replies[0].tok_s and "1 reply without MTP" in source
     assert dock.ref_line.isVisible() and dock.ref_line.value() == ref
     k2 = dock.replies[2]
-    want = f"×{k2.tok_s / ref:.1f} vs MTP off"
-    assert any(want in lab.textItem.toPlainText() for lab in dock.bar_labels)
-    assert want.split(" vs")[0] in dock.summary.text() or "vs MTP off" in dock.summary.text()
+    want = f"×{k2.tok_s / ref:.1f}"
+    assert any(lab.textItem.toPlainText() == f"{want}\nK=2" for lab in dock.bar_labels)
+    assert f"{want} vs MTP off" in dock.summary.text()
     brushes = dock.bars.opts["brushes"]
     assert [pg.mkBrush(b).color().name() for b in brushes] == [MODE_COLOURS[k] for k in ("off", "auto", "fixed")]
     # Time series: separate charts with units, a break between replies, acceptance in percent.

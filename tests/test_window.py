@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QUrl
+from PySide6.QtCore import QObject, QSettings, Qt, QUrl, Slot
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication
 
@@ -206,9 +206,20 @@ def test_welcome_status_prefill_delete_undo_and_export(qtbot, tmp_path: Path) ->
     qtbot.waitUntil(lambda: not win.generating, timeout=60_000)
     foot = win.chat.messages[-1].footer
     assert "tok/s" in foot and "tokens" in foot and "drafts" not in foot
+    win.drafts_action.setChecked(True)  # View › Highlight accepted draft tokens
+    assert win.chat.color_drafts  # the colouring itself: test_chat_view
+    win.drafts_action.setChecked(False)
+    assert not win.chat.color_drafts
     # A long prompt: "Processing prompt … n/N" with progress before the first token.
     states: list[str] = []
-    win.engine.worker.prefill.connect(lambda d, t: states.append(win.state_label.text()))
+
+    class Watch(QObject):  # a receiver on the GUI thread, so the slot runs there after the window's own
+        @Slot(int, int)
+        def seen(self, _d: int, _t: int) -> None:
+            states.append(win.state_label.text())
+
+    watch = Watch()
+    win.engine.worker.prefill.connect(watch.seen)
     _send(qtbot, win, " ".join(["words"] * 700))
     qtbot.waitUntil(lambda: len(states) >= 2, timeout=10_000)
     assert any(s.startswith("Processing prompt … ") and "/" in s for s in states), states
