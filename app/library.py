@@ -12,15 +12,14 @@ from pathlib import Path
 
 import psutil
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QLabel, QPushButton, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QPushButton,
+                               QVBoxLayout, QWidget)
 
 from engine.errors import EngineError, ModelFormatError
 from engine.placement import ModelSizes, PlacementConfig, free_device_bytes, plan_placement
 from engine.storage.modelfile import ModelFile, default_model_path, open_model
 
 GiB = 2**30
-COLUMNS = ("Model", "Architecture", "Parameters", "Quant mix", "Size", "MTP", "Context", "Fits")
 
 
 def check_model_file(path: str | Path | None) -> ModelFile:
@@ -102,6 +101,14 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def describe_line(e: LibraryEntry) -> str:
+    """The library's second line for a model: what it is and whether it fits, or why it cannot be opened."""
+    if e.error:
+        return e.error
+    return (f"{e.architecture} · {_count(e.params)} parameters · {e.quant_mix} · {_size(e.file_bytes)} · "
+            f"MTP {'yes' if e.mtp else 'no'} · context {e.context:,} · {e.fits}")
+
+
 class LibraryPanel(QWidget):
     """The model library: a folder chosen by the user plus the recent files; Open (or a double click) asks the
     window to load the selected model."""
@@ -125,36 +132,26 @@ class LibraryPanel(QWidget):
         row.addWidget(self.choose_btn)
         row.addWidget(self.refresh_btn)
         lay.addLayout(row)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setAccessibleName("Model library")
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setMinimumHeight(140)
-        lay.addWidget(self.table, 1)
+        self.list = QListWidget()  # two wrapped lines per model: it reads in a narrow panel, unlike a wide table
+        self.list.setAccessibleName("Model library")
+        self.list.setWordWrap(True)
+        self.list.setAlternatingRowColors(True)
+        self.list.setMinimumHeight(140)
+        lay.addWidget(self.list, 1)
         self.open_btn = QPushButton("Open selected model")
         lay.addWidget(self.open_btn)
         self.choose_btn.clicked.connect(self._choose)
         self.open_btn.clicked.connect(self._open_selected)
-        self.table.cellDoubleClicked.connect(lambda r, _c: self._open_row(r))
+        self.list.itemDoubleClicked.connect(lambda item: self._open_row(self.list.row(item)))
 
     def show_entries(self, entries: list[LibraryEntry], folder: str) -> None:
         self.folder, self.entries = folder, entries
         self.folder_label.setText(folder or "No folder chosen: recent files only")
-        self.table.setRowCount(len(entries))
-        for r, e in enumerate(entries):
-            cells = (e.name, e.error) if e.error else (
-                e.name, e.architecture, _count(e.params), e.quant_mix, _size(e.file_bytes), "yes" if e.mtp else "no",
-                f"{e.context:,}", e.fits)
-            for c, text in enumerate(cells):
-                item = QTableWidgetItem(text)
-                item.setToolTip(e.path if c == 0 else text)
-                self.table.setItem(r, c, item)
-            if e.error:
-                self.table.setSpan(r, 1, 1, len(COLUMNS) - 1)
-        self.table.resizeColumnsToContents()
+        self.list.clear()
+        for e in entries:
+            item = QListWidgetItem(f"{e.name}\n{describe_line(e)}")
+            item.setToolTip(e.path)
+            self.list.addItem(item)
 
     def _choose(self) -> None:
         d = QFileDialog.getExistingDirectory(self, "Folder with GGUF models", self.folder)
@@ -162,9 +159,8 @@ class LibraryPanel(QWidget):
             self.folderChanged.emit(d)
 
     def _open_selected(self) -> None:
-        rows = self.table.selectionModel().selectedRows()
-        if rows:
-            self._open_row(rows[0].row())
+        if self.list.currentRow() >= 0:
+            self._open_row(self.list.currentRow())
 
     def _open_row(self, row: int) -> None:
         if 0 <= row < len(self.entries) and not self.entries[row].error:

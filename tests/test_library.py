@@ -34,10 +34,11 @@ def test_library_lists_folder_and_recent_files_with_a_fit_estimate(qtbot, tmp_pa
     panel = LibraryPanel()
     qtbot.addWidget(panel)
     panel.show_entries(entries, str(tmp_path))
-    assert panel.table.rowCount() == 2 and panel.table.item(1, 1).text() == "qwen35moe"
-    assert panel.table.item(1, 5).text() == ("yes" if good.mtp else "no")
+    assert panel.list.count() == 2 and panel.list.item(0).text() == "notes.gguf\nnotes.gguf is not a GGUF model file"
+    line = panel.list.item(1).text().splitlines()[1]
+    assert line.startswith("qwen35moe · ") and f"MTP {'yes' if good.mtp else 'no'}" in line and "fits in RAM" in line
     with qtbot.waitSignal(panel.openRequested) as sig:
-        panel.table.selectRow(1)
+        panel.list.setCurrentRow(1)
         panel.open_btn.click()
     assert sig.args == [good.path]
     with qtbot.assertNotEmitted(panel.openRequested):

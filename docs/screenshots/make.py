@@ -1,5 +1,6 @@
 """Screenshots of the real app on a real X server (Xvfb) with a window manager (openbox), at 1366×768 and
-1920×1080, light and dark: first run, during streaming, and after three replies (MTP off, fixed depth, auto).
+1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
+regenerated reply (two versions) with the model library, and a non-model file refused.
 
     python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
 
@@ -95,6 +96,20 @@ def _drive(out: Path, theme: str, tag: str) -> None:
         raise SystemExit(f"screenshots: the streamed reply had only {len(tokens)} tokens")
     settle()
     shot("after")
+    # A second version of the last reply (‹ 2/2 ›), with the Model tab (the library) open.
+    win.regenerate()
+    wait(lambda: not win.generating)
+    win.tabs.setCurrentIndex(TABS.index("Model"))
+    settle()
+    shot("versions-library")
+    # A file that is not a model: refused in plain words, the loaded model kept.
+    notes = data / "notes.txt"
+    notes.write_text("just some notes")
+    n = len(win.errors)
+    win.load_model(str(notes))
+    wait(lambda: len(win.errors) > n)
+    settle()
+    shot("not-a-model")
     win.close()
     shutil.rmtree(data, ignore_errors=True)
 
