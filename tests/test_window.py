@@ -266,3 +266,18 @@ def test_smoke_test_subprocess(tmp_path: Path) -> None:
                         capture_output=True, text=True, timeout=120,
                         env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen"})
     assert r2.returncode != 0 and "error" in r2.stderr
+
+
+def test_a_last_model_that_no_longer_opens_falls_back_to_the_embedded_one(qtbot, tmp_path: Path) -> None:
+    from engine.storage.modelfile import default_model_path
+
+    bad = tmp_path / "was-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 10)
+    qs = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    qs.setValue("recent_models", [str(bad)])
+    qs.sync()
+    win = MainWindow(Store(tmp_path / "c.db"), qs)  # no model named: the last one, which now fails
+    qtbot.addWidget(win)
+    qtbot.waitUntil(lambda: win.model_info is not None, timeout=60_000)
+    assert Path(win.model_info["path"]) == default_model_path() and not win.errors
+    assert "Could not reopen was-a-model.gguf" in win.statusBar().currentMessage()
