@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Slot
 from PySide6.QtWidgets import QLabel, QStackedLayout, QVBoxLayout, QWidget
@@ -81,6 +82,8 @@ class Chart(QWidget):
         self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.plot.setLabel("left", left)
         self.plot.setLabel("bottom", bottom)
+        for side in ("left", "bottom"):  # no "(x0.001)" rescaling: the axis label's unit is the unit shown
+            self.plot.getAxis(side).enableAutoSIPrefix(False)
         self.plot.setMenuEnabled(False)
         self.stack.addWidget(self.empty)
         self.stack.addWidget(self.plot)
@@ -152,15 +155,17 @@ class MetricsDock(QWidget):
                            "tokens per step", "time since start (s)")
         self.l_len = self.c_len.plot.plot(pen=pg.mkPen("#e6550d", width=2), connect="finite", symbol="o",
                                           symbolSize=4, symbolBrush="#e6550d", symbolPen=None)
-        self.c_depth = Chart("Acceptance by draft depth", "Appears once drafts have been tried. Depth d: how "
-                             "often the d-th drafted token was accepted.", "accepted (%)", "draft depth")
+        self.c_depth = Chart("Acceptance by draft depth", "Appears once drafts have been tried.", "accepted (%)",
+                             "draft depth")
         self.depth_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush="#31a354")
         self.c_depth.plot.addItem(self.depth_bars)
         self.c_depth.plot.setYRange(0, 100)
         self.c_mem = Chart("VRAM used" if self.monitor.has_gpu else "Process memory", "Sampling…", "GiB",
                            "time since start (s)")
         self.l_mem = self.c_mem.plot.plot(pen=pg.mkPen("#756bb1", width=2))
-        self.c_cpu = Chart("CPU use", "Sampling…", "CPU (%)", "time since start (s)")
+        self.cores = psutil.cpu_count() or 1
+        self.c_cpu = Chart("CPU use", "Sampling…", "CPU, all cores (%)", "time since start (s)")
+        self.c_cpu.plot.setYRange(0, 100)
         self.l_cpu = self.c_cpu.plot.plot(pen=pg.mkPen("#8c6d31", width=2))
         self.c_cache = Chart("Expert cache", "Shown when a GPU expert cache reports.", "fraction",
                              "time since start (s)")
@@ -175,8 +180,13 @@ class MetricsDock(QWidget):
         self.c_usage.plot.addItem(self.heat)
         self.charts = (self.c_replies, self.c_speed, self.c_acc, self.c_len, self.c_depth, self.c_mem, self.c_cpu,
                        self.c_cache, self.c_usage)
+        self.depth_caption = QLabel("Depth d: the share of d-th drafted tokens the model accepted (a chain stops at "
+                                    "the first rejection). Hover over the bars for the counts.")
+        self.depth_caption.setWordWrap(True)
         for c in self.charts[1:]:
             lay.addWidget(c)
+            if c is self.c_depth:
+                lay.addWidget(self.depth_caption)
         lay.addStretch(1)
 
         self.timer = QTimer(self)
@@ -285,7 +295,8 @@ class MetricsDock(QWidget):
             self.mem.push(t, s.vram_used_bytes / 2**30)
         else:
             self.mem.push(t, s.rss_bytes / 2**30)
-        self.cpu.push(t, s.cpu_percent)
+        # psutil counts 100 per core and jitters over a 100 ms window: shown as a share of all cores, 0-100.
+        self.cpu.push(t, min(100.0, s.cpu_percent / self.cores))
         self.l_mem.setData(*self.mem.data())
         self.l_cpu.setData(*self.cpu.data())
         self.c_mem.show_data(self.mem.n >= 2)

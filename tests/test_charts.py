@@ -70,7 +70,9 @@ def test_charts_answer_whether_mtp_helps(qtbot) -> None:
     img = dock.heat.image
     assert img is not None and img.shape == (TINY_MOE.n_expert, TINY_MOE.n_layer + 1)  # trunk + MTP layer
     qtbot.waitUntil(lambda: dock.cpu.n >= 2, timeout=2000)  # the 100 ms timer samples memory and CPU (percent)
-    assert dock.c_cpu.plot.getAxis("left").labelText == "CPU (%)" and dock.c_mem.has_data
+    assert dock.c_cpu.plot.getAxis("left").labelText == "CPU, all cores (%)" and dock.c_mem.has_data
+    assert 0 <= np.nanmin(dock.cpu.data()[1]) and np.nanmax(dock.cpu.data()[1]) <= 100
+    assert "x0.001" not in dock.c_mem.plot.getAxis("bottom").labelString()
 
 
 def test_reference_estimate_until_a_reply_without_mtp(qtbot) -> None:
