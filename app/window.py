@@ -73,6 +73,7 @@ class MainWindow(QMainWindow):
         self.reply_mode = "off"
         self.shown: list[StoredMessage] = []  # the messages in the chat view, as stored
         self.deleted: int | None = None  # the conversation an Undo would bring back
+        self._library_stale = True
         self.errors: list[str] = []  # every error shown, for tests and the smoke test
         self._build()
         self._connect()
@@ -169,7 +170,7 @@ class MainWindow(QMainWindow):
         self.context_label, self.device_label, self.model_label = QLabel(), QLabel(), QLabel()
         self.context_label.setAccessibleName("Context used")
         self.model_label.setAccessibleName("Model")
-        sb.addWidget(self.state_label)
+        sb.addWidget(self.state_label, 1)
         sb.addWidget(self.progress)
         sb.addWidget(self.undo_btn)
         for w in (self.context_label, self.device_label, self.model_label):
@@ -303,6 +304,8 @@ class MainWindow(QMainWindow):
         self.library.openRequested.connect(self.load_model)
         self.library.folderChanged.connect(self._set_library_folder)
         self.library.refresh_btn.clicked.connect(self.refresh_library)
+        self.tabs.currentChanged.connect(lambda _i: self._library_stale and self.refresh_library())
+        self.panel.visibilityChanged.connect(lambda _v: self._library_stale and self.refresh_library())
         QShortcut(QKeySequence("Esc"), self, activated=self.stop_or_cancel)
         QShortcut(QKeySequence("Ctrl+Shift+C"), self,
                   activated=lambda: QGuiApplication.clipboard().setText(self.chat.last_reply()))
@@ -379,6 +382,11 @@ class MainWindow(QMainWindow):
             act.triggered.connect(lambda _c=False, p=p: self.load_model(p))
 
     def refresh_library(self) -> None:
+        """Describe the library's files — only while the Model tab shows (each file's header is read)."""
+        if self.tabs.currentIndex() != TABS.index("Model") or not self.panel.isVisible():
+            self._library_stale = True
+            return
+        self._library_stale = False
         folder = str(self.qs.value("library/folder", "") or "")
         entries = scan(folder or None, self.settings.recent_models, self.settings.context,
                        self.settings.engine_config().device)

@@ -281,3 +281,19 @@ def test_a_last_model_that_no_longer_opens_falls_back_to_the_embedded_one(qtbot,
     qtbot.waitUntil(lambda: win.model_info is not None, timeout=60_000)
     assert Path(win.model_info["path"]) == default_model_path() and not win.errors
     assert "Could not reopen was-a-model.gguf" in win.statusBar().currentMessage()
+
+
+def test_model_library_tab_lists_and_opens(qtbot, tmp_path: Path) -> None:
+    from engine.storage.modelfile import default_model_path
+
+    win = _window(qtbot, tmp_path)
+    win.show()
+    assert win.library.list.count() == 0  # not scanned while the tab is hidden
+    win.qs.setValue("library/folder", str(default_model_path().parent))
+    win.tab_actions["Model"].trigger()
+    assert win.library.list.count() == 2  # the embedded model in the folder, then the recent fixture
+    assert win.library.list.item(0).text().startswith("foretell-demo\n")
+    win.library.list.setCurrentRow(0)
+    win.library.open_btn.click()
+    qtbot.waitUntil(lambda: win.model_info is not None and win.model_info["name"] == "foretell-demo", timeout=60_000)
+    assert win.windowTitle() == "Foretell — foretell-demo" and win.model_label.text() == "foretell-demo"

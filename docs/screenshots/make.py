@@ -1,6 +1,6 @@
 """Screenshots of the real app on a real X server (Xvfb) with a window manager (openbox), at 1366×768 and
 1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
-regenerated reply (two versions) with the model library, and a non-model file refused.
+regenerated reply (two versions) with the model library, a non-model file refused, and a long prompt processed.
 
     python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
 
@@ -24,6 +24,7 @@ SIZES = ((1366, 768), (1920, 1080))
 THEMES = ("light", "dark")
 QUESTIONS = (("off", "What is 12 plus 30?"), ("3", "Count from 3 to 9."), ("auto", "Convert 5 km to metres."))
 STREAMED = "Hello!"  # the demo model's longest answer
+LONG_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(150))
 STREAM_AT = 6  # tokens into the reply: the screen is grabbed from the token handler while the worker goes on
 
 
@@ -31,7 +32,7 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     """Inside the X server: run the window, ask, and grab the screen at each stage."""
     from PySide6.QtCore import QObject, QSettings, Qt, Slot
     from PySide6.QtGui import QGuiApplication, QImage
-    from PySide6.QtWidgets import QApplication
+    from PySide6.QtWidgets import QApplication, QMessageBox
 
     from app.store import Store
     from app.window import TABS, MainWindow
@@ -87,8 +88,18 @@ def _drive(out: Path, theme: str, tag: str) -> None:
                 win.repaint()  # painted and flushed to the X server now, not on the next event-loop pass
                 shot("streaming")
 
+        @Slot(int, int)
+        def on_prefill(self, done: int, total: int) -> None:
+            if 0 < done < total and not prefills:
+                prefills.append(done)
+                app.processEvents()  # lay out the status bar's new text (this slot runs before the next pass)
+                win.repaint()
+                shot("prefill")
+
+    prefills: list[int] = []
     grabber = StreamShot()
     win.engine.worker.token.connect(grabber.on_token)
+    win.engine.worker.prefill.connect(grabber.on_prefill)
     win.prompt.setPlainText(STREAMED)
     win.send()
     wait(lambda: not win.generating)
@@ -110,6 +121,15 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     wait(lambda: len(win.errors) > n)
     settle()
     shot("not-a-model")
+    for box in win.findChildren(QMessageBox):
+        box.close()
+    # A long prompt: "Processing prompt … n/N" with its progress bar before the first token.
+    win.settings_panel.max_tokens.setValue(8)
+    win.prompt.setPlainText(LONG_PROMPT)
+    win.send()
+    wait(lambda: not win.generating)
+    if not prefills:
+        raise SystemExit("screenshots: no prefill progress was reported for the long prompt")
     win.close()
     shutil.rmtree(data, ignore_errors=True)
 
