@@ -156,6 +156,8 @@ def _run_one(w: int, h: int, theme: str, display: int, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--size", action="append", help="WxH instead of the default sizes (repeatable)")
+    ap.add_argument("--theme-only", choices=THEMES, help="one theme instead of both")
     ap.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--theme", default="light", help=argparse.SUPPRESS)
     ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
@@ -169,8 +171,9 @@ def main() -> None:
             raise SystemExit(f"screenshots: {tool} is needed (Debian: apt-get install xvfb openbox)")
     args.out.mkdir(parents=True, exist_ok=True)
     display = 90
-    for w, h in SIZES:
-        for theme in THEMES:
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.size] if args.size else SIZES
+    for w, h in sizes:
+        for theme in [args.theme_only] if args.theme_only else THEMES:
             _run_one(w, h, theme, display, args.out)
             display += 1
             print(f"screenshots: {w}x{h} {theme} done")
