@@ -1,22 +1,29 @@
-"""Live metrics dock: decode speed, speculation, memory, expert cache and expert usage (pyqtgraph).
+"""Metrics tab: is MTP helping (per-reply decode speed by MTP setting, the speed-up against replies without
+MTP), draft acceptance, memory and CPU over time, expert cache and expert usage (pyqtgraph).
 
 Following pyqtgraph's scrolling-plot example: the worker only emits small Stats objects; they land in
 fixed-size ring buffers on the GUI thread, and a 100 ms QTimer redraws by `setData` on existing items.
+A chart with nothing to show yet shows a sentence saying what it will show, never empty axes.
+Time series break between replies (a NaN point, drawn with connect="finite") so idle gaps are not joined.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer, Slot
-from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, QTimer, Slot
+from PySide6.QtWidgets import QLabel, QStackedLayout, QVBoxLayout, QWidget
 
 from engine.events import Stats
 from engine.metrics import SystemMonitor
 
 HISTORY = 600  # points per series: one minute at the 100 ms tick
 HEAT_STEPS = 120  # columns of the per-layer cache hit-rate map
+MAX_BARS = 24  # replies shown in the per-reply chart
+MODE_COLOURS = {"off": "#9e9e9e", "fixed": "#e6550d", "auto": "#2b8cbe"}
 
 
 class Ring:
@@ -33,11 +40,61 @@ class Ring:
         self.t[i], self.v[i] = t, v
         self.n += 1
 
+    def gap(self, t: float) -> None:
+        """A break in the line: nothing is drawn between the points either side."""
+        if self.n and not np.isnan(self.v[(self.n - 1) % self.size]):
+            self.push(t, np.nan)
+
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         if self.n <= self.size:
             return self.t[:self.n], self.v[:self.n]
         i = self.n % self.size
         return np.concatenate([self.t[i:], self.t[:i]]), np.concatenate([self.v[i:], self.v[:i]])
+
+
+@dataclass(frozen=True)
+class Reply:
+    tok_s: float
+    mode: str  # "off", "auto" or "K=n"
+
+    @property
+    def kind(self) -> str:
+        return self.mode if self.mode in ("off", "auto") else "fixed"
+
+
+def speedup(tok_s: float, reference: float | None) -> str:
+    """"×1.9": decode speed against the MTP-off reference."""
+    return f"×{tok_s / reference:.1f}" if reference else ""
+
+
+class Chart(QWidget):
+    """A plot, or until it has data a sentence saying what it will show."""
+
+    def __init__(self, title: str, empty: str, left: str, bottom: str):
+        super().__init__()
+        self.stack = QStackedLayout(self)
+        self.empty = QLabel(f"<b>{title}</b><br>{empty}")
+        self.empty.setWordWrap(True)
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty.setAccessibleName(f"{title}: no data")
+        self.plot = pg.PlotWidget(title=title)
+        self.plot.setAccessibleName(title)
+        self.plot.showGrid(x=True, y=True, alpha=0.2)
+        self.plot.setLabel("left", left)
+        self.plot.setLabel("bottom", bottom)
+        for side in ("left", "bottom"):  # no "(x0.001)" rescaling: the axis label's unit is the unit shown
+            self.plot.getAxis(side).enableAutoSIPrefix(False)
+        self.plot.setMenuEnabled(False)
+        self.stack.addWidget(self.empty)
+        self.stack.addWidget(self.plot)
+        self.setMinimumHeight(170)
+
+    @property
+    def has_data(self) -> bool:
+        return self.stack.currentWidget() is self.plot
+
+    def show_data(self, on: bool = True) -> None:
+        self.stack.setCurrentWidget(self.plot if on else self.empty)
 
 
 class MetricsDock(QWidget):
@@ -53,76 +110,134 @@ class MetricsDock(QWidget):
         self.layer_hits: np.ndarray | None = None  # [HEAT_STEPS, layers] windowed hit rate per layer, a ring
         self.layer_hits_n = 0
         self._cache_last: dict[int, tuple[int, int]] = {}
-        self.by_depth: list[float] = []
-        self.mtp_off_reference: float | None = None
+        self.tried: list[int] = []
+        self.accepted: list[int] = []
+        self.replies: list[Reply] = []
+        self.mode = "off"
+        self.mtp_off_reference: float | None = None  # estimate from auto's plain steps, until a reply without MTP
+        self.dark = False
         self.dirty = False
+        self.last: Stats | None = None
 
         lay = QVBoxLayout(self)
-        self.summary = QLabel("No generation yet")
+        self.summary = QLabel("No reply yet. Send a message: each reply's speed appears here, with and without MTP.")
         self.summary.setAccessibleName("Metrics summary")
         self.summary.setWordWrap(True)
         lay.addWidget(self.summary)
-        grid = QGridLayout()
-        lay.addLayout(grid)
-        self.p_speed = self._plot("Decode tok/s")
-        self.c_speed = self.p_speed.plot(pen=pg.mkPen("#2b8cbe", width=2), symbol="o", symbolSize=4,
-                                         symbolBrush="#2b8cbe", symbolPen=None)  # a short reply is one point
-        self.ref_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine),
-                                        label="MTP off", labelOpts={"position": 0.05})
+
+        self.c_replies = Chart("Decode speed per reply", "Each reply becomes a bar here, coloured by its MTP "
+                               "setting; turn MTP off in Settings for one reply to get the comparison.",
+                               "decode (tokens/s)", "reply")
+        self.p_replies = self.c_replies.plot
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.7)
+        self.p_replies.addItem(self.bars)
+        self.ref_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#555", width=2, style=Qt.PenStyle.DashLine))
         self.ref_line.setVisible(False)
-        self.p_speed.addItem(self.ref_line)
-        self.p_spec = self._plot("Draft acceptance / mean accepted length")
-        self.c_acc = self.p_spec.plot(pen=pg.mkPen("#31a354", width=2), name="acceptance", symbol="o", symbolSize=4,
-                                      symbolBrush="#31a354", symbolPen=None)
-        self.c_len = self.p_spec.plot(pen=pg.mkPen("#e6550d", width=2), name="mean accepted length", symbol="o",
-                                      symbolSize=4, symbolBrush="#e6550d", symbolPen=None)
-        self.p_depth = self._plot("Acceptance by draft depth")
-        self.bars = pg.BarGraphItem(x=np.arange(1, 9), height=np.zeros(8), width=0.6, brush="#31a354")
-        self.p_depth.addItem(self.bars)
-        self.p_depth.setYRange(0, 1)
-        self.p_mem = self._plot("VRAM used (GiB)" if self.monitor.has_gpu else "Process RAM (GiB) / CPU %")
-        self.c_mem = self.p_mem.plot(pen=pg.mkPen("#756bb1", width=2))
-        self.c_cpu = self.p_mem.plot(pen=pg.mkPen("#bbb", width=1))
-        self.p_cache = self._plot("Expert cache: hit rate / occupancy")
-        self.c_hit = self.p_cache.plot(pen=pg.mkPen("#d62728", width=2), name="hit rate")
-        self.c_occ = self.p_cache.plot(pen=pg.mkPen("#9467bd", width=1), name="occupancy")
-        self.p_cache.setYRange(0, 1)
-        self.p_cache.setVisible(False)  # shown once a GPU expert cache reports
-        self.p_usage = self._plot("Expert usage per layer")
+        self.p_replies.addItem(self.ref_line)
+        self.bar_labels: list[pg.TextItem] = []
+        self.replies_legend = QLabel()
+        self.replies_legend.setWordWrap(True)
+        self._legend()
+        lay.addWidget(self.c_replies)
+        lay.addWidget(self.replies_legend)
+
+        self.c_speed = Chart("Decode speed over time", "Appears while a reply is generated.", "tokens/s",
+                             "time since start (s)")
+        self.p_speed = self.c_speed.plot
+        self.l_speed = self.p_speed.plot(pen=pg.mkPen("#2b8cbe", width=2), connect="finite", symbol="o",
+                                         symbolSize=4, symbolBrush="#2b8cbe", symbolPen=None)
+        self.c_acc = Chart("Draft acceptance", "Appears while a reply is generated with MTP on.",
+                           "accepted drafts (%)", "time since start (s)")
+        self.l_acc = self.c_acc.plot.plot(pen=pg.mkPen("#31a354", width=2), connect="finite", symbol="o",
+                                          symbolSize=4, symbolBrush="#31a354", symbolPen=None)
+        self.c_acc.plot.setYRange(0, 100)
+        self.c_len = Chart("Tokens per verify step", "Appears while a reply is generated with MTP on.",
+                           "tokens per step", "time since start (s)")
+        self.l_len = self.c_len.plot.plot(pen=pg.mkPen("#e6550d", width=2), connect="finite", symbol="o",
+                                          symbolSize=4, symbolBrush="#e6550d", symbolPen=None)
+        self.c_depth = Chart("Acceptance by draft depth", "Appears once drafts have been tried.", "accepted (%)",
+                             "draft depth")
+        self.depth_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush="#31a354")
+        self.c_depth.plot.addItem(self.depth_bars)
+        self.c_depth.plot.setYRange(0, 100)
+        self.c_mem = Chart("VRAM used" if self.monitor.has_gpu else "Process memory", "Sampling…", "GiB",
+                           "time since start (s)")
+        self.l_mem = self.c_mem.plot.plot(pen=pg.mkPen("#756bb1", width=2))
+        self.cores = psutil.cpu_count() or 1
+        self.c_cpu = Chart("CPU use", "Sampling…", "CPU, all cores (%)", "time since start (s)")
+        self.c_cpu.plot.setYRange(0, 100)
+        self.l_cpu = self.c_cpu.plot.plot(pen=pg.mkPen("#8c6d31", width=2))
+        self.c_cache = Chart("Expert cache", "Shown when a GPU expert cache reports.", "fraction",
+                             "time since start (s)")
+        self.c_cache.plot.addLegend(offset=(5, 5))
+        self.l_hit = self.c_cache.plot.plot(pen=pg.mkPen("#d62728", width=2), name="hit rate")
+        self.l_occ = self.c_cache.plot.plot(pen=pg.mkPen("#9467bd", width=1), name="occupancy")
+        self.c_cache.plot.setYRange(0, 1)
+        self.c_cache.setVisible(False)
+        self.c_usage = Chart("Expert usage per layer", "Appears after a reply from a mixture-of-experts model: "
+                             "how often each expert was chosen, per layer.", "layer", "expert")
         self.heat = pg.ImageItem()
-        self.p_usage.addItem(self.heat)
-        self.p_usage.setLabel("left", "layer")
-        self.p_usage.setLabel("bottom", "expert")
-        for i, p in enumerate((self.p_speed, self.p_spec, self.p_depth, self.p_mem, self.p_cache, self.p_usage)):
-            grid.addWidget(p, i, 0)
+        self.c_usage.plot.addItem(self.heat)
+        self.charts = (self.c_replies, self.c_speed, self.c_acc, self.c_len, self.c_depth, self.c_mem, self.c_cpu,
+                       self.c_cache, self.c_usage)
+        self.depth_caption = QLabel("Depth d: the share of d-th drafted tokens the model accepted (a chain stops at "
+                                    "the first rejection). Hover over the bars for the counts.")
+        self.depth_caption.setWordWrap(True)
+        for c in self.charts[1:]:
+            lay.addWidget(c)
+            if c is self.c_depth:
+                lay.addWidget(self.depth_caption)
+        lay.addStretch(1)
 
         self.timer = QTimer(self)
         self.timer.setInterval(100)
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
 
+    def _legend(self) -> None:
+        sw = '<span style="color:{c}">■</span> {t}'
+        parts = [sw.format(c=MODE_COLOURS["off"], t="MTP off"), sw.format(c=MODE_COLOURS["fixed"], t="fixed depth K"),
+                 sw.format(c=MODE_COLOURS["auto"], t="auto depth"), "– – MTP-off average",
+                 "×N on a bar: its speed against that average"]
+        self.replies_legend.setText(" &nbsp; ".join(parts))
+
     def set_dark(self, dark: bool) -> None:
         """Chart colours for the app's theme (pyqtgraph draws its own background and axes)."""
+        self.dark = dark
         bg, fg = ("#1e1f22", "#d0d0d0") if dark else ("#ffffff", "#404040")
-        for p in (self.p_speed, self.p_spec, self.p_depth, self.p_mem, self.p_cache, self.p_usage):
+        for c in self.charts:
+            p = c.plot
             p.setBackground(bg)
             for side in ("left", "bottom"):
                 ax = p.getAxis(side)
                 ax.setPen(fg)
                 ax.setTextPen(fg)
+                ax.setLabel(ax.labelText, color=fg)
             p.plotItem.titleLabel.setText(p.plotItem.titleLabel.text, color=fg)
+        self.ref_line.setPen(pg.mkPen("#bbb" if dark else "#555", width=2, style=Qt.PenStyle.DashLine))
+        self.dirty = True
 
-    def _plot(self, title: str) -> pg.PlotWidget:
-        w = pg.PlotWidget(title=title)
-        w.setAccessibleName(title)
-        w.setMinimumHeight(110)
-        w.showGrid(x=True, y=True, alpha=0.2)
-        return w
+    # -- input ---------------------------------------------------------------------------------------
+    def begin_reply(self, mode: str) -> None:
+        """A reply starts with MTP `mode` ("off", "auto", "K=n"): the time series break here."""
+        self.mode = mode
+        t = time.monotonic() - self.t0
+        for r in (self.tok_s, self.acceptance, self.mean_len):
+            r.gap(t)
 
     def set_mtp_off_reference(self, tok_s: float | None) -> None:
-        """Decode speed measured with MTP off on this model, drawn as a reference line."""
+        """An estimate of decode speed without MTP (auto's timed plain steps), used until a reply without MTP."""
         self.mtp_off_reference = tok_s
         self.dirty = True
+
+    def reference(self) -> tuple[float | None, str]:
+        """The MTP-off speed the bars are compared with, and where it comes from."""
+        off = [r.tok_s for r in self.replies if r.kind == "off"]
+        if off:
+            return float(np.mean(off)), f"average of {len(off)} repl{'y' if len(off) == 1 else 'ies'} without MTP"
+        if self.mtp_off_reference:
+            return self.mtp_off_reference, "estimated from the steps auto decoded without drafting"
+        return None, ""
 
     @Slot(object)
     def push_stats(self, st: Stats) -> None:
@@ -132,14 +247,18 @@ class MetricsDock(QWidget):
             self.tok_s.push(t, st.decode_tok_s)
         sp = st.speculative
         if sp:
-            self.acceptance.push(t, sp.acceptance)
-            self.mean_len.push(t, sp.mean_accepted_length)
-            self.by_depth = sp.acceptance_by_depth
+            if sp.drafted:
+                self.acceptance.push(t, 100 * sp.acceptance)
+            if sp.verify_steps:
+                self.mean_len.push(t, sp.mean_accepted_length)
+            self.tried, self.accepted = list(sp.tried_by_depth), list(sp.accepted_by_depth)
         if st.expert_cache:
             self._push_cache(t, st.expert_cache)
         elif st.expert_usage:
             layers = sorted(st.expert_usage)
             self.usage = np.array([st.expert_usage[i] for i in layers], dtype=np.float64)
+        if st.final and st.decode_tok_s > 0:
+            self.replies.append(Reply(st.decode_tok_s, self.mode if st.mtp else "off"))
         self.last = st
         self.dirty = True
 
@@ -167,6 +286,7 @@ class MetricsDock(QWidget):
         self.layer_hits[self.layer_hits_n % HEAT_STEPS] = per_layer
         self.layer_hits_n += 1
 
+    # -- drawing -------------------------------------------------------------------------------------
     @Slot()
     def refresh(self) -> None:
         s = self.monitor.sample()
@@ -175,38 +295,100 @@ class MetricsDock(QWidget):
             self.mem.push(t, s.vram_used_bytes / 2**30)
         else:
             self.mem.push(t, s.rss_bytes / 2**30)
-            self.cpu.push(t, s.cpu_percent / 100.0)
-        self.c_mem.setData(*self.mem.data())
-        self.c_cpu.setData(*self.cpu.data())
+        # psutil counts 100 per core and jitters over a 100 ms window: shown as a share of all cores, 0-100.
+        self.cpu.push(t, min(100.0, s.cpu_percent / self.cores))
+        self.l_mem.setData(*self.mem.data())
+        self.l_cpu.setData(*self.cpu.data())
+        self.c_mem.show_data(self.mem.n >= 2)
+        self.c_cpu.show_data(self.cpu.n >= 2)
         if not self.dirty:
             return
         self.dirty = False
-        self.c_speed.setData(*self.tok_s.data())
-        if self.mtp_off_reference:
-            self.ref_line.setPos(self.mtp_off_reference)
-            self.ref_line.setVisible(True)
-        self.c_acc.setData(*self.acceptance.data())
-        self.c_len.setData(*self.mean_len.data())
-        if self.by_depth:
-            self.bars.setOpts(height=np.array(self.by_depth[:8], dtype=float))
+        self._draw_replies()
+        for chart, line, ring in ((self.c_speed, self.l_speed, self.tok_s), (self.c_acc, self.l_acc, self.acceptance),
+                                  (self.c_len, self.l_len, self.mean_len)):
+            line.setData(*ring.data())
+            finite = ring.data()[1][np.isfinite(ring.data()[1])]
+            chart.show_data(finite.size > 0)
+            if finite.size and chart is not self.c_acc:  # speeds and lengths from zero, so bars of change read true
+                chart.plot.setYRange(0, float(finite.max()) * 1.15 or 1.0)
+        self._draw_depth()
         if self.layer_hits is not None:  # GPU expert cache: per-layer hit rate over time
-            if self.p_cache.isHidden():
-                self.p_cache.setVisible(True)
-                self.p_usage.setTitle("Expert-cache hit rate per layer (over time)")
-                self.p_usage.setLabel("bottom", "update")
-            self.c_hit.setData(*self.hit_rate.data())
-            self.c_occ.setData(*self.occupancy.data())
+            if self.c_cache.isHidden():
+                self.c_cache.setVisible(True)
+                self.c_usage.plot.setTitle("Expert-cache hit rate per layer (over time)")
+                self.c_usage.plot.setLabel("bottom", "update")
+            self.c_cache.show_data()
+            self.l_hit.setData(*self.hit_rate.data())
+            self.l_occ.setData(*self.occupancy.data())
             n = self.layer_hits_n
             ring = self.layer_hits if n <= HEAT_STEPS else np.roll(self.layer_hits, -(n % HEAT_STEPS), axis=0)
             self.heat.setImage(np.nan_to_num(ring[:min(n, HEAT_STEPS)], nan=0.0), levels=(0.0, 1.0))
-        elif self.usage is not None:
+            self.c_usage.show_data()
+        elif self.usage is not None and self.usage.sum() > 0:
             rows = self.usage / np.maximum(self.usage.sum(axis=1, keepdims=True), 1.0)
             self.heat.setImage(rows.T, autoLevels=True)
-        st = getattr(self, "last", None)
-        if st is not None:
-            parts = [f"{st.decode_tok_s:.1f} tok/s", f"TTFT {st.ttft_s * 1000:.0f} ms",
-                     f"{st.generated_tokens} tokens"]
-            if st.speculative:
-                parts.append(f"accepted {st.speculative.accepted}/{st.speculative.drafted} drafts, "
-                             f"mean length {st.speculative.mean_accepted_length:.2f}")
-            self.summary.setText(" · ".join(parts))
+            self.c_usage.show_data()
+        self._summarise()
+
+    def _draw_replies(self) -> None:
+        shown = self.replies[-MAX_BARS:]
+        first = len(self.replies) - len(shown) + 1
+        ref, _ = self.reference()
+        for item in self.bar_labels:
+            self.p_replies.removeItem(item)
+        self.bar_labels = []
+        if not shown:
+            self.c_replies.show_data(False)
+            return
+        x = np.arange(first, first + len(shown))
+        self.bars.setOpts(x=x, height=[r.tok_s for r in shown], brushes=[MODE_COLOURS[r.kind] for r in shown],
+                          pens=[pg.mkPen(None)] * len(shown))
+        fg = "#d0d0d0" if self.dark else "#303030"
+        for xi, r in zip(x, shown):
+            text = speedup(r.tok_s, ref) if r.kind != "off" else ""
+            label = pg.TextItem(f"{text}\n{r.mode}" if text else r.mode, color=fg, anchor=(0.5, 1.0))
+            label.setToolTip(f"{r.tok_s:.1f} tokens/s, MTP {r.mode}" + (f", {text} vs MTP off" if text else ""))
+            label.setPos(float(xi), r.tok_s)
+            self.p_replies.addItem(label)
+            self.bar_labels.append(label)
+        self.ref_line.setVisible(ref is not None)
+        if ref is not None:
+            self.ref_line.setPos(ref)
+        top = max([r.tok_s for r in shown] + [ref or 0.0])
+        self.p_replies.setYRange(0, top * 1.35)
+        self.p_replies.setXRange(first - 0.6, first + max(len(shown), 4) - 0.4)
+        self.p_replies.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x]])  # replies are whole numbers
+        self.c_replies.show_data()
+
+    def _draw_depth(self) -> None:
+        depths = [i for i, n in enumerate(self.tried) if n]
+        if not depths:
+            self.c_depth.show_data(False)
+            return
+        frac = [100 * self.accepted[i] / self.tried[i] for i in depths]
+        self.depth_bars.setOpts(x=np.array(depths) + 1, height=frac)
+        self.c_depth.plot.setXRange(0.5, max(depths) + 1.5)
+        self.c_depth.plot.setToolTip("<br>".join(
+            f"depth {i + 1}: {self.accepted[i]} of {self.tried[i]} drafted tokens accepted ({f:.0f}%)"
+            for i, f in zip(depths, frac)))
+        self.c_depth.show_data()
+
+    def _summarise(self) -> None:
+        st = self.last
+        if st is None:
+            return
+        parts = [f"{st.decode_tok_s:.1f} tokens/s", f"first token after {st.ttft_s * 1000:.0f} ms",
+                 f"{st.generated_tokens} tokens"]
+        if st.speculative and st.speculative.drafted:
+            sp = st.speculative
+            parts.append(f"{sp.accepted} of {sp.drafted} drafted tokens accepted")
+        text = " · ".join(parts)
+        ref, source = self.reference()
+        if self.replies and self.replies[-1].kind != "off" and ref:
+            r = self.replies[-1]
+            text = (f"<b>Last reply (MTP {r.mode}): {speedup(r.tok_s, ref)} vs MTP off</b> "
+                    f"({r.tok_s:.1f} against {ref:.1f} tokens/s, {source}).<br>{text}")
+        elif self.replies and not ref:
+            text += "<br>Send a reply with MTP off (Settings) to see whether MTP helps on this model."
+        self.summary.setText(text)

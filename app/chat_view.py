@@ -1,5 +1,8 @@
 """The chat transcript: Markdown replies with highlighted, copyable code blocks, collapsible thinking,
-optional colouring of tokens that came from accepted drafts, and a stats footer per reply.
+optional colouring of tokens that came from accepted drafts, and a stats footer per reply. Each message has
+Copy, user messages Edit, and a turn with several versions ‹ i/n › links to switch between them. An empty
+conversation shows the welcome pane with example questions. Lines stay readable on wide screens: the text
+column is at most READABLE_WIDTH pixels, centred.
 
 Streaming text is buffered and the view re-rendered on a 75 ms tick, never per token.
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass, field
+from urllib.parse import quote, unquote
 
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
@@ -17,6 +21,19 @@ from PySide6.QtCore import QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import QGuiApplication, QTextDocument
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
+READABLE_WIDTH = 860
+EXAMPLES = ("Hello!", "What is 12 plus 30?", "Count from 3 to 9.", "Convert 5 km to metres.",
+            "What does json.dumps do?", "What day comes after Tuesday?")
+WELCOME = """<h2>Welcome to Foretell</h2>
+<p>Foretell runs language models on this computer: nothing you type leaves it.</p>
+<p>The built-in demonstration model is tiny: it answers short questions of the kinds it was trained on —
+sums, counting, dates, unit conversions, what a Python standard-library function does, greetings.
+For real work open a Qwen3.5/3.6 GGUF model (<b>File › Open model…</b>, the <b>Model</b> tab's library,
+or drop a .gguf file on the window).</p>
+<p>Try one of these:</p>
+{examples}
+<p style="color:{muted}">Replies show their speed; the <b>Metrics</b> tab shows whether speculative decoding with the
+model's MTP head makes them faster (switch it in <b>Settings</b>).</p>"""
 FENCE = re.compile(r"```([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
 
@@ -28,6 +45,8 @@ class ViewMessage:
     spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, from accepted draft)
     footer: str = ""
     show_thinking: bool = False
+    version: tuple[int, int] = (1, 1)  # this message's version of its turn, of how many
+    stopped: bool = False  # stopped by the user (kept, and marked)
 
 
 def _code_html(code: str, lang: str, idx: int, dark: bool) -> str:
@@ -65,6 +84,8 @@ def render_markdown(text: str, dark: bool, codes: list[str]) -> str:
 class ChatView(QTextBrowser):
     copied = Signal(str)
     editRequested = Signal(int)  # index of a user message in `messages`
+    versionRequested = Signal(int, int)  # index in `messages`, step (-1 previous version, +1 next)
+    exampleChosen = Signal(str)  # an example question on the welcome pane
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -82,10 +103,10 @@ class ChatView(QTextBrowser):
         self.timer.start()
 
     # -- content -----------------------------------------------------------------------------------
-    def set_messages(self, msgs: list[tuple[str, str, str]]) -> None:
-        """(role, text, footer) triples: a conversation loaded from the store."""
+    def set_messages(self, msgs: list[ViewMessage]) -> None:
+        """A conversation loaded from the store."""
         self._pending.clear()
-        self.messages = [ViewMessage(r, t, [(t, False)], f) for r, t, f in msgs]
+        self.messages = list(msgs)
         self.render()
 
     def add_message(self, role: str, text: str = "") -> None:
@@ -119,16 +140,38 @@ class ChatView(QTextBrowser):
         return next((m.text for m in reversed(self.messages) if m.role == "assistant"), "")
 
     # -- rendering ---------------------------------------------------------------------------------
+    @property
+    def muted(self) -> str:
+        """Secondary text (footers, thinking) readable on either theme's background."""
+        return "#a4a8ae" if self.dark else "#666666"
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 (Qt override)
+        side = max(0, (self.width() - READABLE_WIDTH) // 2)
+        self.setViewportMargins(side, 0, side, 0)
+        super().resizeEvent(e)
+
     def render(self) -> None:
         self._codes = []
         parts = []
+        if not self.messages:
+            items = "".join(f'<li><a href="ask:{quote(q)}">{html.escape(q)}</a></li>' for q in EXAMPLES)
+            parts.append(WELCOME.format(examples=f"<ul>{items}</ul>", muted=self.muted))
         for i, m in enumerate(self.messages):
             who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
-            edit = f' &nbsp;<a href="edit:{i}" style="font-size:small">Edit</a>' if m.role == "user" else ""
-            parts.append(f'<p style="margin-top:10px"><b>{who}</b>{edit}</p>')
+            links = []
+            k, n = m.version
+            if n > 1:
+                prev = f'<a href="ver:{i}:-1">‹</a>' if k > 1 else "‹"
+                nxt = f'<a href="ver:{i}:1">›</a>' if k < n else "›"
+                links.append(f"{prev} {k}/{n} {nxt}")
+            if m.role == "user":
+                links.append(f'<a href="edit:{i}">Edit</a>')
+            links.append(f'<a href="copymsg:{i}">Copy</a>')
+            tools = " &nbsp; ".join(links)
+            parts.append(f'<p style="margin-top:10px"><b>{who}</b> &nbsp; <span style="font-size:small">{tools}</span></p>')
             parts.append(self._message_html(m, i))
             if m.footer:
-                parts.append(f'<p style="color:gray; font-size:small">{html.escape(m.footer)}</p>')
+                parts.append(f'<p style="color:{self.muted}; font-size:small">{html.escape(m.footer)}</p>')
         bar = self.verticalScrollBar()
         at_end = bar.value() >= bar.maximum() - 4
         self.setHtml("".join(parts))
@@ -136,6 +179,8 @@ class ChatView(QTextBrowser):
             bar.setValue(bar.maximum())
 
     def _message_html(self, m: ViewMessage, idx: int) -> str:
+        if m.role == "assistant" and m.stopped and not m.text.strip():
+            return f'<p style="color:{self.muted}"><i>Stopped before any text.</i></p>'
         if m.role != "assistant":
             return f"<p>{html.escape(m.text).replace(chr(10), '<br>')}</p>"
         if self.color_drafts:  # token-level view: accepted-draft tokens highlighted, no Markdown
@@ -149,7 +194,7 @@ class ChatView(QTextBrowser):
             label = "▾ Thinking" if m.show_thinking else "▸ Thinking (click to show)"
             out.append(f'<p><a href="think:{idx}">{label}</a></p>')
             if m.show_thinking:
-                out.append(f'<p style="color:gray">{html.escape(think.group(1).strip())}</p>')
+                out.append(f'<p style="color:{self.muted}">{html.escape(think.group(1).strip())}</p>')
             text = text[:think.start()] + text[think.end():]
         out.append(render_markdown(text.strip(), self.dark, self._codes))
         return "".join(out)
@@ -160,8 +205,17 @@ class ChatView(QTextBrowser):
         if kind == "copy" and arg.isdigit() and int(arg) < len(self._codes):
             QGuiApplication.clipboard().setText(self._codes[int(arg)])
             self.copied.emit(self._codes[int(arg)])
+        elif kind == "copymsg" and arg.isdigit() and int(arg) < len(self.messages):
+            QGuiApplication.clipboard().setText(self.messages[int(arg)].text)
+            self.copied.emit(self.messages[int(arg)].text)
         elif kind == "edit" and arg.isdigit() and int(arg) < len(self.messages):
             self.editRequested.emit(int(arg))
+        elif kind == "ver":
+            i, _, step = arg.partition(":")
+            if i.isdigit() and int(i) < len(self.messages) and step in ("-1", "1"):
+                self.versionRequested.emit(int(i), int(step))
+        elif kind == "ask":
+            self.exampleChosen.emit(unquote(arg))
         elif kind == "think" and arg.isdigit() and int(arg) < len(self.messages):
             self.messages[int(arg)].show_thinking = not self.messages[int(arg)].show_thinking
             self.render()

@@ -101,6 +101,7 @@ class SettingsPanel(QWidget):
         super().__init__(parent)
         self.settings = settings
         form = QFormLayout(self)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow panel puts fields under labels
         self.mtp = QCheckBox("Speculative decoding with the MTP head")
         self.draft = QComboBox()
         self.draft.addItems(["auto"] + [str(i) for i in range(1, 9)])

@@ -1,26 +1,38 @@
-"""Main window: conversations sidebar, chat, settings dock, metrics dock, model info.
+"""Main window: chat first, with the conversations list on the left and one tabbed panel on the right
+(Settings, Metrics, Model); both panels can be closed and brought back from the View menu, and the layout is
+remembered. It fits a 1366×768 screen (works from 1024×640): every tall panel scrolls.
 
-All engine work goes through `EngineController` (its own thread, queued signals); completed messages are
-saved to the store as soon as they complete.
+All engine work goes through `EngineController` (its own thread, queued signals). Nothing the user made is
+lost: completed messages are saved as soon as they complete, an edit or a regenerate adds a new version of
+that turn (‹ 1/2 › in the chat switches), a stopped reply is kept and marked, a delete can be undone, and a
+model is replaced only once the new file has been checked.
 """
 from __future__ import annotations
 
+import datetime as dt
+import re
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QSettings, QStandardPaths, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QColor, QGuiApplication, QKeySequence, QPalette, QShortcut
-from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QHBoxLayout, QInputDialog, QLabel,
-                               QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
-                               QProgressBar, QPushButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QGridLayout, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow,
+                               QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QTabWidget,
+                               QVBoxLayout, QWidget)
 
 from app.charts import MetricsDock
-from app.chat_view import ChatView
+from app.chat_view import ChatView, ViewMessage
+from app.library import LibraryPanel, scan
+from app.reply_stats import footer, mtp_mode, stats_dict
 from app.serve_panel import ServePanel
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
-from app.store import Store
+from app.store import Store, StoredMessage
 from app.worker import EngineController
 from engine.chat import Message
 from engine.events import Stats
+
+LAYOUT_VERSION = 2  # restoreState refuses a layout saved by another version of the panels
+TABS = ("Settings", "Metrics", "Model")
 
 
 class PromptBox(QPlainTextEdit):
@@ -35,25 +47,46 @@ class PromptBox(QPlainTextEdit):
         super().keyPressEvent(e)
 
 
+def _scroll(w: QWidget) -> QScrollArea:
+    """Tall panels scroll instead of forcing the window's minimum height."""
+    s = QScrollArea()
+    s.setWidgetResizable(True)
+    s.setFrameShape(QFrame.Shape.NoFrame)
+    s.setWidget(w)
+    return s
+
+
 class MainWindow(QMainWindow):
     def __init__(self, store: Store, qsettings: QSettings, model: str | None = None):
         super().__init__()
         self.setWindowTitle("Foretell")
         self.setAcceptDrops(True)
-        self.resize(1280, 820)
         self.store, self.qs = store, qsettings
         self.settings: AppSettings = load_settings(qsettings)
         self.engine = EngineController(self)
         self.conv_id: int | None = None
         self.generating = False
+        self.loading: str | None = None  # the file being loaded
         self.model_info: dict | None = None
         self.last_stats: Stats | None = None
+        self.editing: StoredMessage | None = None  # the user message being edited (its turn gets a new version)
+        self.reply_parent: int | None = None  # the user message the running reply answers
+        self.reply_mode = "off"
+        self.shown: list[StoredMessage] = []  # the messages in the chat view, as stored
+        self.deleted: int | None = None  # the conversation an Undo would bring back
+        self._library_stale = True
         self.errors: list[str] = []  # every error shown, for tests and the smoke test
         self._build()
         self._connect()
+        self._restore_layout()
         self.apply_theme(self.settings.theme)
         self.refresh_conversations()
-        self.load_model(model)
+        self._reopen_conversation()
+        self.refresh_library()
+        # No model named: the last one opened (the embedded model if it cannot be opened any more).
+        last = next(iter(self.settings.recent_models), None)
+        self._fallback = model is None and last is not None and Path(last).exists()
+        self.load_model(model if model is not None or not self._fallback else last)
 
     # -- layout --------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -61,25 +94,28 @@ class MainWindow(QMainWindow):
         col = QVBoxLayout(central)
         self.chat = ChatView()
         col.addWidget(self.chat, 1)
+        self.edit_banner = QWidget()
+        eb = QHBoxLayout(self.edit_banner)
+        eb.setContentsMargins(0, 0, 0, 0)
+        eb.addWidget(QLabel("Editing a message: Send makes a new version of it; the old one stays (‹ › to switch)."), 1)
+        self.cancel_edit_btn = QPushButton("Cancel edit")
+        eb.addWidget(self.cancel_edit_btn)
+        self.edit_banner.setVisible(False)
+        col.addWidget(self.edit_banner)
         self.prompt = PromptBox()
         self.prompt.setAccessibleName("Message")
         self.prompt.setPlaceholderText("Message (Enter to send, Shift+Enter for a new line)")
-        self.prompt.setMaximumHeight(110)
+        self.prompt.setMinimumHeight(52)
+        self.prompt.setMaximumHeight(90)
         col.addWidget(self.prompt)
         row = QHBoxLayout()
         self.send_btn = QPushButton("Send")
         self.stop_btn = QPushButton("Stop (Esc)")
         self.regen_btn = QPushButton("Regenerate")
-        self.edit_btn = QPushButton("Edit last message")
-        for b in (self.send_btn, self.stop_btn, self.regen_btn, self.edit_btn):
+        for b in (self.send_btn, self.stop_btn, self.regen_btn):
             b.setAccessibleName(b.text())
             row.addWidget(b)
         row.addStretch(1)
-        self.progress = QProgressBar()
-        self.progress.setAccessibleName("Model loading progress")
-        self.progress.setMaximumWidth(240)
-        self.progress.setRange(0, 100)
-        row.addWidget(self.progress)
         col.addLayout(row)
         self.setCentralWidget(central)
 
@@ -88,57 +124,162 @@ class MainWindow(QMainWindow):
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search conversations")
         self.search.setAccessibleName("Search conversations")
+        self.search.setClearButtonEnabled(True)
         self.conv_list = QListWidget()
         self.conv_list.setAccessibleName("Conversations")
         sl.addWidget(self.search)
         sl.addWidget(self.conv_list, 1)
-        btns = QHBoxLayout()
+        grid = QGridLayout()
         self.new_btn, self.rename_btn, self.delete_btn, self.export_btn = (
-            QPushButton(t) for t in ("New", "Rename", "Delete", "Export"))
-        for b in (self.new_btn, self.rename_btn, self.delete_btn, self.export_btn):
-            b.setAccessibleName(f"{b.text()} conversation")
-            btns.addWidget(b)
-        sl.addLayout(btns)
-        self.sidebar = self._dock("Conversations", side, Qt.DockWidgetArea.LeftDockWidgetArea)
+            QPushButton(t) for t in ("New", "Rename", "Delete", "Export…"))
+        for i, b in enumerate((self.new_btn, self.rename_btn, self.delete_btn, self.export_btn)):
+            b.setAccessibleName(f"{b.text().rstrip('…')} conversation")
+            grid.addWidget(b, i // 2, i % 2)
+        sl.addLayout(grid)
+        self.sidebar = self._dock("Conversations", "conversations", side, Qt.DockWidgetArea.LeftDockWidgetArea)
 
         self.settings_panel = SettingsPanel(self.settings)
         self.serve_panel = ServePanel(self.engine.worker, lambda: self.settings.generation_config())
-        box = QWidget()
-        box_col = QVBoxLayout(box)
-        box_col.setContentsMargins(0, 0, 0, 0)
-        box_col.addWidget(self.settings_panel)
-        box_col.addWidget(self.serve_panel)
-        self.settings_dock = self._dock("Settings", box, Qt.DockWidgetArea.RightDockWidgetArea)
+        settings_tab = QWidget()
+        st_col = QVBoxLayout(settings_tab)
+        st_col.setContentsMargins(0, 0, 0, 0)
+        st_col.addWidget(self.settings_panel)
+        st_col.addWidget(self.serve_panel)
         self.metrics = MetricsDock()
-        self.metrics_dock = self._dock("Live metrics", self.metrics, Qt.DockWidgetArea.RightDockWidgetArea)
+        model_tab = QWidget()
+        ml = QVBoxLayout(model_tab)
         self.info = QLabel("No model loaded")
         self.info.setAccessibleName("Model information")
         self.info.setWordWrap(True)
         self.info.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.info_dock = self._dock("Model", self.info, Qt.DockWidgetArea.LeftDockWidgetArea)
+        ml.addWidget(self.info)
+        ml.addWidget(QLabel("<b>Model library</b>"))
+        self.library = LibraryPanel()
+        ml.addWidget(self.library, 1)
+        self.tabs = QTabWidget()
+        self.tabs.setAccessibleName("Side panel")
+        self.tabs.addTab(_scroll(settings_tab), "Settings")
+        self.tabs.addTab(_scroll(self.metrics), "Metrics")
+        self.tabs.addTab(_scroll(model_tab), "Model")
+        self.panel = self._dock("Panel", "panel", self.tabs, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.panel.setMinimumWidth(300)
+        self.sidebar.setMinimumWidth(170)
 
-        menu = self.menuBar().addMenu("&File")
+        sb = self.statusBar()
+        self.state_label = QLabel()
+        self.state_label.setAccessibleName("State")
+        self.progress = QProgressBar()
+        self.progress.setAccessibleName("Progress")
+        self.progress.setMaximumWidth(200)
+        self.progress.setVisible(False)
+        self.undo_btn = QPushButton("Undo delete")
+        self.undo_btn.setVisible(False)
+        self.context_label, self.device_label, self.model_label = QLabel(), QLabel(), QLabel()
+        self.context_label.setAccessibleName("Context used")
+        self.model_label.setAccessibleName("Model")
+        sb.addWidget(self.state_label, 1)
+        sb.addWidget(self.progress)
+        sb.addWidget(self.undo_btn)
+        for w in (self.context_label, self.device_label, self.model_label):
+            w.setContentsMargins(8, 0, 8, 0)
+            sb.addPermanentWidget(w)
+        self.undo_timer = QTimer(self, singleShot=True, interval=20_000)
+
+        file_menu = self.menuBar().addMenu("&File")
         self.open_action = QAction("&Open model…", self, shortcut=QKeySequence("Ctrl+O"))
-        menu.addAction(self.open_action)
-        self.recent_menu = menu.addMenu("Open &recent")
+        file_menu.addAction(self.open_action)
+        self.recent_menu = file_menu.addMenu("Open &recent")
         self._fill_recent()
-        new_action = QAction("&New chat", self, shortcut=QKeySequence("Ctrl+N"))
-        new_action.triggered.connect(self.new_conversation)
-        menu.addAction(new_action)
+        self.library_action = file_menu.addAction("Model &library")
+        file_menu.addSeparator()
+        self.new_action = QAction("&New chat", self, shortcut=QKeySequence("Ctrl+N"))
+        file_menu.addAction(self.new_action)
+        self.export_action = QAction("&Export conversation…", self, shortcut=QKeySequence("Ctrl+E"))
+        file_menu.addAction(self.export_action)
+        file_menu.addSeparator()
+        self.quit_action = QAction("&Quit", self, shortcut=QKeySequence("Ctrl+Q"))
+        file_menu.addAction(self.quit_action)
 
-    def _dock(self, title: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+        view = self.menuBar().addMenu("&View")
+        self.view_menu = view
+        for dock, key in ((self.sidebar, "Ctrl+Shift+L"), (self.panel, "Ctrl+Shift+P")):
+            act = dock.toggleViewAction()
+            act.setShortcut(QKeySequence(key))
+            view.addAction(act)
+        view.addSeparator()
+        self.tab_actions = {}
+        for i, (name, key) in enumerate(zip(TABS, ("Ctrl+,", "Ctrl+M", "Ctrl+L"))):
+            act = QAction(name, self, shortcut=QKeySequence(key))
+            act.triggered.connect(lambda _c=False, i=i: self.show_tab(i))
+            view.addAction(act)
+            self.tab_actions[name] = act
+        view.addSeparator()
+        self.drafts_action = QAction("&Highlight accepted draft tokens", self, checkable=True)
+        self.drafts_action.setToolTip("Tokens that came from accepted MTP drafts get a green background")
+        view.addAction(self.drafts_action)
+        self.reset_layout_action = view.addAction("&Reset layout")
+
+    def _dock(self, title: str, name: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
         d = QDockWidget(title, self)
-        d.setObjectName(title)
+        d.setObjectName(name)
         d.setWidget(w)
         self.addDockWidget(area, d)
         return d
+
+    def show_tab(self, index: int) -> None:
+        self.panel.setVisible(True)
+        self.tabs.setCurrentIndex(index)
+
+    def _default_layout(self) -> None:
+        for d, area in ((self.sidebar, Qt.DockWidgetArea.LeftDockWidgetArea),
+                        (self.panel, Qt.DockWidgetArea.RightDockWidgetArea)):
+            d.setFloating(False)
+            self.addDockWidget(area, d)
+            d.setVisible(True)
+        screen = QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry() if screen else None
+        w, h = (1280, 800) if avail is None else (min(1280, avail.width()), min(800, avail.height()))
+        self.resize(w, h)
+        self._fit_docks = True
+        self._fit_dock_widths()
+
+    def _fit_dock_widths(self) -> None:
+        """The chat column is capped at a readable width; a wide window gives the rest to the panel."""
+        w = self.width()
+        self.resizeDocks([self.sidebar, self.panel], [220, min(560, max(360, w - 220 - 920))],
+                         Qt.Orientation.Horizontal)
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 (Qt override)
+        super().resizeEvent(e)
+        if getattr(self, "_fit_docks", False):  # until the window has settled (a window manager maximises late)
+            self._fit_dock_widths()
+
+    def showEvent(self, e) -> None:  # noqa: N802 (Qt override)
+        super().showEvent(e)
+        QTimer.singleShot(2000, lambda: setattr(self, "_fit_docks", False))
+
+    def _restore_layout(self) -> None:
+        geo, state = self.qs.value("window/geometry"), self.qs.value("window/state")
+        self._default_layout()
+        if geo is not None:
+            self.restoreGeometry(geo)
+        if state is not None and self.restoreState(state, LAYOUT_VERSION):
+            self._fit_docks = False  # the user's own widths
+        self.tabs.setCurrentIndex(int(self.qs.value("window/tab", 0) or 0) % len(TABS))
+
+    def _save_layout(self) -> None:
+        self.qs.setValue("window/geometry", self.saveGeometry())
+        self.qs.setValue("window/state", self.saveState(LAYOUT_VERSION))
+        self.qs.setValue("window/tab", self.tabs.currentIndex())
 
     def _connect(self) -> None:
         w = self.engine.worker
         w.loadProgress.connect(self.on_load_progress)
         w.loaded.connect(self.on_loaded)
         w.loadFailed.connect(self.on_load_failed)
+        w.prefill.connect(self.on_prefill)
         w.token.connect(self.chat.append_token)
+        w.token.connect(self._on_token)
         w.stats.connect(self.on_stats)
         w.finished.connect(self.on_finished)
         w.failed.connect(self.on_failed)
@@ -146,28 +287,47 @@ class MainWindow(QMainWindow):
         self.prompt.submitted.connect(self.send)
         self.stop_btn.clicked.connect(self.stop)
         self.regen_btn.clicked.connect(self.regenerate)
-        self.edit_btn.clicked.connect(self.edit_last)
+        self.cancel_edit_btn.clicked.connect(self.cancel_edit)
         self.chat.editRequested.connect(self.edit_message)
+        self.chat.versionRequested.connect(self.switch_version)
+        self.chat.exampleChosen.connect(self.ask_example)
+        self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied to the clipboard", 3000))
         self.new_btn.clicked.connect(self.new_conversation)
+        self.new_action.triggered.connect(self.new_conversation)
         self.rename_btn.clicked.connect(self.rename_conversation)
         self.delete_btn.clicked.connect(self.delete_conversation)
         self.export_btn.clicked.connect(self.export_conversation)
+        self.export_action.triggered.connect(self.export_conversation)
+        self.undo_btn.clicked.connect(self.undo_delete)
+        self.undo_timer.timeout.connect(lambda: self.undo_btn.setVisible(False))
         self.search.textChanged.connect(lambda _t: self.refresh_conversations())
         self.conv_list.currentItemChanged.connect(self._on_select)
         self.settings_panel.changed.connect(self.on_settings)
         self.open_action.triggered.connect(self.open_dialog)
-        QShortcut(QKeySequence("Esc"), self, activated=self.stop)
-        QShortcut(QKeySequence("Ctrl+,"), self, activated=lambda: self.settings_dock.setVisible(
-            not self.settings_dock.isVisible()))
+        self.library_action.triggered.connect(lambda: self.show_tab(TABS.index("Model")))
+        self.quit_action.triggered.connect(self.close)
+        self.reset_layout_action.triggered.connect(self._default_layout)
+        self.drafts_action.toggled.connect(self.highlight_drafts)
+        self.library.openRequested.connect(self.load_model)
+        self.library.folderChanged.connect(self._set_library_folder)
+        self.library.refresh_btn.clicked.connect(self.refresh_library)
+        self.tabs.currentChanged.connect(lambda _i: self._library_stale and self.refresh_library())
+        self.panel.visibilityChanged.connect(lambda _v: self._library_stale and self.refresh_library())
+        QShortcut(QKeySequence("Esc"), self, activated=self.stop_or_cancel)
         QShortcut(QKeySequence("Ctrl+Shift+C"), self,
                   activated=lambda: QGuiApplication.clipboard().setText(self.chat.last_reply()))
         self._update_buttons()
 
     # -- model -------------------------------------------------------------------------------------
     def load_model(self, path: str | None) -> None:
+        """Ask the worker to load; the current model stays until the new file has been checked and loaded."""
+        name = Path(path).name if path else "the embedded model"
+        self.loading = name
+        self.progress.setRange(0, 100)
         self.progress.setValue(0)
-        self.info.setText(f"Loading {Path(path).name if path else 'the embedded model'}…")
-        self.model_info = None
+        self.progress.setFormat(f"opening {name}")
+        self.progress.setVisible(True)
+        self._set_state(f"Loading {name}…")
         self._update_buttons()
         self.engine.load(path, self.settings.engine_config())
 
@@ -179,6 +339,8 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def on_loaded(self, info: dict) -> None:
         self.model_info = info
+        self.loading = None
+        self.progress.setVisible(False)
         self.settings.add_recent(info["path"])
         save_settings(self.qs, self.settings)
         self._fill_recent()
@@ -187,17 +349,32 @@ class MainWindow(QMainWindow):
         lines = [f"<b>{info['name']}</b>", f"{info['architecture']} · {info['layers']} layers ({info['layer_pattern']})",
                  f"{info['params_total'] / 1e6:.1f}M parameters, {info['params_active'] / 1e6:.1f}M active · {moe}",
                  f"context {info['context']} (trained {info['context_train']}) · MTP {'yes' if info['mtp'] else 'no'}",
-                 f"quant mix: {mix}", f"Placement: {info['placement']}."]
+                 f"quant mix: {mix}", f"Placement: {info['placement']}.", f"<small>{info['path']}</small>"]
         lines += [f"<i>{n}</i>" for n in info["notices"]]
         self.info.setText("<br>".join(lines))
         self.setWindowTitle(f"Foretell — {info['name']}")
+        self.model_label.setText(info["name"])
+        self.device_label.setText("CPU" if info["placement"].startswith("all ") else "CPU + GPU")
+        self.context_label.setText(f"context {info['context']:,} tokens")
+        self._set_state("Ready")
         self._update_buttons()
+        self.refresh_library()
 
     @Slot(str)
     def on_load_failed(self, msg: str) -> None:
-        self.info.setText("No model loaded")
-        self.progress.setValue(0)
-        self.show_error("Could not load the model", msg)
+        failed, self.loading = self.loading, None
+        self.progress.setVisible(False)
+        if self._fallback and self.model_info is None:  # the last model cannot be reopened: the embedded one
+            self._fallback = False
+            self.statusBar().showMessage(f"Could not reopen {failed}: {msg}", 15_000)
+            self.load_model(None)
+            return
+        if self.model_info is not None:
+            self._set_state(f"Ready — kept {self.model_info['name']}")
+        else:
+            self._set_state("No model loaded")
+            self.info.setText("No model loaded")
+        self.show_error("Could not open the model", msg)
         self._update_buttons()
 
     def open_dialog(self) -> None:
@@ -211,15 +388,29 @@ class MainWindow(QMainWindow):
             act = self.recent_menu.addAction(p)
             act.triggered.connect(lambda _c=False, p=p: self.load_model(p))
 
+    def refresh_library(self) -> None:
+        """Describe the library's files — only while the Model tab shows (each file's header is read)."""
+        if self.tabs.currentIndex() != TABS.index("Model") or not self.panel.isVisible():
+            self._library_stale = True
+            return
+        self._library_stale = False
+        folder = str(self.qs.value("library/folder", "") or "")
+        entries = scan(folder or None, self.settings.recent_models, self.settings.context,
+                       self.settings.engine_config().device)
+        self.library.show_entries(entries, folder)
+
+    def _set_library_folder(self, folder: str) -> None:
+        self.qs.setValue("library/folder", folder)
+        self.refresh_library()
+
     def dragEnterEvent(self, e) -> None:  # noqa: N802
-        if any(u.toLocalFile().endswith(".gguf") for u in e.mimeData().urls()):
-            e.acceptProposedAction()
+        if any(u.isLocalFile() for u in e.mimeData().urls()):
+            e.acceptProposedAction()  # any file: a non-GGUF one is answered with why it cannot be opened
 
     def dropEvent(self, e) -> None:  # noqa: N802
-        for u in e.mimeData().urls():
-            if u.toLocalFile().endswith(".gguf"):
-                self.load_model(u.toLocalFile())
-                return
+        files = [u.toLocalFile() for u in e.mimeData().urls() if u.isLocalFile()]
+        if files:
+            self.load_model(files[0])
 
     # -- conversations -----------------------------------------------------------------------------
     def refresh_conversations(self) -> None:
@@ -236,16 +427,36 @@ class MainWindow(QMainWindow):
     def _on_select(self, item: QListWidgetItem | None, _prev: object = None) -> None:
         if item is not None and not self.generating:
             self.open_conversation(int(item.data(Qt.ItemDataRole.UserRole)))
+            self.prompt.setFocus()
+
+    def _reopen_conversation(self) -> None:
+        last = self.qs.value("last_conversation")
+        ids = {c.id for c in self.store.conversations()}
+        if last is not None and str(last).isdigit() and int(last) in ids:
+            self.open_conversation(int(last))
+            self.refresh_conversations()
 
     def open_conversation(self, conv_id: int) -> None:
         self.conv_id = conv_id
-        self.chat.set_messages([(m.role, m.content, _footer(m.stats)) for m in self.store.messages(conv_id)])
+        self.qs.setValue("last_conversation", conv_id)
+        self._cancel_edit_state()
+        self.shown = self.store.messages(conv_id)
+        self.chat.set_messages([self._view(m) for m in self.shown])
         self._update_buttons()
+
+    def _view(self, m: StoredMessage) -> ViewMessage:
+        versions = self.store.versions(m.id)
+        return ViewMessage(m.role, m.content, [(m.content, False)], footer(m.stats) if m.role == "assistant" else "",
+                           version=(versions.index(m.id) + 1, len(versions)),
+                           stopped=m.stats.get("stop_reason") == "stopped")
 
     def new_conversation(self) -> None:
         if self.generating:
             return
         self.conv_id = None
+        self.qs.remove("last_conversation")
+        self._cancel_edit_state()
+        self.shown = []
         self.chat.set_messages([])
         self.refresh_conversations()
         self.prompt.setFocus()
@@ -259,105 +470,216 @@ class MainWindow(QMainWindow):
             self.refresh_conversations()
 
     def delete_conversation(self) -> None:
+        """Delete at once, with Undo in the status bar (the store purges it when next opened)."""
         if self.conv_id is None or self.generating:
             return
+        title = self.store.conversation(self.conv_id).title
+        self.deleted = self.conv_id
         self.store.delete(self.conv_id)
         self.new_conversation()
+        self.statusBar().showMessage(f"Deleted “{title}”", 20_000)
+        self.undo_btn.setVisible(True)
+        self.undo_timer.start()
+
+    def undo_delete(self) -> None:
+        if self.deleted is None:
+            return
+        self.store.undelete(self.deleted)
+        conv, self.deleted = self.deleted, None
+        self.undo_btn.setVisible(False)
+        self.statusBar().clearMessage()
+        self.open_conversation(conv)
+        self.refresh_conversations()
+
+    def export_meta(self) -> dict:
+        s = self.settings
+        return {"model": self.model_info["name"] if self.model_info else None,
+                "model_file": self.model_info["path"] if self.model_info else None,
+                "exported": dt.datetime.now().isoformat(timespec="seconds"),
+                "settings": {"mtp": mtp_mode(s.mtp, s.draft), "temperature": s.temperature, "top_k": s.top_k,
+                             "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
+                             "seed": s.seed, "context": s.context, "max_tokens": s.max_tokens,
+                             "system_prompt": s.system_prompt}}
+
+    def default_export_path(self) -> str:
+        title = self.store.conversation(self.conv_id).title if self.conv_id is not None else "conversation"
+        stem = re.sub(r"[^\w\- ]+", "", title).strip().replace(" ", "-")[:60] or "conversation"
+        docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation) or str(Path.home())
+        return str(Path(docs) / f"{stem}.md")
 
     def export_conversation(self) -> None:
         if self.conv_id is None:
             return
-        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", "", "Markdown (*.md);;JSON (*.json)")
+        path, chosen = QFileDialog.getSaveFileName(self, "Export conversation", self.default_export_path(),
+                                                   "Markdown (*.md);;JSON (*.json)")
         if path:
-            text = self.store.export_json(self.conv_id) if path.endswith(".json") else self.store.export_markdown(self.conv_id)
-            Path(path).write_text(text, encoding="utf-8")
+            self.export_to(path, chosen)
+
+    def export_to(self, path: str, chosen_filter: str = "") -> Path:
+        """Write the shown branch; the extension of the chosen format is added when the name has none."""
+        p = Path(path)
+        if p.suffix.lower() not in (".md", ".json"):
+            p = p.with_name(p.name + (".json" if "json" in chosen_filter.lower() else ".md"))
+        assert self.conv_id is not None
+        meta = self.export_meta()
+        text = self.store.export_json(self.conv_id, meta) if p.suffix.lower() == ".json" else \
+            self.store.export_markdown(self.conv_id, meta)
+        p.write_text(text, encoding="utf-8")
+        self.statusBar().showMessage(f"Exported to {p}", 8000)
+        return p
 
     # -- chatting ----------------------------------------------------------------------------------
     def send(self) -> None:
         text = self.prompt.toPlainText().strip()
-        if not text or self.generating or self.model_info is None:
+        if not text or self.generating or self.model_info is None or self.loading:
             return
         if self.conv_id is None:
             self.conv_id = self.store.new_conversation(text[:48].replace("\n", " ")).id
-        self.store.add_message(self.conv_id, "user", text)
+            self.qs.setValue("last_conversation", self.conv_id)
+        if self.editing is not None:  # a new version of the edited turn: a sibling, the old one stays
+            msg = self.store.add_message(self.conv_id, "user", text, parent_id=self.editing.parent_id)
+        else:
+            msg = self.store.add_message(self.conv_id, "user", text)
+        self._cancel_edit_state()
         self.prompt.clear()
-        self.chat.add_message("user", text)
         self.refresh_conversations()
-        self._run()
+        self._run(self.store.messages(self.conv_id), msg.id)
 
-    def _run(self) -> None:
-        assert self.conv_id is not None
-        msgs = [Message(m.role, m.content) for m in self.store.messages(self.conv_id)]
+    def ask_example(self, question: str) -> None:
+        self.prompt.setPlainText(question)
+        self.send()
+
+    def _run(self, history: list[StoredMessage], parent: int) -> None:
+        """Show `history` and generate the reply to it (a child of message `parent`)."""
+        self.shown = history
+        self.chat.set_messages([self._view(m) for m in history])
+        msgs = [Message(m.role, m.content) for m in history]
         if self.settings.system_prompt.strip():
             msgs = [Message("system", self.settings.system_prompt.strip())] + msgs
         self.chat.add_message("assistant")
+        self.reply_parent = parent
+        self.reply_mode = mtp_mode(self.settings.mtp, self.settings.draft)
+        self.metrics.begin_reply(self.reply_mode)
         self.generating = True
         self.last_stats = None
+        self._set_state("Waiting for the first token…")
         self._update_buttons()
+        self.prompt.setFocus()
         self.engine.generate(msgs, self.settings.generation_config())
 
     def stop(self) -> None:
         if self.generating:
             self.engine.stop()
 
+    def stop_or_cancel(self) -> None:
+        if self.generating:
+            self.stop()
+        elif self.editing is not None:
+            self.cancel_edit()
+
     def regenerate(self) -> None:
-        if self.generating or self.conv_id is None:
+        """A new version of the last reply; the old one stays (‹ › switches)."""
+        if self.generating or self.conv_id is None or self.model_info is None:
             return
         msgs = self.store.messages(self.conv_id)
         if msgs and msgs[-1].role == "assistant":
-            self.store.truncate_from(self.conv_id, msgs[-1].position)
-            self.open_conversation(self.conv_id)
-        if self.store.messages(self.conv_id):
-            self._run()
+            msgs = msgs[:-1]
+        if msgs and msgs[-1].role == "user":
+            self._run(msgs, msgs[-1].id)
 
     def edit_last(self) -> None:
-        if self.conv_id is not None:
-            users = [i for i, m in enumerate(self.store.messages(self.conv_id)) if m.role == "user"]
-            if users:
-                self.edit_message(users[-1])
+        users = [i for i, m in enumerate(self.shown) if m.role == "user"]
+        if users:
+            self.edit_message(users[-1])
 
     @Slot(int)
     def edit_message(self, index: int) -> None:
-        """Put user message `index` back in the input and drop it and everything after it; sending re-runs
-        the conversation from there."""
-        if self.generating or self.conv_id is None:
+        """Put user message `index` in the input. Nothing is removed: sending adds a new version of that turn."""
+        if self.generating or not 0 <= index < len(self.shown) or self.shown[index].role != "user":
             return
-        msgs = self.store.messages(self.conv_id)
-        if not 0 <= index < len(msgs) or msgs[index].role != "user":
-            return
-        self.store.truncate_from(self.conv_id, msgs[index].position)
-        self.open_conversation(self.conv_id)
-        self.prompt.setPlainText(msgs[index].content)
+        self.editing = self.shown[index]
+        self.edit_banner.setVisible(True)
+        self.prompt.setPlainText(self.editing.content)
         self.prompt.setFocus()
+
+    def cancel_edit(self) -> None:
+        if self.editing is not None:
+            self._cancel_edit_state()
+            self.prompt.clear()
+            self.prompt.setFocus()
+
+    def _cancel_edit_state(self) -> None:
+        self.editing = None
+        self.edit_banner.setVisible(False)
+
+    @Slot(int, int)
+    def switch_version(self, index: int, step: int) -> None:
+        if self.generating or self.conv_id is None or not 0 <= index < len(self.shown):
+            return
+        versions = self.store.versions(self.shown[index].id)
+        k = versions.index(self.shown[index].id) + step
+        if 0 <= k < len(versions):
+            self.store.show_version(versions[k])
+            self.open_conversation(self.conv_id)
+            self.prompt.setFocus()
+
+    def highlight_drafts(self, on: bool) -> None:
+        self.chat.color_drafts = on
+        self.chat.render()
+
+    @Slot(int, int)
+    def on_prefill(self, done: int, total: int) -> None:
+        self.progress.setRange(0, total)
+        self.progress.setValue(done)
+        self.progress.setFormat(f"{done}/{total}")
+        self.progress.setVisible(done < total)
+        self._set_state(f"Processing prompt … {done}/{total}")
+
+    @Slot(str, bool)
+    def _on_token(self, _text: str, _acc: bool) -> None:
+        if self.generating and not self.state_label.text().startswith("Generating"):
+            self.progress.setVisible(False)
+            self._set_state("Generating…")
 
     @Slot(object)
     def on_stats(self, st: Stats) -> None:
         self.last_stats = st
         self.metrics.push_stats(st)
-        # The MTP-off reference: plain decode speed, from a reply without MTP or from the plain steps
-        # (depth 0) that auto takes and times.
+        if self.model_info:
+            self.context_label.setText(f"context {st.prompt_tokens + st.generated_tokens:,} of "
+                                       f"{self.model_info['context']:,} tokens")
+        # The MTP-off estimate for the charts: the plain steps (depth 0) that auto takes and times.
         sp = st.speculative
-        if not st.mtp and st.decode_tok_s > 0 and st.final:
-            self.metrics.set_mtp_off_reference(st.decode_tok_s)
-        elif sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
+        if sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
             self.metrics.set_mtp_off_reference(sp.plain_steps / sp.time_s.plain_decode)
 
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:
         self.chat.flush()
         reply = self.chat.last_reply()
-        stats = _stats_dict(self.last_stats, reason)
-        if self.conv_id is not None and (reply or reason not in ("stopped",)):
-            self.store.add_message(self.conv_id, "assistant", reply, stats)
-        self.chat.set_footer(_footer(stats))
+        stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model_info["name"] if self.model_info else "")
+        if self.conv_id is not None and self.reply_parent is not None and (reply or reason != "context_overflow"):
+            saved = self.store.add_message(self.conv_id, "assistant", reply, stats, parent_id=self.reply_parent)
+            self.shown = self.shown + [saved]
+            versions = self.store.versions(saved.id)
+            last = self.chat.messages[-1]
+            last.version, last.stopped = (len(versions), len(versions)), reason == "stopped"
+        self.chat.set_footer(footer(stats))
         self.generating = False
+        self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
+        self.progress.setVisible(False)
         self._update_buttons()
+        self.prompt.setFocus()
         if reason == "context_overflow":
             self.show_error("The conversation does not fit", message)
 
     @Slot(str)
     def on_failed(self, msg: str) -> None:
         self.generating = False
+        self.progress.setVisible(False)
+        self._set_state("Ready")
+        if self.conv_id is not None:
+            self.open_conversation(self.conv_id)  # the partial reply was never saved: show what is stored
         self._update_buttons()
         self.show_error("Generation failed", msg)
 
@@ -373,6 +695,9 @@ class MainWindow(QMainWindow):
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.open()  # not exec(): the window stays live
 
+    def _set_state(self, text: str) -> None:
+        self.state_label.setText(text)
+
     def apply_theme(self, theme: str) -> None:
         app = QApplication.instance()
         dark = theme == "dark" or (theme == "system" and QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark)
@@ -380,8 +705,11 @@ class MainWindow(QMainWindow):
         if dark:
             for role, color in ((QPalette.ColorRole.Window, "#1e1f22"), (QPalette.ColorRole.WindowText, "#e6e6e6"),
                                 (QPalette.ColorRole.Base, "#26282b"), (QPalette.ColorRole.Text, "#e6e6e6"),
+                                (QPalette.ColorRole.AlternateBase, "#2b2d31"),
                                 (QPalette.ColorRole.Button, "#2d2f33"), (QPalette.ColorRole.ButtonText, "#e6e6e6"),
-                                (QPalette.ColorRole.Highlight, "#3d6fb6"), (QPalette.ColorRole.Link, "#7fb2ff")):
+                                (QPalette.ColorRole.Highlight, "#3d6fb6"), (QPalette.ColorRole.Link, "#7fb2ff"),
+                                (QPalette.ColorRole.PlaceholderText, "#9a9da3"), (QPalette.ColorRole.ToolTipBase, "#2d2f33"),
+                                (QPalette.ColorRole.ToolTipText, "#e6e6e6")):
                 pal.setColor(role, QColor(color))
             for role in (QPalette.ColorRole.WindowText, QPalette.ColorRole.Text, QPalette.ColorRole.ButtonText):
                 pal.setColor(QPalette.ColorGroup.Disabled, role, QColor("#6f7277"))  # disabled must look disabled
@@ -394,39 +722,17 @@ class MainWindow(QMainWindow):
         self.metrics.set_dark(dark)
 
     def _update_buttons(self) -> None:
-        ready = self.model_info is not None
+        ready = self.model_info is not None and self.loading is None
         self.send_btn.setEnabled(ready and not self.generating)
         self.stop_btn.setEnabled(self.generating)
-        self.regen_btn.setEnabled(ready and not self.generating and self.conv_id is not None)
-        self.edit_btn.setEnabled(ready and not self.generating and self.conv_id is not None)
+        self.regen_btn.setEnabled(ready and not self.generating and bool(self.shown))
+        for b in (self.rename_btn, self.delete_btn, self.export_btn):
+            b.setEnabled(self.conv_id is not None and not self.generating)
+        self.export_action.setEnabled(self.conv_id is not None)
 
     def closeEvent(self, e) -> None:  # noqa: N802
         self.serve_panel.stop()
         self.engine.shutdown()
+        self._save_layout()
         save_settings(self.qs, self.settings)
         super().closeEvent(e)
-
-
-def _stats_dict(st: Stats | None, reason: str) -> dict:
-    if st is None:
-        return {"stop_reason": reason}
-    d = {"ttft_s": round(st.ttft_s, 3), "prompt_tok_s": round(st.prefill_tok_s, 1),
-         "decode_tok_s": round(st.decode_tok_s, 2), "tokens": st.generated_tokens, "stop_reason": reason}
-    if st.speculative:
-        d.update(drafted=st.speculative.drafted, accepted=st.speculative.accepted,
-                 mean_accepted_length=round(st.speculative.mean_accepted_length, 2))
-    return d
-
-
-def _footer(stats: dict) -> str:
-    if not stats:
-        return ""
-    parts = []
-    if "ttft_s" in stats:
-        parts += [f"TTFT {stats['ttft_s'] * 1000:.0f} ms", f"prompt {stats['prompt_tok_s']} tok/s",
-                  f"{stats['decode_tok_s']} tok/s", f"{stats['tokens']} tokens"]
-    if "drafted" in stats:
-        parts.append(f"drafts {stats['accepted']}/{stats['drafted']}, mean length {stats['mean_accepted_length']}")
-    parts.append(f"stop: {stats.get('stop_reason', '?')}")
-    return " · ".join(parts)
-

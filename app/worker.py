@@ -5,6 +5,8 @@ signals (queued: they run on the worker thread); results come back as signals (q
 thread). Stop is a `threading.Event` set directly from the GUI thread — the worker is busy inside the
 decode loop and would never see a queued call in time; the engine checks it every decode step.
 Errors never escape as tracebacks: typed engine errors become their message, anything else a short line.
+Loading is safe: the new file is validated (app.library.check_model_file) while the current model stays
+loaded; only a valid file replaces it, and if preparing it still fails the previous model is reopened.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import EngineError
-from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from app.library import check_model_file
+from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
 from engine.generate import Engine, load
 
 
@@ -38,7 +41,8 @@ def model_info(eng: Engine) -> dict[str, Any]:
 class EngineWorker(QObject):
     loadProgress = Signal(float, str)
     loaded = Signal(object)  # model_info dict
-    loadFailed = Signal(str)
+    loadFailed = Signal(str)  # plain-language reason; the previous model (if any) is still loaded
+    prefill = Signal(int, int)  # prompt tokens processed, of
     token = Signal(str, bool)  # text, came from an accepted draft
     stats = Signal(object)  # engine.generate.Stats
     finished = Signal(str, str)  # stop reason, message
@@ -55,16 +59,31 @@ class EngineWorker(QObject):
     @Slot(object, object)
     def load(self, path: str | None, config: EngineConfig) -> None:
         try:
-            eng = load(path, config, progress=lambda f, m: self.loadProgress.emit(f, m))
+            mf = check_model_file(path)
         except EngineError as e:
             self.loadFailed.emit(str(e))
             return
-        except Exception as e:  # a bug: one readable line for the dialog, details on stderr
-            traceback.print_exc()
-            self.loadFailed.emit(f"Unexpected error while loading: {type(e).__name__}: {e}")
+        previous = (str(self.engine.mf.path), self.engine.config) if self.engine is not None else None
+        self.engine = None  # the old weights go before the new ones are prepared: never two models in memory
+        try:
+            eng = load(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m))
+        except Exception as e:
+            if not isinstance(e, EngineError):  # a bug: one readable line for the dialog, details on stderr
+                traceback.print_exc()
+            msg = str(e) if isinstance(e, EngineError) else f"Unexpected error while loading: {type(e).__name__}: {e}"
+            if previous is not None:
+                self._reopen(*previous)
+            self.loadFailed.emit(msg)
             return
         self.engine = eng
         self.loaded.emit(model_info(eng))
+
+    def _reopen(self, path: str, config: EngineConfig) -> None:
+        try:
+            self.engine = load(path, config)
+        except EngineError:
+            return  # the window then says no model is loaded
+        self.loaded.emit(model_info(self.engine))
 
     @Slot(object, object)
     def generate(self, messages: list, gen: GenerationConfig) -> None:
@@ -80,6 +99,8 @@ class EngineWorker(QObject):
                             self.token.emit(ev.text, ev.accepted_draft)
                     elif isinstance(ev, Stats):
                         self.stats.emit(ev)
+                    elif isinstance(ev, Progress):
+                        self.prefill.emit(ev.done, ev.total)
                     elif isinstance(ev, Done):
                         self.finished.emit(ev.reason, ev.message)
         except EngineError as e:

@@ -91,9 +91,18 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Prompt processing under way: `done` of `total` prompt tokens computed. Yielded between prefill chunks of a
+    prompt longer than one chunk, so a caller can show progress before the first token; others ignore it."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Done:
     reason: str  # "eos" | "max_tokens" | "stop_string" | "stopped" | "context_full" | "context_overflow"
     message: str = ""
 
 
-Event = Token | Stats | Done
+Event = Token | Stats | Done | Progress

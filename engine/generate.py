@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from engine.storage.modelfile import ModelFile, default_model_path, open_model
 from engine.models.build import load_model
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
 from engine.sampling import Sampler
-from engine.events import Done, EngineConfig, Event, GenerationConfig, Stats, Token
+from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats, Token
 from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
 from engine.tokenizer import Tokenizer
 
@@ -70,8 +70,10 @@ class Engine:
         self._seq = []
         self._last_logits = None
 
-    def _prefill(self, ids: list[int], stop: threading.Event | None) -> tuple[torch.Tensor | None, int]:
-        """Bring the cache to `ids`; returns the last logits and how many tokens were computed."""
+    def _prefill(self, ids: list[int], stop: threading.Event | None
+                 ) -> Generator[Progress, None, tuple[torch.Tensor | None, int]]:
+        """Bring the cache to `ids`, yielding Progress between chunks when there is more than one; returns the
+        last logits and how many tokens were computed."""
         common = 0
         if self._seq and len(self._seq) <= len(ids) and ids[:len(self._seq)] == self._seq:
             common = len(self._seq)
@@ -82,6 +84,8 @@ class Engine:
             common = 0
         todo = ids[common:]
         logits = None
+        if len(todo) > PREFILL_CHUNK:
+            yield Progress(0, len(todo))
         for s in range(0, len(todo), PREFILL_CHUNK):
             if stop is not None and stop.is_set():
                 self.reset()
@@ -92,6 +96,8 @@ class Engine:
                 self.drafter.push(chunk, res.hidden)
             logits = res.logits[-1]
             self._seq.extend(chunk)
+            if len(todo) > PREFILL_CHUNK:
+                yield Progress(s + len(chunk), len(todo))
         self._last_logits = logits
         return logits, len(todo)
 
@@ -115,7 +121,7 @@ class Engine:
         reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
         depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible,
                                 memory=self._auto_memory) if use_mtp else None
-        logits, n_prefilled = self._prefill(ids, stop)
+        logits, n_prefilled = yield from self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")
             return
@@ -243,13 +249,13 @@ class _StopStrings:
         return out
 
 
-def load(path: str | os.PathLike[str] | None = None, config: EngineConfig = EngineConfig(),
+def load(path: str | os.PathLike[str] | ModelFile | None = None, config: EngineConfig = EngineConfig(),
          progress: ProgressFn | None = None) -> Engine:
-    """Open, validate and prepare a model (None = the embedded default model)."""
+    """Open, validate and prepare a model (None = the embedded default model; a ModelFile: one already opened)."""
     report = progress or (lambda f, m: None)
-    p = Path(path) if path is not None else default_model_path()
+    p = path.path if isinstance(path, ModelFile) else Path(path) if path is not None else default_model_path()
     report(0.0, f"opening {p.name}")
-    mf = open_model(p)
+    mf = path if isinstance(path, ModelFile) else open_model(p)
     report(0.5, "preparing weights")
     try:
         eng = Engine(mf, config)

@@ -45,3 +45,26 @@ def test_streaming_is_buffered_and_drafts_coloured(qtbot) -> None:
     assert "background:#d9f2dc" in v.toHtml().replace(" ", "") or "#d9f2dc" in v.toHtml()
     v.set_footer("12.0 tok/s · 50 tokens")
     assert "12.0 tok/s" in v.toPlainText() and v.last_reply().startswith("w0 w1")
+
+
+def test_welcome_versions_copy_and_readable_width(qtbot) -> None:
+    from app.chat_view import EXAMPLES, READABLE_WIDTH, ViewMessage
+
+    v = ChatView()
+    qtbot.addWidget(v)
+    v.render()
+    assert "Welcome to Foretell" in v.toPlainText() and all(q in v.toPlainText() for q in EXAMPLES)
+    with qtbot.waitSignal(v.exampleChosen) as sig:
+        v._on_anchor(QUrl("ask:What%20is%2012%20plus%2030%3F"))
+    assert sig.args == ["What is 12 plus 30?"]
+    v.set_messages([ViewMessage("user", "q", version=(2, 3)), ViewMessage("assistant", "", stopped=True)])
+    assert "Welcome" not in v.toPlainText() and "2/3" in v.toPlainText() and "Stopped before any text" in v.toPlainText()
+    assert "ver:0:-1" in v.toHtml() and "ver:0:1" in v.toHtml()
+    with qtbot.waitSignal(v.versionRequested) as sig:
+        v._on_anchor(QUrl("ver:0:1"))
+    assert sig.args == [0, 1]
+    v._on_anchor(QUrl("copymsg:0"))
+    assert QGuiApplication.clipboard().text() == "q"
+    v.resize(2400, 800)
+    v.show()
+    qtbot.waitUntil(lambda: v.viewport().width() <= READABLE_WIDTH + 40, timeout=2000)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.chat import Message
-from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
 from engine.generate import load
 from engine.sampling import SamplingConfig
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, fixture_path
@@ -132,3 +132,19 @@ def test_seeded_sampling_reproducible() -> None:
     eng.reset()
     b, _, _ = _run(eng, [1, 2], max_tokens=12, sampling=cfg)
     assert a == b
+
+
+def test_long_prompt_reports_prefill_progress_before_the_first_token() -> None:
+    from engine.generate import PREFILL_CHUNK
+
+    eng = load(fixture_path(TINY_MOE), EngineConfig(n_ctx=2048))
+    n = PREFILL_CHUNK * 2 + 10
+    prompt = np.random.default_rng(1).integers(0, TINY_MOE.n_vocab - 3, n).tolist()
+    toks, events, _ = _run(eng, prompt, max_tokens=2)
+    first_token = next(i for i, e in enumerate(events) if isinstance(e, Token))
+    prog = [(e.done, e.total) for e in events[:first_token] if isinstance(e, Progress)]
+    assert prog == [(0, n), (PREFILL_CHUNK, n), (2 * PREFILL_CHUNK, n), (n, n)]
+    assert not any(isinstance(e, Progress) for e in events[first_token:])
+    # A short follow-up (one chunk to compute) gives no progress events.
+    _, events, _ = _run(eng, prompt + toks + [5], max_tokens=1)
+    assert not any(isinstance(e, Progress) for e in events)

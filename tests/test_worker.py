@@ -118,3 +118,33 @@ def test_bad_model_reports_an_error_and_worker_stays_usable(qtbot, ctl, tmp_path
     ctl.load(str(fixture_path(TINY_MOE)), EngineConfig(n_ctx=256))
     qtbot.waitUntil(lambda: got["loaded"] is not None, timeout=30_000)
     assert got["loaded"]["architecture"] == "qwen35moe"
+
+
+def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, ctl, monkeypatch, tmp_path: Path) -> None:
+    import app.worker
+    from engine.errors import OutOfMemoryError
+
+    got = _record(ctl)
+    ctl.load(str(fixture_path(TINY_MOE)), EngineConfig(n_ctx=256))
+    qtbot.waitUntil(lambda: got["loaded"] is not None, timeout=30_000)
+    first = ctl.worker.engine
+    # A file that is not a model: refused before anything is unloaded.
+    (tmp_path / "notes.txt").write_text("notes")
+    ctl.load(str(tmp_path / "notes.txt"), EngineConfig(n_ctx=256))
+    qtbot.waitUntil(lambda: len(got["errors"]) == 1, timeout=30_000)
+    assert got["errors"][0] == "notes.txt is not a GGUF model file" and ctl.worker.engine is first
+    # A valid file that fails while being prepared (out of memory): the previous model is opened again.
+    real = app.worker.load
+
+    def failing(path, config, progress=None):  # type: ignore[no-untyped-def]
+        if not isinstance(path, str):  # the new, already checked ModelFile
+            raise OutOfMemoryError("not enough memory for the test model")
+        return real(path, config, progress)
+
+    monkeypatch.setattr(app.worker, "load", failing)
+    got["loaded"] = None
+    ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=256))
+    qtbot.waitUntil(lambda: len(got["errors"]) == 2, timeout=30_000)
+    assert got["errors"][1] == "not enough memory for the test model"
+    assert got["loaded"] is not None and got["loaded"]["path"] == str(fixture_path(TINY_MOE))
+    assert ctl.worker.engine is not None and ctl.worker.engine is not first

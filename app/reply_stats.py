@@ -1,0 +1,48 @@
+"""What is stored with a reply and the footer shown under it, in plain words:
+"18.8 tok/s · 9 tokens · 10 of 10 drafted tokens accepted · 4.3 tokens per step"."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.events import Stats
+
+STOP_WORDS = {"stopped": "stopped by you", "max_tokens": "reached the reply length limit",
+              "context_full": "the context is full", "context_overflow": "the conversation does not fit",
+              "error": "stopped by an error"}
+
+
+def mtp_mode(mtp: bool, draft: str) -> str:
+    """How a reply was decoded: "off", "auto" or "K=n" (a fixed draft depth)."""
+    return "off" if not mtp else ("auto" if draft == "auto" else f"K={draft}")
+
+
+def stats_dict(st: Stats | None, reason: str, mode: str, model: str) -> dict[str, Any]:
+    d: dict[str, Any] = {"stop_reason": reason, "mtp": mode if st is None or st.mtp else "off", "model": model}
+    if st is None:
+        return d
+    d.update(ttft_s=round(st.ttft_s, 3), prompt_tok_s=round(st.prefill_tok_s, 1),
+             decode_tok_s=round(st.decode_tok_s, 2), tokens=st.generated_tokens,
+             context_tokens=st.prompt_tokens + st.generated_tokens)
+    if st.speculative:
+        d.update(drafted=st.speculative.drafted, accepted=st.speculative.accepted,
+                 mean_accepted_length=round(st.speculative.mean_accepted_length, 2))
+    return d
+
+
+def footer(stats: dict[str, Any]) -> str:
+    if not stats:
+        return ""
+    parts = []
+    if "decode_tok_s" in stats:
+        parts += [f"{stats['decode_tok_s']:.1f} tok/s", f"{stats['tokens']} tokens"]
+    if stats.get("drafted"):
+        parts.append(f"{stats['accepted']} of {stats['drafted']} drafted tokens accepted")
+        parts.append(f"{stats['mean_accepted_length']:.1f} tokens per step")
+    elif stats.get("mtp") == "off":
+        parts.append("MTP off")
+    elif stats.get("mtp"):
+        parts.append(f"MTP {stats['mtp']}: nothing drafted")
+    reason = STOP_WORDS.get(stats.get("stop_reason", ""))
+    if reason:
+        parts.append(reason)
+    return " · ".join(parts)

@@ -1,0 +1,183 @@
+"""Screenshots of the real app on a real X server (Xvfb) with a window manager (openbox), at 1366×768 and
+1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
+regenerated reply (two versions) with the model library, a non-model file refused, and a long prompt processed.
+
+    python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
+
+Each screen size and theme runs in its own X server; the app is maximised by the window manager, replies come
+from the embedded model, and the whole screen (window decorations included) is saved as an 8-bit PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SIZES = ((1366, 768), (1920, 1080))
+THEMES = ("light", "dark")
+QUESTIONS = (("off", "What is 12 plus 30?"), ("3", "Count from 3 to 9."), ("auto", "Convert 5 km to metres."))
+STREAMED = "Hello!"  # the demo model's longest answer
+LONG_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(150))
+STREAM_AT = 6  # tokens into the reply: the screen is grabbed from the token handler while the worker goes on
+
+
+def _drive(out: Path, theme: str, tag: str) -> None:
+    """Inside the X server: run the window, ask, and grab the screen at each stage."""
+    from PySide6.QtCore import QObject, QSettings, Qt, Slot
+    from PySide6.QtGui import QGuiApplication, QImage
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    from app.store import Store
+    from app.window import TABS, MainWindow
+
+    app = QApplication(sys.argv[:1])
+    app.setApplicationName("Foretell")
+    data = Path(tempfile.mkdtemp(prefix="foretell-shots-"))
+    qs = QSettings(str(data / "settings.ini"), QSettings.Format.IniFormat)
+    qs.setValue("theme", theme)
+    win = MainWindow(Store(data / "c.sqlite3"), qs)
+    win.showMaximized()
+
+    def wait(cond, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise SystemExit(f"screenshots: timed out ({win.state_label.text()})")
+            app.processEvents()
+            time.sleep(0.01)
+
+    def settle(s: float = 0.6) -> None:
+        end = time.monotonic() + s
+        while time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.01)
+
+    def shot(stage: str) -> None:
+        img = QGuiApplication.primaryScreen().grabWindow(0).toImage()
+        img = img.convertToFormat(QImage.Format.Format_Indexed8, Qt.ImageConversionFlag.ThresholdDither)
+        img.save(str(out / f"{tag}-{theme}-{stage}.png"))
+
+    wait(lambda: win.model_info is not None)
+    settle(1.0)
+    shot("welcome")
+    win.tabs.setCurrentIndex(TABS.index("Metrics"))
+    for draft, q in QUESTIONS:
+        win.settings_panel.mtp.setChecked(draft != "off")
+        if draft != "off":
+            win.settings_panel.draft.setCurrentText(draft)
+        win.prompt.setPlainText(q)
+        win.send()
+        wait(lambda: not win.generating)
+    tokens: list[str] = []
+
+    class StreamShot(QObject):
+        """Grabs the screen a few tokens into the reply, on the GUI thread (a QObject's slot: queued)."""
+
+        @Slot(str, bool)
+        def on_token(self, text: str, _accepted: bool) -> None:
+            tokens.append(text)
+            if len(tokens) == STREAM_AT and win.generating:
+                win.chat.flush()
+                win.repaint()  # painted and flushed to the X server now, not on the next event-loop pass
+                shot("streaming")
+
+        @Slot(int, int)
+        def on_prefill(self, done: int, total: int) -> None:
+            if 0 < done < total and not prefills:
+                prefills.append(done)
+                app.processEvents()  # lay out the status bar's new text (this slot runs before the next pass)
+                win.repaint()
+                shot("prefill")
+
+    prefills: list[int] = []
+    grabber = StreamShot()
+    win.engine.worker.token.connect(grabber.on_token)
+    win.engine.worker.prefill.connect(grabber.on_prefill)
+    win.prompt.setPlainText(STREAMED)
+    win.send()
+    wait(lambda: not win.generating)
+    if len(tokens) < STREAM_AT:
+        raise SystemExit(f"screenshots: the streamed reply had only {len(tokens)} tokens")
+    settle()
+    shot("after")
+    # A second version of the last reply (‹ 2/2 ›), with the Model tab (the library) open.
+    win.regenerate()
+    wait(lambda: not win.generating)
+    win.tabs.setCurrentIndex(TABS.index("Model"))
+    settle()
+    shot("versions-library")
+    # A file that is not a model: refused in plain words, the loaded model kept.
+    notes = data / "notes.txt"
+    notes.write_text("just some notes")
+    n = len(win.errors)
+    win.load_model(str(notes))
+    wait(lambda: len(win.errors) > n)
+    settle()
+    shot("not-a-model")
+    for box in win.findChildren(QMessageBox):
+        box.close()
+    # A long prompt: "Processing prompt … n/N" with its progress bar before the first token.
+    win.settings_panel.max_tokens.setValue(8)
+    win.prompt.setPlainText(LONG_PROMPT)
+    win.send()
+    wait(lambda: not win.generating)
+    if not prefills:
+        raise SystemExit("screenshots: no prefill progress was reported for the long prompt")
+    win.close()
+    shutil.rmtree(data, ignore_errors=True)
+
+
+def _run_one(w: int, h: int, theme: str, display: int, out: Path) -> None:
+    env = {**os.environ, "DISPLAY": f":{display}", "QT_QPA_PLATFORM": "xcb"}
+    env.pop("WAYLAND_DISPLAY", None)
+    xvfb = subprocess.Popen(["Xvfb", f":{display}", "-screen", "0", f"{w}x{h}x24", "-nolisten", "tcp"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wm = None
+    try:
+        time.sleep(1.0)
+        wm = subprocess.Popen(["openbox"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        subprocess.run([sys.executable, __file__, "--drive", str(out), "--theme", theme, "--tag", f"{w}x{h}"],
+                       env=env, cwd=ROOT, check=True, timeout=600)
+    finally:
+        for p in (wm, xvfb):
+            if p is not None:
+                p.terminate()
+                p.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--size", action="append", help="WxH instead of the default sizes (repeatable)")
+    ap.add_argument("--theme-only", choices=THEMES, help="one theme instead of both")
+    ap.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--theme", default="light", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.drive:
+        sys.path.insert(0, str(ROOT))
+        _drive(args.drive, args.theme, args.tag)
+        return
+    for tool in ("Xvfb", "openbox"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"screenshots: {tool} is needed (Debian: apt-get install xvfb openbox)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    display = 90
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.size] if args.size else SIZES
+    for w, h in sizes:
+        for theme in [args.theme_only] if args.theme_only else THEMES:
+            _run_one(w, h, theme, display, args.out)
+            display += 1
+            print(f"screenshots: {w}x{h} {theme} done")
+
+
+if __name__ == "__main__":
+    main()
