@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.storage.gguf_read import GGUFFile
 
 SUPPORTED_ARCHS = ("qwen35moe", "qwen35")
 # 1-D parameters (norms, gates, biases) are read as floats; llama.cpp writes them F32.
@@ -197,27 +198,14 @@ class ModelFile:
             raise ModelFormatError(f"cannot open model file {self.path}: {e.strerror or e}") from None
         if self.path.is_dir():
             raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
-        self._check_header()
-        try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
-            raise ModelFormatError(f"{self.path.name}: damaged or truncated GGUF ({_why(e)})") from None
+        self.gguf = GGUFFile(self.path)  # every count, length, offset and the layout checked on the way
         from engine.storage.pages import register_file_mapping
 
-        register_file_mapping(self.reader.data)
-        self.tensors: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > self.file_size:
-                raise ModelFormatError(
-                    f"{self.path.name}: tensor '{t.name}' ends at byte {end} but the file has "
-                    f"{self.file_size} bytes (truncated download?)"
-                )
-            self.tensors[t.name] = TensorInfo(
-                t.name, GGMLQuantizationType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
-                int(t.n_elements), int(t.n_bytes), int(t.data_offset),
-            )
-        self._reader_tensors = {t.name: t for t in self.reader.tensors}
+        register_file_mapping(self.gguf.data)
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, t.qtype, t.shape, t.n_elements, t.n_bytes, t.offset) for t in self.gguf.tensors
+        }
+        self._raw = {t.name: t for t in self.gguf.tensors}
         self.hparams = self._parse_hparams()
         fused = next((n for n in self.tensors if n.endswith("ffn_gate_up_exps.weight")), None)
         if fused:
@@ -225,33 +213,23 @@ class ModelFile:
                 f"{self.path.name}: fused expert tensors ('{fused}') are not supported; convert without --fuse"
             )
         self._validate_tensors()
+        self.gguf.check_data()
 
     # -- metadata --------------------------------------------------------------------------------
-    def _check_header(self) -> None:
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8:
-            raise ModelFormatError(f"{self.path.name}: file too short to be a GGUF ({len(head)} bytes)")
-        if head[:4] != b"GGUF":
-            raise ModelFormatError(f"{self.path.name}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
-        version = int.from_bytes(head[4:8], "little")
-        if version not in (2, 3):
-            raise ModelFormatError(f"{self.path.name}: GGUF version {version} is not supported (expected 2 or 3)")
-
     def keys(self) -> list[str]:
-        return [k for k in self.reader.fields if not k.startswith("GGUF.")]
+        return list(self.gguf.fields)
 
     def has_key(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.gguf.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """Metadata value as a Python object (str, int, float, bool, or list); default if absent."""
-        if key not in self.reader.fields:
+        if key not in self.gguf.fields:
             return default
         return self._value(key)
 
     def require(self, key: str, kind: type | tuple[type, ...] = (int, float, str, bool, list)) -> Any:
-        if key not in self.reader.fields:
+        if key not in self.gguf.fields:
             raise ModelFormatError(f"{self.path.name}: required metadata key '{key}' is missing")
         value = self._value(key)
         if not isinstance(value, kind):
@@ -263,16 +241,7 @@ class ModelFile:
     def _value(self, key: str) -> Any:
         cache = self.__dict__.setdefault("_values", {})
         if key not in cache:
-            f = self.reader.fields[key]
-            try:
-                v = f.contents()
-            except (UnicodeDecodeError, IndexError, ValueError) as e:
-                raise ModelFormatError(f"{self.path.name}: metadata key '{key}' cannot be decoded ({_why(e)})") from None
-            if f.types and f.types[0] == GGUFValueType.BOOL:
-                v = bool(v)
-            elif f.types and f.types[0] == GGUFValueType.ARRAY and f.types[-1] == GGUFValueType.BOOL:
-                v = [bool(x) for x in v]
-            cache[key] = v
+            cache[key] = self.gguf.fields[key].contents()
         return cache[key]
 
     @cached_property
@@ -293,7 +262,7 @@ class ModelFile:
 
         def num(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
-            if default is not None and full not in self.reader.fields:
+            if default is not None and full not in self.gguf.fields:
                 return default
             v = self.require(full, (int, float) if kind is float else int)
             if kind is int and (isinstance(v, bool) or v < 0):
@@ -335,10 +304,10 @@ class ModelFile:
                 f"{self.path.name}: tensor 'token_embd.weight' has shape {embd.shape}, expected (n_vocab, {n_embd})"
             )
         n_vocab = embd.shape[0]
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None and len(tokens.data) != n_vocab:
+        tokens = self.gguf.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and tokens.count != n_vocab:
             raise ModelFormatError(
-                f"{self.path.name}: 'tokenizer.ggml.tokens' has {len(tokens.data)} entries but token_embd has {n_vocab} rows"
+                f"{self.path.name}: 'tokenizer.ggml.tokens' has {tokens.count} entries but token_embd has {n_vocab} rows"
             )
         hp = HParams(
             arch=arch, n_block=n_block, n_mtp=n_mtp,
@@ -421,10 +390,10 @@ class ModelFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored data as the reader maps it (a view of the mmap, no copy)."""
-        try:
-            return self._reader_tensors[name].data
-        except KeyError:
-            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file") from None
+        t = self._raw.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file")
+        return self.gguf.tensor_data(t)
 
     def tensor(self, name: str):
         """The tensor as an engine.storage.qtensor.QTensor (still in its stored block format)."""
@@ -480,8 +449,3 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:200]
