@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QHBoxLayo
 from app.charts import MetricsDock
 from app.chat_view import ChatView
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
-from app.store import Store
+from app.store import Store, StoreError
 from app.worker import EngineController
 from engine.chat import Message
 from engine.events import Stats
@@ -218,7 +218,8 @@ class MainWindow(QMainWindow):
     def refresh_conversations(self) -> None:
         self.conv_list.blockSignals(True)
         self.conv_list.clear()
-        for c in self.store.conversations(self.search.text() or None):
+        convs = self._stored(self.store.conversations, self.search.text() or None) or []
+        for c in convs:
             item = QListWidgetItem(c.title)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
             self.conv_list.addItem(item)
@@ -232,7 +233,8 @@ class MainWindow(QMainWindow):
 
     def open_conversation(self, conv_id: int) -> None:
         self.conv_id = conv_id
-        self.chat.set_messages([(m.role, m.content, _footer(m.stats)) for m in self.store.messages(conv_id)])
+        msgs = self._stored(self.store.messages, conv_id) or []
+        self.chat.set_messages([(m.role, m.content, _footer(m.stats)) for m in msgs])
         self._update_buttons()
 
     def new_conversation(self) -> None:
@@ -248,14 +250,14 @@ class MainWindow(QMainWindow):
             return
         title, ok = QInputDialog.getText(self, "Rename", "Title:", text=self.store.conversation(self.conv_id).title)
         if ok:
-            self.store.rename(self.conv_id, title)
+            self._stored(self.store.rename, self.conv_id, title)
             self.refresh_conversations()
 
     def delete_conversation(self) -> None:
         if self.conv_id is None or self.generating:
             return
-        self.store.delete(self.conv_id)
-        self.new_conversation()
+        if self._stored(self.store.delete, self.conv_id) is not _FAILED:
+            self.new_conversation()
 
     def export_conversation(self) -> None:
         if self.conv_id is None:
@@ -271,8 +273,12 @@ class MainWindow(QMainWindow):
         if not text or self.generating or self.model_info is None:
             return
         if self.conv_id is None:
-            self.conv_id = self.store.new_conversation(text[:48].replace("\n", " ")).id
-        self.store.add_message(self.conv_id, "user", text)
+            conv = self._stored(self.store.new_conversation, text[:48].replace("\n", " "))
+            if conv is _FAILED:
+                return  # the text stays in the input; the error says why
+            self.conv_id = conv.id
+        if self._stored(self.store.add_message, self.conv_id, "user", text) is _FAILED:
+            return
         self.prompt.clear()
         self.chat.add_message("user", text)
         self.refresh_conversations()
@@ -280,7 +286,10 @@ class MainWindow(QMainWindow):
 
     def _run(self) -> None:
         assert self.conv_id is not None
-        msgs = [Message(m.role, m.content) for m in self.store.messages(self.conv_id)]
+        stored = self._stored(self.store.messages, self.conv_id)
+        if stored is _FAILED:
+            return
+        msgs = [Message(m.role, m.content) for m in stored]
         if self.settings.system_prompt.strip():
             msgs = [Message("system", self.settings.system_prompt.strip())] + msgs
         self.chat.add_message("assistant")
@@ -296,16 +305,17 @@ class MainWindow(QMainWindow):
     def regenerate(self) -> None:
         if self.generating or self.conv_id is None:
             return
-        msgs = self.store.messages(self.conv_id)
+        msgs = self._stored(self.store.messages, self.conv_id) or []
         if msgs and msgs[-1].role == "assistant":
-            self.store.truncate_from(self.conv_id, msgs[-1].position)
+            if self._stored(self.store.truncate_from, self.conv_id, msgs[-1].position) is _FAILED:
+                return
             self.open_conversation(self.conv_id)
-        if self.store.messages(self.conv_id):
+        if self._stored(self.store.messages, self.conv_id):
             self._run()
 
     def edit_last(self) -> None:
         if self.conv_id is not None:
-            users = [i for i, m in enumerate(self.store.messages(self.conv_id)) if m.role == "user"]
+            users = [i for i, m in enumerate(self._stored(self.store.messages, self.conv_id) or []) if m.role == "user"]
             if users:
                 self.edit_message(users[-1])
 
@@ -315,10 +325,11 @@ class MainWindow(QMainWindow):
         the conversation from there."""
         if self.generating or self.conv_id is None:
             return
-        msgs = self.store.messages(self.conv_id)
+        msgs = self._stored(self.store.messages, self.conv_id) or []
         if not 0 <= index < len(msgs) or msgs[index].role != "user":
             return
-        self.store.truncate_from(self.conv_id, msgs[index].position)
+        if self._stored(self.store.truncate_from, self.conv_id, msgs[index].position) is _FAILED:
+            return
         self.open_conversation(self.conv_id)
         self.prompt.setPlainText(msgs[index].content)
         self.prompt.setFocus()
@@ -340,11 +351,13 @@ class MainWindow(QMainWindow):
         self.chat.flush()
         reply = self.chat.last_reply()
         stats = _stats_dict(self.last_stats, reason)
-        if self.conv_id is not None and (reply or reason not in ("stopped",)):
-            self.store.add_message(self.conv_id, "assistant", reply, stats)
         self.chat.set_footer(_footer(stats))
-        self.generating = False
+        self.generating = False  # first: a failed save below must not leave the window "generating"
         self._update_buttons()
+        if self.conv_id is not None and (reply or reason not in ("stopped",)):
+            # On failure the reply stays in the window (not saved), and the error says so.
+            self._stored(self.store.add_message, self.conv_id, "assistant", reply, stats,
+                         note="The reply is shown but was not saved.")
         if reason == "context_overflow":
             self.show_error("The conversation does not fit", message)
 
@@ -359,6 +372,14 @@ class MainWindow(QMainWindow):
         self.settings = s
         save_settings(self.qs, s)
         self.apply_theme(s.theme)
+
+    def _stored(self, call, *args, note: str = ""):  # type: ignore[no-untyped-def]
+        """call(*args) on the store; on StoreError the error is shown and _FAILED returned (the app goes on)."""
+        try:
+            return call(*args)
+        except StoreError as e:
+            self.show_error("Conversation history", f"{e} {note}".strip())
+            return _FAILED
 
     def show_error(self, title: str, msg: str) -> None:
         self.errors.append(msg)
@@ -397,6 +418,19 @@ class MainWindow(QMainWindow):
         self.engine.shutdown()
         save_settings(self.qs, self.settings)
         super().closeEvent(e)
+
+
+class _Failed:
+    """What _stored returns when the store failed: falsy and empty, so a failed read reads as no rows."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(())
+
+
+_FAILED = _Failed()
 
 
 def _stats_dict(st: Stats | None, reason: str) -> dict:
