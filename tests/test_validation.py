@@ -179,3 +179,17 @@ def test_hostile_templates_fail_typed_and_bounded(src) -> None:
         tracemalloc.stop()
     assert time.perf_counter() - t0 < 12
     assert peak < 200 * 2 ** 20  # never the gigabytes the template asked for
+
+
+def test_inspect_runs_the_tokenizer_checks_that_load_runs(tmp_path, capsys) -> None:
+    from tests import gguf_mutate as gm
+
+    buf = bytearray(fixture_path(TINY_MOE).read_bytes())
+    spot = next(s for s in gm.layout(bytes(buf)).spots
+                if s.kind == "array_item" and s.key == "tokenizer.ggml.token_type")
+    buf[spot.offset:spot.offset + 4] = (9).to_bytes(4, "little")  # not a token type
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(buf))
+    assert cli.main(["inspect", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: bad.gguf: tokenizer.ggml.token_type[0] = 9 is not a token type") and "\n" not in err

@@ -20,8 +20,12 @@ from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.storage.gguf_read import GGUFFile
 
 SUPPORTED_ARCHS = ("qwen35moe", "qwen35")
-# 1-D parameters (norms, gates, biases) are read as floats; llama.cpp writes them F32.
-_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+MAX_BLOCKS = 4096
+# 1-D parameters (norms, gates, biases): every GGUF converter writes them F32 and quantizers never touch them, so
+# another type there is a damaged type field (one that still fits the tensor's alignment padding: the layout check
+# cannot see it). The conv kernels are read as floats of any width.
+_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32})
+_CONV_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 @dataclass(frozen=True)
@@ -264,12 +268,15 @@ class ModelFile:
             full = f"{arch}.{key}"
             if default is not None and full not in self.gguf.fields:
                 return default
-            v = self.require(full, (int, float) if kind is float else int)
+            v = self.require(full, float if kind is float else int)  # a float key stored as an integer: damaged
             if kind is int and (isinstance(v, bool) or v < 0):
                 raise ModelFormatError(f"{self.path.name}: metadata key '{full}' = {v} must be a non-negative integer")
             return kind(v)
 
         n_block = num("block_count")
+        if not 1 <= n_block <= min(MAX_BLOCKS, len(self.tensors) // 2):  # ≥ 2 tensors (norms) per block
+            raise ModelFormatError(f"{self.path.name}: '{arch}.block_count' = {n_block} does not fit the file's "
+                                   f"{len(self.tensors)} tensors")
         n_mtp = num("nextn_predict_layers", 0)
         if n_mtp > 1:
             raise UnsupportedModelError(f"{self.path.name}: {n_mtp} MTP blocks; only one (nextn_predict_layers=1) is supported")
@@ -339,7 +346,8 @@ class ModelFile:
              f"attention.head_count {hp.n_head} must be a positive multiple of head_count_kv {hp.n_head_kv}")
         need(hp.head_dim_k > 0 and 0 < hp.n_rot <= hp.head_dim_k and hp.n_rot % 2 == 0,
              f"rope.dimension_count {hp.n_rot} must be even and ≤ key_length {hp.head_dim_k}")
-        need(hp.rms_eps > 0 and math.isfinite(hp.rms_eps), f"layer_norm_rms_epsilon {hp.rms_eps} must be > 0")
+        need(0 < hp.rms_eps < 1, f"layer_norm_rms_epsilon {hp.rms_eps} must be between 0 and 1")
+        need(hp.rope_base > 0 and math.isfinite(hp.rope_base), f"rope.freq_base {hp.rope_base} must be > 0")
         need(hp.ssm_n_group > 0 and hp.ssm_dt_rank > 0 and hp.ssm_dt_rank % hp.ssm_n_group == 0,
              f"ssm.time_step_rank {hp.ssm_dt_rank} must be a positive multiple of ssm.group_count {hp.ssm_n_group}")
         need(hp.ssm_d_inner % hp.ssm_dt_rank == 0, f"ssm.inner_size {hp.ssm_d_inner} not divisible by time_step_rank")
@@ -369,8 +377,14 @@ class ModelFile:
             if info.shape not in allowed:
                 want = " or ".join(str(s) for s in allowed)
                 raise ModelFormatError(f"{name}: tensor '{tname}' has shape {info.shape}, expected {want}")
-            if len(info.shape) == 1 or tname.endswith("ssm_conv1d.weight"):
+            if len(info.shape) == 1:
                 if info.qtype not in _VECTOR_TYPES:
+                    raise UnsupportedModelError(
+                        f"{name}: 1-D tensor '{tname}' is stored as {info.qtype.name}; GGUF files store them as F32 "
+                        "(a damaged type field?)"
+                    )
+            elif tname.endswith("ssm_conv1d.weight"):
+                if info.qtype not in _CONV_TYPES:
                     raise UnsupportedModelError(
                         f"{name}: tensor '{tname}' is stored as {info.qtype.name}; expected F32, F16 or BF16"
                     )
