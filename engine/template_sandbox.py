@@ -133,6 +133,8 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja2's shape)
         check_time()
         target = getattr(__obj, "__self__", None)
+        if target is None:  # str.format comes wrapped by the sandbox (SandboxedFormatter), its method as __wrapped__
+            target = getattr(getattr(__obj, "__wrapped__", None), "__self__", None)
         name = getattr(__obj, "__name__", "")
         if isinstance(target, str):
             _precheck(name, target, args, kwargs)
@@ -166,7 +168,7 @@ def _precheck(name: str, s: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     elif name == "join" and vals and isinstance(vals[0], (list, tuple, str)):
         size = sum(len(str(v)) for v in vals[0]) + len(s) * len(vals[0])
     elif name in ("format", "format_map", "%"):
-        nested = "*" in s or any(c == "{" for c in s.split(":", 1)[-1])
+        nested = re.search(r"%[-#0 +]*\*|\{[^{}]*\{", s) is not None  # a width taken from the arguments
         widths = [int(d) for d in re.findall(r"\d+", s)]
         if nested:
             widths += [v for v in vals if isinstance(v, int)]

@@ -159,7 +159,18 @@ HOSTILE = [
     "{{ ''.__class__.__mro__ }}",
     "{% for %}",
     "{{ 1 / 0 }}",
+    "{{ '{:>{w}}'.format(1, w=10**9) }}",
+    "{{ '{:>1000000000}'.format(1) }}",
+    "{{ '%*d' % (10**9, 1) }}",
 ]
+
+
+def test_ordinary_template_operations_still_work() -> None:
+    eng = load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64))
+    src = ("{{ '{}-{}'.format(1700000000, 'x') }} {{ '%d' % 1700000000 }} {{ (['a', 'b'] * 3) | join(',') }} "
+           "{{ 'ab'.replace('a', 'c') }} {% for i in range(3) %}{{ i }}{% endfor %} {{ 2 ** 10 }} {{ 'a' ~ 'b' }}")
+    out = ChatFormat(src, eng.tokenizer).render([Message("user", "hi")])
+    assert out == "1700000000-x 1700000000 a,b,a,b,a,b cb 012 1024 ab"
 
 
 @pytest.mark.parametrize("src", HOSTILE)
