@@ -40,7 +40,6 @@ def _mutator():
 def worker(tree: Path, src: Path, seed: int, start: int, n: int, timeout: int, mem_gib: float) -> None:
     """Run cases start..n-1 through `tree`'s open path; one JSON line per case on stdout."""
     import resource
-    import signal
 
     resource.setrlimit(resource.RLIMIT_AS, (int(mem_gib * 2 ** 30), int(mem_gib * 2 ** 30)))
     sys.path.insert(0, str(tree))
@@ -66,10 +65,6 @@ def worker(tree: Path, src: Path, seed: int, start: int, n: int, timeout: int, m
         tok, chat = text_side(mf)
         return mf, tok, chat
 
-    def alarm(*_: object) -> None:
-        raise gm.CaseTimeout()
-
-    signal.signal(signal.SIGALRM, alarm)
     buf = src.read_bytes()
     lay = gm.layout(buf)
     valid = gm.fingerprint(src, opener)
@@ -82,16 +77,9 @@ def worker(tree: Path, src: Path, seed: int, start: int, n: int, timeout: int, m
             data, what = gm.make_case(buf, lay, case_seed, cls)
             path.write_bytes(data)
             print(json.dumps({"i": i, "started": True}), flush=True)
-            t0 = time.perf_counter()
-            signal.alarm(timeout)
-            try:
-                outcome, detail = gm.judge(path, opener, valid, EngineError)
-            except gm.CaseTimeout:
-                outcome, detail = "hang", f"stopped after {timeout} s"
-            finally:
-                signal.alarm(0)
+            outcome, detail, dt = gm.timed_judge(path, opener, valid, EngineError, timeout)
             print(json.dumps({"i": i, "class": cls, "what": what, "outcome": outcome, "detail": detail[:160],
-                              "s": round(time.perf_counter() - t0, 4)}), flush=True)
+                              "s": round(dt, 4)}), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

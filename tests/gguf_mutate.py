@@ -11,7 +11,9 @@ and template); anything else (an untyped exception, a different model, a hang) i
 from __future__ import annotations
 
 import hashlib
+import signal
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -242,3 +244,22 @@ def judge(path: Path, opener: Callable[[Path], Any], valid: str, typed: type[Bas
     except BaseException as e:  # noqa: BLE001 (a finding, recorded with its class)
         return "untyped", f"{type(e).__name__}: {str(e)[:200]}"
     return ("same" if fp == valid else "different"), ""
+
+
+def timed_judge(path: Path, opener: Callable[[Path], Any], valid: str, typed: type[BaseException],
+                limit_s: int) -> tuple[str, str, float]:
+    """judge() under a SIGALRM of limit_s seconds (main thread only): (outcome, detail, seconds); "hang" past it."""
+    def alarm(*_: object) -> None:
+        raise CaseTimeout()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    t0 = time.perf_counter()
+    signal.alarm(limit_s)
+    try:
+        outcome, detail = judge(path, opener, valid, typed)
+    except CaseTimeout:
+        outcome, detail = "hang", f"stopped after {limit_s} s"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    return outcome, detail, time.perf_counter() - t0

@@ -4,8 +4,6 @@ bound. The default run tries 300 cases; `pytest -m slow` (which CI runs: `make t
 from __future__ import annotations
 
 import resource
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -26,10 +24,6 @@ def _open(path: Path):
     return mf, tok, chat
 
 
-def _alarm(*_: object) -> None:
-    raise gm.CaseTimeout()
-
-
 def run_cases(src: Path, n: int, seed: int, tmp: Path) -> dict[str, dict[str, int]]:
     buf = src.read_bytes()
     lay = gm.layout(buf)
@@ -37,29 +31,17 @@ def run_cases(src: Path, n: int, seed: int, tmp: Path) -> dict[str, dict[str, in
     by_class: dict[str, dict[str, int]] = {}
     findings: list[str] = []
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    old = signal.signal(signal.SIGALRM, _alarm)
     path = tmp / "case.gguf"
-    try:
-        for case_seed, cls in gm.cases(n, seed):
-            data, what = gm.make_case(buf, lay, case_seed, cls)
-            path.write_bytes(data)
-            t0 = time.perf_counter()
-            signal.alarm(CASE_LIMIT_S)
-            try:
-                outcome, detail = gm.judge(path, _open, valid, EngineError)
-            except gm.CaseTimeout:
-                outcome, detail = "hang", f"> {CASE_LIMIT_S} s"
-            finally:
-                signal.alarm(0)
-            dt = time.perf_counter() - t0
-            row = by_class.setdefault(cls, {})
-            row[outcome] = row.get(outcome, 0) + 1
-            if outcome in ("typed", "same"):
-                assert detail.count("\n") == 0
-            else:
-                findings.append(f"{cls} seed {case_seed} ({what}): {outcome} {detail} [{dt:.2f} s]")
-    finally:
-        signal.signal(signal.SIGALRM, old)
+    for case_seed, cls in gm.cases(n, seed):
+        data, what = gm.make_case(buf, lay, case_seed, cls)
+        path.write_bytes(data)
+        outcome, detail, dt = gm.timed_judge(path, _open, valid, EngineError, CASE_LIMIT_S)
+        row = by_class.setdefault(cls, {})
+        row[outcome] = row.get(outcome, 0) + 1
+        if outcome in ("typed", "same"):
+            assert detail.count("\n") == 0
+        else:
+            findings.append(f"{cls} seed {case_seed} ({what}): {outcome} {detail} [{dt:.2f} s]")
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     assert not findings, "\n".join(findings[:20])
     assert grew < MEMORY_LIMIT, f"peak memory grew by {grew / 2 ** 20:.0f} MiB"

@@ -3,7 +3,6 @@ chatting; the smoke test on a bad model. Typed errors with plain messages, nothi
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
