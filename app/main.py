@@ -1,12 +1,60 @@
 """`foretell`: the desktop app. `foretell --smoke-test` opens the real window, sends one prompt, waits for
-the reply, saves a screenshot and exits 0 (non-zero on any failure)."""
+the reply, saves a screenshot and exits 0 (non-zero on any failure: 2 with a message when the model cannot be
+loaded). A conversation store that is damaged, read-only or cannot be created opens a dialog (move the damaged
+file aside, or run without history); the smoke test takes "without history" and says so."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+from app.store import Store, StoreError, move_aside
+
+# What to do about a store that cannot be opened: "move" (aside, then start a fresh one), "memory" (run without
+# history) or "quit".
+StoreChoice = Callable[[StoreError], str]
+
+
+def open_store(path: Path | None, choose: StoreChoice) -> Store | None:
+    """The store at `path` (None: the user data dir), or what `choose` picks when it cannot be opened."""
+    try:
+        return Store(path)
+    except StoreError as err:
+        e = err
+    choice = choose(e)
+    if choice == "move" and e.kind == "damaged":
+        try:
+            moved = move_aside(path if path is not None else Store.default_path())
+            print(f"foretell: the damaged conversation database was moved to {moved}", file=sys.stderr)
+            return Store(path)
+        except (OSError, StoreError) as e2:
+            print(f"foretell: {e2}; running without history", file=sys.stderr)
+            return Store.in_memory()
+    if choice in ("memory", "move"):
+        return Store.in_memory()
+    return None
+
+
+def _ask_store(e: StoreError) -> str:
+    """The start-up dialog for a store that cannot be opened."""
+    from PySide6.QtWidgets import QMessageBox
+
+    box = QMessageBox(QMessageBox.Icon.Warning, "Conversation history unavailable", str(e))
+    move = box.addButton("Move the damaged file aside", QMessageBox.ButtonRole.AcceptRole) if e.kind == "damaged" else None
+    memory = box.addButton("Run without history", QMessageBox.ButtonRole.ActionRole)
+    box.addButton("Quit", QMessageBox.ButtonRole.RejectRole)
+    box.setInformativeText("The damaged file is renamed, never deleted. Without history, this session's chats "
+                           "are kept in memory only.")
+    box.exec()
+    clicked = box.clickedButton()
+    return "move" if move is not None and clicked is move else "memory" if clicked is memory else "quit"
+
+
+def _no_history(e: StoreError) -> str:
+    print(f"foretell: {e} Running without history.", file=sys.stderr)
+    return "memory"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -22,17 +70,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
-    from app.store import Store
     from app.window import MainWindow
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Foretell")
+    choose = _no_history if args.smoke_test else _ask_store
     if args.data_dir:
         d = Path(args.data_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        store, qs = Store(d / "conversations.sqlite3"), QSettings(str(d / "settings.ini"), QSettings.Format.IniFormat)
+        store = open_store(d / "conversations.sqlite3", choose)
+        qs = QSettings(str(d / "settings.ini"), QSettings.Format.IniFormat)
     else:
-        store, qs = Store(), QSettings("Foretell", "Foretell")
+        store, qs = open_store(None, choose), QSettings("Foretell", "Foretell")
+    if store is None:
+        return 1
     win = MainWindow(store, qs, args.model)
     win.show()
     if not args.smoke_test:
@@ -55,10 +105,12 @@ def _smoke(app, win, prompt: str, screenshot: str | None, timeout: float) -> int
         return False
 
     if not wait(lambda: win.model_info is not None, "loading the model"):
+        win.close()  # stops the engine thread: returning with it running aborts the process (SIGABRT)
         return 2
     win.prompt.setPlainText(prompt)
     win.send()
     if not wait(lambda: win.generating, "starting") or not wait(lambda: not win.generating, "generating"):
+        win.close()
         return 3
     reply = win.chat.last_reply()
     end = time.monotonic() + 0.4  # a few ticks of the 100 ms chart timer, so the screenshot shows the charts

@@ -6,18 +6,64 @@ and the writer from blocking each other. Per-message generation stats are stored
 A conversation is a tree (app/store_schema.py): an edited message or a regenerated reply is a new sibling
 (a version) of the old one, and the conversation's leaf picks the branch that `messages` returns.
 No Qt here: the window calls this from the GUI thread.
+
+Faults are StoreError with a plain message, never a sqlite traceback: opening checks the file's integrity and
+that it can be written (`kind` says which: "damaged", "readonly", "unwritable"), and every read or write that
+fails later (disk full, a file made read-only, a damaged page) raises it too, so the window can say so and go on.
+`move_aside` renames a damaged database (never deletes it); `Store.in_memory()` runs without history.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from app.store_schema import ensure_schema
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StoreError(Exception):
+    """The conversation store cannot be opened, read or written; `kind`: damaged | readonly | unwritable | failed."""
+
+    def __init__(self, message: str, kind: str = "failed"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _reason(e: BaseException) -> tuple[str, str]:
+    """(kind, plain reason) of a sqlite or OS error."""
+    text = str(e).strip() or type(e).__name__
+    low = text.lower()
+    if "readonly" in low or "read-only" in low or isinstance(e, PermissionError):
+        return "readonly", "the file or its folder is read-only"
+    if "disk is full" in low or "no space" in low:
+        return "failed", "the disk is full"
+    if "malformed" in low or "not a database" in low or "corrupt" in low:
+        return "damaged", "the database file is damaged"
+    if "unable to open" in low or isinstance(e, OSError):
+        return "unwritable", f"the file cannot be opened or created ({getattr(e, 'strerror', None) or text})"
+    return "failed", text.splitlines()[0][:200]
+
+
+def _guarded(what: str) -> Callable[[F], F]:
+    """Turn sqlite/OS failures of a store method into StoreError("could not <what>: <reason>")."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(self: "Store", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except (sqlite3.Error, OSError) as e:
+                kind, why = _reason(e)
+                raise StoreError(f"Could not {what}: {why}.", kind) from None
+        return run  # type: ignore[return-value]
+    return wrap
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -54,25 +100,65 @@ def default_db_path() -> Path:
 
 class Store:
     def __init__(self, path: str | Path | None = None):
-        self.path = Path(path) if path is not None else default_db_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None)  # autocommit; explicit transactions below
+        """Open (or create) the database; StoreError if it is damaged, read-only or cannot be created."""
+        self.path: Path | None = Path(path) if path is not None else default_db_path()
+        self.db: sqlite3.Connection | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._open(str(self.path))
+            bad = self.db.execute("PRAGMA quick_check").fetchall()  # type: ignore[union-attr]
+            if bad != [("ok",)]:
+                raise StoreError(f"The conversation database {self.path} is damaged "
+                                 f"({str(bad[0][0])[:120]}).", "damaged")
+            with _transaction(self.db):  # type: ignore[arg-type]
+                self.db.execute("CREATE TABLE IF NOT EXISTS _write_probe (x)")  # type: ignore[union-attr]
+                self.db.execute("DROP TABLE _write_probe")  # type: ignore[union-attr]
+        except StoreError:
+            self.close()
+            raise
+        except (sqlite3.Error, OSError) as e:
+            self.close()
+            kind, why = _reason(e)
+            raise StoreError(f"The conversation database {self.path} cannot be used: {why}.", kind) from None
+
+    @staticmethod
+    def default_path() -> Path:
+        return default_db_path()
+
+    @classmethod
+    def in_memory(cls) -> "Store":
+        """A store that keeps this session's chats in memory only ("run without history")."""
+        st = cls.__new__(cls)
+        st.path = None
+        st._open(":memory:")
+        return st
+
+    def _open(self, target: str) -> None:
+        self.db = sqlite3.connect(target, isolation_level=None)  # autocommit; explicit transactions below
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
         self.db.execute("PRAGMA foreign_keys=ON")
         ensure_schema(self.db)
         self.purge_deleted()
 
+    @property
+    def persistent(self) -> bool:
+        return self.path is not None
+
     def close(self) -> None:
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
 
     # -- conversations -----------------------------------------------------------------------------
+    @_guarded("start a conversation")
     def new_conversation(self, title: str = "New chat") -> Conversation:
         now = time.time()
         cur = self.db.execute("INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)",
                               (title, now, now))
         return Conversation(int(cur.lastrowid), title, now, now)
 
+    @_guarded("list the conversations")
     def conversations(self, search: str | None = None) -> list[Conversation]:
         """Most recently updated first; `search` matches titles and message text (case-insensitive)."""
         if search:
@@ -88,6 +174,7 @@ class Store:
                 "ORDER BY updated DESC, id DESC").fetchall()
         return [Conversation(*r) for r in rows]
 
+    @_guarded("read the conversation")
     def conversation(self, conversation_id: int) -> Conversation:
         row = self.db.execute("SELECT id, title, created, updated FROM conversations WHERE id = ?",
                               (conversation_id,)).fetchone()
@@ -95,15 +182,18 @@ class Store:
             raise KeyError(f"no conversation {conversation_id}")
         return Conversation(*row)
 
+    @_guarded("rename the conversation")
     def rename(self, conversation_id: int, title: str) -> None:
         title = title.strip() or "Untitled"
         self.db.execute("UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
                         (title, time.time(), conversation_id))
 
+    @_guarded("delete the conversation")
     def delete(self, conversation_id: int) -> None:
         """Hide the conversation; `undelete` brings it back until the store is next opened (then it is purged)."""
         self.db.execute("UPDATE conversations SET deleted = ? WHERE id = ?", (time.time(), conversation_id))
 
+    @_guarded("restore the conversation")
     def undelete(self, conversation_id: int) -> None:
         self.db.execute("UPDATE conversations SET deleted = NULL WHERE id = ?", (conversation_id,))
 
@@ -111,6 +201,7 @@ class Store:
         self.db.execute("DELETE FROM conversations WHERE deleted IS NOT NULL")
 
     # -- messages ----------------------------------------------------------------------------------
+    @_guarded("save the message")
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict[str, Any] | None = None,
                     parent_id: int | None | EllipsisType = ...) -> StoredMessage:
         """Add a complete message (committed before returning) after `parent_id` — by default the end of the
@@ -133,6 +224,7 @@ class Store:
                             (now, cur.lastrowid, conversation_id))
         return StoredMessage(int(cur.lastrowid), conversation_id, pos, role, content, stats or {}, now, parent_id)
 
+    @_guarded("read the messages")
     def messages(self, conversation_id: int) -> list[StoredMessage]:
         """The shown branch, first message first."""
         rows = self.db.execute(
@@ -142,12 +234,14 @@ class Store:
             (conversation_id,)).fetchall()
         return [_message(r) for r in rows]
 
+    @_guarded("read the versions")
     def versions(self, message_id: int) -> list[int]:
         """Ids of the versions of this message's turn (it and its siblings), oldest first."""
         return [r[0] for r in self.db.execute(
             "SELECT s.id FROM messages m JOIN messages s ON s.conversation_id = m.conversation_id "
             "AND s.parent_id IS m.parent_id WHERE m.id = ? ORDER BY s.id", (message_id,))]
 
+    @_guarded("show the version")
     def show_version(self, message_id: int) -> None:
         """Show the branch through `message_id`, down to its newest message."""
         with _transaction(self.db):
@@ -193,7 +287,23 @@ class _transaction:
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # sqlite has already rolled back after SQLITE_FULL: keep its error
+            self.db.execute("ROLLBACK")
+
+
+def move_aside(path: str | Path) -> Path:
+    """Rename a damaged database (and its WAL files) to `<name>.damaged-<time>`; never deletes. Returns the new
+    name of the database file."""
+    p = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = p.with_name(f"{p.name}.damaged-{stamp}")
+    for suffix in ("", "-wal", "-shm"):
+        src = Path(str(p) + suffix)
+        if src.exists():
+            src.rename(Path(str(target) + suffix))
+    return target
 
 
 def _escape_like(s: str) -> str:

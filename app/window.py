@@ -26,7 +26,7 @@ from app.library import LibraryPanel, scan
 from app.reply_stats import footer, mtp_mode, stats_dict
 from app.serve_panel import ServePanel
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
-from app.store import Store, StoredMessage
+from app.store import Store, StoredMessage, StoreError
 from app.worker import EngineController
 from engine.chat import Message
 from engine.events import Stats
@@ -416,7 +416,8 @@ class MainWindow(QMainWindow):
     def refresh_conversations(self) -> None:
         self.conv_list.blockSignals(True)
         self.conv_list.clear()
-        for c in self.store.conversations(self.search.text() or None):
+        convs = self._stored(self.store.conversations, self.search.text() or None) or []
+        for c in convs:
             item = QListWidgetItem(c.title)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
             self.conv_list.addItem(item)
@@ -440,12 +441,12 @@ class MainWindow(QMainWindow):
         self.conv_id = conv_id
         self.qs.setValue("last_conversation", conv_id)
         self._cancel_edit_state()
-        self.shown = self.store.messages(conv_id)
+        self.shown = list(self._stored(self.store.messages, conv_id))
         self.chat.set_messages([self._view(m) for m in self.shown])
         self._update_buttons()
 
     def _view(self, m: StoredMessage) -> ViewMessage:
-        versions = self.store.versions(m.id)
+        versions = list(self._stored(self.store.versions, m.id)) or [m.id]
         return ViewMessage(m.role, m.content, [(m.content, False)], footer(m.stats) if m.role == "assistant" else "",
                            version=(versions.index(m.id) + 1, len(versions)),
                            stopped=m.stats.get("stop_reason") == "stopped")
@@ -466,16 +467,17 @@ class MainWindow(QMainWindow):
             return
         title, ok = QInputDialog.getText(self, "Rename", "Title:", text=self.store.conversation(self.conv_id).title)
         if ok:
-            self.store.rename(self.conv_id, title)
+            self._stored(self.store.rename, self.conv_id, title)
             self.refresh_conversations()
 
     def delete_conversation(self) -> None:
         """Delete at once, with Undo in the status bar (the store purges it when next opened)."""
         if self.conv_id is None or self.generating:
             return
-        title = self.store.conversation(self.conv_id).title
-        self.deleted = self.conv_id
-        self.store.delete(self.conv_id)
+        conv = self._stored(self.store.conversation, self.conv_id)
+        if conv is _FAILED or self._stored(self.store.delete, self.conv_id) is _FAILED:
+            return
+        title, self.deleted = conv.title, self.conv_id
         self.new_conversation()
         self.statusBar().showMessage(f"Deleted “{title}”", 20_000)
         self.undo_btn.setVisible(True)
@@ -484,7 +486,8 @@ class MainWindow(QMainWindow):
     def undo_delete(self) -> None:
         if self.deleted is None:
             return
-        self.store.undelete(self.deleted)
+        if self._stored(self.store.undelete, self.deleted) is _FAILED:
+            return
         conv, self.deleted = self.deleted, None
         self.undo_btn.setVisible(False)
         self.statusBar().clearMessage()
@@ -534,16 +537,21 @@ class MainWindow(QMainWindow):
         if not text or self.generating or self.model_info is None or self.loading:
             return
         if self.conv_id is None:
-            self.conv_id = self.store.new_conversation(text[:48].replace("\n", " ")).id
+            conv = self._stored(self.store.new_conversation, text[:48].replace("\n", " "))
+            if conv is _FAILED:
+                return  # the text stays in the input; the error says why
+            self.conv_id = conv.id
             self.qs.setValue("last_conversation", self.conv_id)
-        if self.editing is not None:  # a new version of the edited turn: a sibling, the old one stays
-            msg = self.store.add_message(self.conv_id, "user", text, parent_id=self.editing.parent_id)
-        else:
-            msg = self.store.add_message(self.conv_id, "user", text)
+        parent = self.editing.parent_id if self.editing is not None else ...  # editing: a sibling, the old one stays
+        msg = self._stored(lambda: self.store.add_message(self.conv_id, "user", text, parent_id=parent))
+        if msg is _FAILED:
+            return  # the text stays in the input
         self._cancel_edit_state()
         self.prompt.clear()
         self.refresh_conversations()
-        self._run(self.store.messages(self.conv_id), msg.id)
+        history = self._stored(self.store.messages, self.conv_id)
+        if history is not _FAILED:
+            self._run(history, msg.id)
 
     def ask_example(self, question: str) -> None:
         self.prompt.setPlainText(question)
@@ -581,7 +589,7 @@ class MainWindow(QMainWindow):
         """A new version of the last reply; the old one stays (‹ › switches)."""
         if self.generating or self.conv_id is None or self.model_info is None:
             return
-        msgs = self.store.messages(self.conv_id)
+        msgs = self._stored(self.store.messages, self.conv_id) or []
         if msgs and msgs[-1].role == "assistant":
             msgs = msgs[:-1]
         if msgs and msgs[-1].role == "user":
@@ -616,10 +624,9 @@ class MainWindow(QMainWindow):
     def switch_version(self, index: int, step: int) -> None:
         if self.generating or self.conv_id is None or not 0 <= index < len(self.shown):
             return
-        versions = self.store.versions(self.shown[index].id)
-        k = versions.index(self.shown[index].id) + step
-        if 0 <= k < len(versions):
-            self.store.show_version(versions[k])
+        versions = list(self._stored(self.store.versions, self.shown[index].id))
+        k = versions.index(self.shown[index].id) + step if versions else -1
+        if 0 <= k < len(versions) and self._stored(self.store.show_version, versions[k]) is not _FAILED:
             self.open_conversation(self.conv_id)
             self.prompt.setFocus()
 
@@ -658,14 +665,18 @@ class MainWindow(QMainWindow):
         self.chat.flush()
         reply = self.chat.last_reply()
         stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model_info["name"] if self.model_info else "")
+        self.generating = False  # first: a failed save below must not leave the window "generating"
         if self.conv_id is not None and self.reply_parent is not None and (reply or reason != "context_overflow"):
-            saved = self.store.add_message(self.conv_id, "assistant", reply, stats, parent_id=self.reply_parent)
-            self.shown = self.shown + [saved]
-            versions = self.store.versions(saved.id)
-            last = self.chat.messages[-1]
-            last.version, last.stopped = (len(versions), len(versions)), reason == "stopped"
+            # On failure the reply stays in the window (not saved), and the error says so.
+            saved = self._stored(lambda: self.store.add_message(self.conv_id, "assistant", reply, stats,
+                                                                parent_id=self.reply_parent),
+                                 note="The reply is shown but was not saved.")
+            if saved is not _FAILED:
+                self.shown = self.shown + [saved]
+                versions = self._stored(self.store.versions, saved.id) or [saved.id]
+                last = self.chat.messages[-1]
+                last.version, last.stopped = (len(versions), len(versions)), reason == "stopped"
         self.chat.set_footer(footer(stats))
-        self.generating = False
         self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
         self.progress.setVisible(False)
         self._update_buttons()
@@ -688,6 +699,14 @@ class MainWindow(QMainWindow):
         self.settings = s
         save_settings(self.qs, s)
         self.apply_theme(s.theme)
+
+    def _stored(self, call, *args, note: str = ""):  # type: ignore[no-untyped-def]
+        """call(*args) on the store; on StoreError the error is shown and _FAILED returned (the app goes on)."""
+        try:
+            return call(*args)
+        except StoreError as e:
+            self.show_error("Conversation history", f"{e} {note}".strip())
+            return _FAILED
 
     def show_error(self, title: str, msg: str) -> None:
         self.errors.append(msg)
@@ -736,3 +755,16 @@ class MainWindow(QMainWindow):
         self._save_layout()
         save_settings(self.qs, self.settings)
         super().closeEvent(e)
+
+
+class _Failed:
+    """What _stored returns when the store failed: falsy and empty, so a failed read reads as no rows."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(())
+
+
+_FAILED = _Failed()

@@ -1,10 +1,12 @@
 """Chat template (jinja2, from the GGUF's `tokenizer.chat_template`) → prompt text → token ids.
 
 Security: a user who types "<|im_end|>" must not be able to close their own turn. Before rendering,
-every special-token text inside a message's content is swapped for a nonce placeholder made of
+every special-token text inside any text field of a message (content, reasoning_content, name, tool-call
+arguments: every string but the checked role) is swapped for a nonce placeholder made of
 private-use characters; after rendering, the template's own text is tokenized with special tokens
 recognised, and each placeholder is tokenized as plain text. Template string operations (strip,
-split on "</think>") still see ordinary content, so real templates keep working.
+split on "</think>") still see ordinary content, so real templates keep working. The template itself comes
+from the model file: it runs in engine.template_sandbox, bounded in output size and time.
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ChatTemplateError
+from engine.template_sandbox import LimitedSandbox, limits, render_limited
 
 # Used when a file carries no template: plain ChatML, what Qwen models are trained on.
 CHATML_TEMPLATE = (
@@ -51,14 +53,21 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.source = template if template else CHATML_TEMPLATE
         self.is_fallback = not template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = _tojson
+        env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True)
+        env.add_filters({"tojson": _tojson})
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        if not isinstance(self.source, str):
+            raise ChatTemplateError("the model's chat template ('tokenizer.chat_template') is not text")
         try:
-            self._template = env.from_string(self.source)
+            with limits():  # compiling folds constant expressions: bounded like a render
+                self._template = env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the model's chat template has a syntax error (line {e.lineno}): {e.message}") from None
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # jinja2's compiler on odd input (constant folding, recursion)
+            raise ChatTemplateError(f"the model's chat template cannot be compiled: {type(e).__name__}: {_line(e)}") from None
         specials = [tokenizer.token_text(i) for i in range(tokenizer.n_vocab) if tokenizer.is_control(i)]
         # Longest first, so "<|im_start|>" is not matched as a prefix of a longer marker.
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))) if specials else None
@@ -80,7 +89,18 @@ class ChatFormat:
             return f"\ue000{nonce}:{len(protected) - 1}\ue001"
 
         if self._special_re is not None:
-            msgs = [{**m, "content": self._special_re.sub(protect, m["content"])} for m in msgs]
+            pattern = self._special_re
+
+            def shield(v: Any) -> Any:
+                if isinstance(v, str):
+                    return pattern.sub(protect, v)
+                if isinstance(v, Mapping):
+                    return {k: shield(x) for k, x in v.items()}
+                if isinstance(v, (list, tuple)):
+                    return [shield(x) for x in v]
+                return v
+
+            msgs = [{k: (v if k == "role" else shield(v)) for k, v in m.items()} for m in msgs]
         text = self._render(msgs, add_generation_prompt, enable_thinking)
         ids: list[int] = []
         if self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
@@ -103,16 +123,21 @@ class ChatFormat:
         }
         if enable_thinking is not None:
             ctx["enable_thinking"] = enable_thinking
+        extra = sum(len(v) for m in msgs for v in m.values() if isinstance(v, str))
         try:
-            return self._template.render(**ctx)
+            return render_limited(self._template, ctx, extra_chars=4 * extra)
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as e:
-            raise ChatTemplateError(f"the chat template tried a forbidden operation: {e}") from None
+            raise ChatTemplateError(f"the chat template tried a forbidden operation: {_line(e)}") from None
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template failed to render: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
+            raise ChatTemplateError(f"the chat template failed to render: {_line(e)}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError, MemoryError) as e:
+            raise ChatTemplateError(f"the chat template failed to render: {type(e).__name__}: {_line(e)}") from None
+
+
+def _line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _as_dicts(messages: Sequence[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:

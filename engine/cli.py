@@ -1,6 +1,7 @@
 """`foretell-cli` / `python -m engine`: inspect and tokenize (the contract in docs/DESIGN.md).
 
-Every failure prints one line `error: …` on stderr and exits 1 (2 for bad arguments).
+Every failure prints one line `error: …` on stderr and exits 1 (2 for bad arguments: argparse's own complaints
+and every parameter out of range, checked by engine.validate before a model is opened).
 """
 from __future__ import annotations
 
@@ -12,8 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidParameterError
 from engine.server.run import add_arguments as serve_arguments
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (`error: …`, exit 2) like every other failure."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
 
 def _model_arg(value: str | None) -> Path:
     from engine.storage.modelfile import default_model_path
@@ -24,7 +34,11 @@ def _model_arg(value: str | None) -> Path:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from engine.storage.modelfile import open_model
 
+    from engine.generate import text_side
+
+    _check_engine_args(args, args.ctx)
     mf = open_model(_model_arg(args.model))
+    text_side(mf)  # the same checks as `load`: a file inspect accepts is one load accepts
     hp = mf.hparams
     pc = mf.param_counts
     info: dict[str, Any] = {
@@ -124,29 +138,43 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise EngineError(f"token ids must be comma-separated integers, got {text[:40]!r}") from None
+        raise InvalidParameterError(f"token ids must be comma-separated integers, got {text[:40]!r}") from None
     if not ids:
-        raise EngineError("no token ids given")
+        raise InvalidParameterError("no token ids given")
+    neg = next((i for i in ids if i < 0), None)
+    if neg is not None:
+        raise InvalidParameterError(f"token id {neg} is negative: ids count from 0")
     return ids
 
 
-def _engine(args: argparse.Namespace, n_ctx: int):
+def _engine_config(args: argparse.Namespace, n_ctx: int):
     from engine.events import EngineConfig
+
+    return EngineConfig(
+        n_ctx=n_ctx, device=args.device, n_threads=args.threads, gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe,
+        expert_cache=args.expert_cache, miss_policy=args.miss_policy)
+
+
+def _check_engine_args(args: argparse.Namespace, n_ctx: int) -> None:
+    from engine.validate import validate_engine_config
+
+    validate_engine_config(_engine_config(args, n_ctx))
+
+
+def _engine(args: argparse.Namespace, n_ctx: int):
     from engine.generate import load
 
-    return load(_model_arg(args.model), EngineConfig(
-        n_ctx=n_ctx, device=args.device, n_threads=args.threads, gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe,
-        expert_cache=args.expert_cache, miss_policy=args.miss_policy))
+    return load(_model_arg(args.model), _engine_config(args, n_ctx))
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from engine import validate
+
     ids = _parse_ids(args.tokens)
     eng = _engine(args, n_ctx=max(len(ids), 16))
-    bad = [i for i in ids if not 0 <= i < eng.hp.n_vocab]
-    if bad:
-        raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{eng.hp.n_vocab - 1})")
+    validate.token_ids(ids, eng.hp.n_vocab)
     res = eng.model.forward(ids, eng.cache, logit_rows="all", chunked=args.chunked)
     np.save(args.out, res.logits.float().numpy())
     print(json.dumps({"out": args.out, "shape": list(res.logits.shape)}))
@@ -158,18 +186,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.events import Done, GenerationConfig, Stats, Token
     from engine.sampling import SamplingConfig
 
+    from engine import validate
+
     if args.prompt is None and args.prompt_tokens is None:
-        raise EngineError("give --prompt TEXT or --prompt-tokens 1,2,3")
-    eng = _engine(args, n_ctx=args.ctx)
-    if args.mtp:
-        for notice in eng.notices:
-            print(f"note: {notice}", file=sys.stderr)
+        raise InvalidParameterError("give --prompt TEXT or --prompt-tokens 1,2,3")
     if args.prompt_tokens is not None:
-        prompt: Any = _parse_ids(args.prompt_tokens)
+        prompt: Any = _parse_ids(args.prompt_tokens)  # against the vocabulary: by the engine, once it is loaded
     elif args.raw:
-        prompt = args.prompt
+        prompt = validate.text("--prompt", args.prompt)
     else:
-        prompt = [Message("user", args.prompt)]
+        prompt = [Message("user", validate.text("--prompt", args.prompt))]
     gen = GenerationConfig(
         max_tokens=args.max_tokens,
         sampling=SamplingConfig(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -178,6 +204,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mtp=args.mtp,
         draft=None if args.draft == "auto" else int(args.draft),
     )
+    validate.validate_generation(gen)  # every range checked before the model is opened
+    _check_engine_args(args, args.ctx)
+    eng = _engine(args, n_ctx=args.ctx)
+    if args.mtp:
+        for notice in eng.notices:
+            print(f"note: {notice}", file=sys.stderr)
     tokens: list[int] = []
     flags: list[bool] = []
     pieces: list[str] = []
@@ -239,7 +271,7 @@ def _count(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="foretell-cli", description="Foretell engine command line")
+    p = _Parser(prog="foretell-cli", description="Foretell engine command line")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("inspect", help="metadata, layer pattern, tensor types and sizes, parameter counts")
     s.add_argument("model", nargs="?", help="GGUF file (default: the embedded model)")
@@ -320,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except InvalidParameterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

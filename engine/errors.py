@@ -28,3 +28,11 @@ class OutOfMemoryError(EngineError):
 
 class ContextOverflowError(EngineError):
     """The prompt alone does not fit into the context window."""
+
+
+class EngineBusyError(EngineError):
+    """The engine is already generating (another thread, or another unfinished generator of this engine)."""
+
+
+class InvalidParameterError(EngineError, ValueError):
+    """A generation or engine parameter is out of range or of the wrong kind (the message names it)."""

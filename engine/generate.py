@@ -3,19 +3,26 @@
 `Engine.generate` is a generator of `Token` / `Stats` / `Done` events (the mlx-lm shape); the CLI and
 the app's worker thread are thin layers on it. The sequence already in the cache is reused when a new
 prompt extends it (the next turn of a chat), so only the new tokens are prefilled.
+
+One generation at a time per engine: a generator holds the engine's lock from its first step until it ends,
+is closed or is collected; a second caller waits up to `wait_s` (default 0) and then gets EngineBusyError
+(a second generator on the thread holding the lock gets it at once: waiting there could never end). A
+generator abandoned mid-reply leaves the engine consistent: the speculative step commits what was emitted
+in a `finally`, and `generate`'s own `finally` rolls the cache back to empty if anything else was cut short.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
 import torch
 
 from engine.chat import ChatFormat, Message
-from engine.errors import EngineError
+from engine.errors import EngineBusyError, EngineError, TokenizerError
 from engine.storage.modelfile import ModelFile, default_model_path, open_model
 from engine.models.build import load_model
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
@@ -23,22 +30,37 @@ from engine.sampling import Sampler
 from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats, Token
 from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
 from engine.tokenizer import Tokenizer
+from engine import validate
+from engine.validate import validate_engine_config, validate_generation
 
 ProgressFn = Callable[[float, str], None]
 PREFILL_CHUNK = 256
+
+
+def text_side(mf: ModelFile) -> tuple[Tokenizer, ChatFormat]:
+    """The model's tokenizer and chat template, checked: what `load` needs beyond the weights, and what `inspect`
+    also runs so that a file it accepts is one `load` accepts."""
+    try:
+        tok = Tokenizer.from_metadata(mf.metadata)
+        return tok, ChatFormat(mf.get("tokenizer.chat_template"), tok)
+    except EngineError as e:
+        raise type(e)(f"{mf.path.name}: {e}") from None
+    except Exception as e:  # the tokenizers library on input it did not expect: still one plain line
+        raise TokenizerError(f"{mf.path.name}: the tokenizer in this file cannot be built "
+                             f"({type(e).__name__})") from None
 
 
 class Engine:
     """A loaded model with its tokenizer, chat template and one sequence cache."""
 
     def __init__(self, mf: ModelFile, config: EngineConfig = EngineConfig()):
+        validate_engine_config(config)
         self.mf = mf
         self.config = config
         if config.n_threads:
             torch.set_num_threads(config.n_threads)
         self.hp = mf.hparams
-        self.tokenizer = Tokenizer.from_metadata(mf.metadata)
-        self.chat = ChatFormat(mf.get("tokenizer.chat_template"), self.tokenizer)
+        self.tokenizer, self.chat = text_side(mf)
         n_ctx = min(config.n_ctx, mf.hparams.n_ctx_train)
         self.plan = config.plan or plan_placement(ModelSizes.from_model(mf, n_ctx), config.placement(),
                                                   free_device_bytes(config.device))
@@ -52,18 +74,26 @@ class Engine:
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
         self._last_logits: torch.Tensor | None = None
+        self._lock = threading.Lock()  # held by the running generation (see the module docstring)
+        self._owner: int | None = None  # thread ident of the lock's holder
 
     # -- prompt handling ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: Sequence[Message | Mapping[str, Any]] | Sequence[int] | str,
                       enable_thinking: bool | None = None) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, special=False)
+            return self.tokenizer.encode(validate.text("the prompt", prompt), special=False)
         items = list(prompt)
-        if items and isinstance(items[0], int):
-            return [int(i) for i in items]
+        if items and not isinstance(items[0], (Message, Mapping)):
+            return validate.token_ids(items, self.hp.n_vocab)
+        validate.messages(items)
         return self.chat.encode(items, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def reset(self) -> None:
+        """Forget the cached sequence (the next prompt is prefilled from scratch)."""
+        with self._hold(0.0):
+            self._reset()
+
+    def _reset(self) -> None:
         self.cache.reset()
         if self.drafter is not None:
             self.drafter.reset()
@@ -80,7 +110,7 @@ class Engine:
         if common == len(ids) and self._last_logits is not None:
             return self._last_logits, 0
         if common == 0 or common == len(ids):
-            self.reset()
+            self._reset()
             common = 0
         todo = ids[common:]
         logits = None
@@ -88,7 +118,7 @@ class Engine:
             yield Progress(0, len(todo))
         for s in range(0, len(todo), PREFILL_CHUNK):
             if stop is not None and stop.is_set():
-                self.reset()
+                self._reset()
                 return None, s
             chunk = todo[s:s + PREFILL_CHUNK]
             res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1 and not self.model.sequential_prefill)
@@ -102,9 +132,48 @@ class Engine:
         return logits, len(todo)
 
     # -- generation --------------------------------------------------------------------------------
+    @contextmanager
+    def _hold(self, wait_s: float | None) -> Iterator[None]:
+        """The engine's lock for one generation (or a reset); EngineBusyError if it stays taken."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise EngineBusyError("this engine is already generating in this thread: finish or close the "
+                                  "other reply's generator first")
+        if not self._lock.acquire(timeout=-1 if wait_s is None else max(wait_s, 0.0)):
+            raise EngineBusyError("the engine is busy with another reply; try again when it has finished")
+        self._owner = me
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def consistent(self) -> bool:
+        """The cache, the MTP head's rows and the engine's record of the sequence agree."""
+        if self.cache.pos != len(self._seq):
+            return False
+        d = self.drafter
+        return d is None or d.cache.pos + len(d.pending_tokens) == len(self._seq)
+
     def generate(self, prompt: Sequence[Message | Mapping[str, Any]] | Sequence[int] | str,
                  gen: GenerationConfig = GenerationConfig(),
-                 stop: threading.Event | None = None) -> Iterator[Event]:
+                 stop: threading.Event | None = None, *, wait_s: float | None = 0.0) -> Iterator[Event]:
+        """Stream the reply to `prompt`. `wait_s`: how long to wait for another caller's generation to end
+        before EngineBusyError (None: as long as it takes). The lock is taken at the first `next()`."""
+        validate_generation(gen)
+        with self._hold(wait_s):
+            try:
+                yield from self._generate(prompt, gen, stop)
+            finally:  # abandoned (close/break/collected) or failed: never leave a half-recorded sequence
+                if not self.consistent():
+                    self._reset()
+
+    def _generate(self, prompt: Sequence[Message | Mapping[str, Any]] | Sequence[int] | str,
+                  gen: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:
         t0 = time.perf_counter()
         ids = self.encode_prompt(prompt, gen.enable_thinking)
         if not ids:
@@ -252,6 +321,7 @@ class _StopStrings:
 def load(path: str | os.PathLike[str] | ModelFile | None = None, config: EngineConfig = EngineConfig(),
          progress: ProgressFn | None = None) -> Engine:
     """Open, validate and prepare a model (None = the embedded default model; a ModelFile: one already opened)."""
+    validate_engine_config(config)  # before anything is opened or allocated
     report = progress or (lambda f, m: None)
     p = path.path if isinstance(path, ModelFile) else Path(path) if path is not None else default_model_path()
     report(0.0, f"opening {p.name}")

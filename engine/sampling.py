@@ -26,10 +26,10 @@ class SamplingConfig:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
-            raise ValueError(f"invalid sampling settings: {self}")
-        if self.repeat_penalty <= 0:
-            raise ValueError("repeat_penalty must be > 0")
+        """InvalidParameterError (a ValueError) naming the first setting out of range."""
+        from engine.validate import validate_sampling
+
+        validate_sampling(self)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> torch.Tensor:

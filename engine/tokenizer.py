@@ -81,8 +81,9 @@ def _get(md: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, requ
         value = value.tolist()
     if kind is int and not isinstance(value, bool) and hasattr(value, "__index__"):
         return value.__index__()  # numpy integer scalars from a GGUF reader
-    if not isinstance(value, kind):
-        raise TokenizerError(f"GGUF metadata {key!r} has type {type(value).__name__}, expected {kind}")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        want = {int: "an integer", str: "text", list: "an array", bool: "a boolean"}.get(kind, str(kind))  # type: ignore[call-overload]
+        raise TokenizerError(f"GGUF metadata {key!r} has type {type(value).__name__}, expected {want}")
     return value
 
 
@@ -116,6 +117,9 @@ class Tokenizer:
         elif len(types) != len(tokens):
             raise TokenizerError(
                 f"tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {len(tokens)}")
+        bad = next((i for i, t in enumerate(types) if type(t) is not int or not 0 <= t <= BYTE), None)
+        if bad is not None:
+            raise TokenizerError(f"tokenizer.ggml.token_type[{bad}] = {types[bad]!r} is not a token type (0…{BYTE})")
         merges: list[str] = _get(md, "tokenizer.ggml.merges", list, required=True)
         return cls(md, pre, tokens, list(types), merges)
 

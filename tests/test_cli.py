@@ -64,7 +64,7 @@ def test_logits_matches_engine(tmp_path: Path) -> None:
     ref = llama_logits(fixture_path(TINY_MOE), [1, 2, 3, 4, 5])
     assert np.abs(a - ref).max() / ref.std() < 1e-4
     r = cli("logits", str(fixture_path(TINY_MOE)), "--tokens", "1,99999", "--out", str(out))
-    assert r.returncode == 1 and "outside the vocabulary" in r.stderr
+    assert r.returncode == 2 and "outside the vocabulary" in r.stderr
 
 
 def test_generate_json() -> None:

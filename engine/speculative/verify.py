@@ -80,13 +80,18 @@ class SpeculativeDecoder:
         else:
             n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history)  # type: ignore[arg-type]
         emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
-        kept = yield from run.emit(emitted)
-        t3 = time.perf_counter()
-        c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
-        eng.cache.commit(res.captured, c)  # type: ignore[arg-type]
-        eng.cache.truncate(pos0 + c + 1)
-        self.drafter.commit(c, seq, res.hidden)
-        eng.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
+        n_out = len(run.out_ids)
+        kept = 0
+        try:
+            kept = yield from run.emit(emitted)
+        finally:  # also when the consumer abandons the reply mid-window: commit exactly what it was given
+            kept = kept or max(len(run.out_ids) - n_out, 1)
+            t3 = time.perf_counter()
+            c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
+            eng.cache.commit(res.captured, c)  # type: ignore[arg-type]
+            eng.cache.truncate(pos0 + c + 1)
+            self.drafter.commit(c, seq, res.hidden)
+            eng.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
         spec.record(len(draft.tokens), n_acc)
         spec.draft_s += t1 - t0

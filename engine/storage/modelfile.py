@@ -13,14 +13,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.storage.gguf_read import GGUFFile
 
 SUPPORTED_ARCHS = ("qwen35moe", "qwen35")
-# 1-D parameters (norms, gates, biases) are read as floats; llama.cpp writes them F32.
-_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+MAX_BLOCKS = 4096
+# 1-D parameters (norms, gates, biases): every GGUF converter writes them F32 and quantizers never touch them, so
+# another type there is a damaged type field (one that still fits the tensor's alignment padding: the layout check
+# cannot see it). The conv kernels are read as floats of any width.
+_VECTOR_TYPES = frozenset({GGMLQuantizationType.F32})
+_CONV_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 @dataclass(frozen=True)
@@ -197,27 +202,14 @@ class ModelFile:
             raise ModelFormatError(f"cannot open model file {self.path}: {e.strerror or e}") from None
         if self.path.is_dir():
             raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
-        self._check_header()
-        try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
-            raise ModelFormatError(f"{self.path.name}: damaged or truncated GGUF ({_why(e)})") from None
+        self.gguf = GGUFFile(self.path)  # every count, length, offset and the layout checked on the way
         from engine.storage.pages import register_file_mapping
 
-        register_file_mapping(self.reader.data)
-        self.tensors: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > self.file_size:
-                raise ModelFormatError(
-                    f"{self.path.name}: tensor '{t.name}' ends at byte {end} but the file has "
-                    f"{self.file_size} bytes (truncated download?)"
-                )
-            self.tensors[t.name] = TensorInfo(
-                t.name, GGMLQuantizationType(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
-                int(t.n_elements), int(t.n_bytes), int(t.data_offset),
-            )
-        self._reader_tensors = {t.name: t for t in self.reader.tensors}
+        register_file_mapping(self.gguf.data)
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, t.qtype, t.shape, t.n_elements, t.n_bytes, t.offset) for t in self.gguf.tensors
+        }
+        self._raw = {t.name: t for t in self.gguf.tensors}
         self.hparams = self._parse_hparams()
         fused = next((n for n in self.tensors if n.endswith("ffn_gate_up_exps.weight")), None)
         if fused:
@@ -225,33 +217,23 @@ class ModelFile:
                 f"{self.path.name}: fused expert tensors ('{fused}') are not supported; convert without --fuse"
             )
         self._validate_tensors()
+        self.gguf.check_data()
 
     # -- metadata --------------------------------------------------------------------------------
-    def _check_header(self) -> None:
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8:
-            raise ModelFormatError(f"{self.path.name}: file too short to be a GGUF ({len(head)} bytes)")
-        if head[:4] != b"GGUF":
-            raise ModelFormatError(f"{self.path.name}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
-        version = int.from_bytes(head[4:8], "little")
-        if version not in (2, 3):
-            raise ModelFormatError(f"{self.path.name}: GGUF version {version} is not supported (expected 2 or 3)")
-
     def keys(self) -> list[str]:
-        return [k for k in self.reader.fields if not k.startswith("GGUF.")]
+        return list(self.gguf.fields)
 
     def has_key(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.gguf.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """Metadata value as a Python object (str, int, float, bool, or list); default if absent."""
-        if key not in self.reader.fields:
+        if key not in self.gguf.fields:
             return default
         return self._value(key)
 
     def require(self, key: str, kind: type | tuple[type, ...] = (int, float, str, bool, list)) -> Any:
-        if key not in self.reader.fields:
+        if key not in self.gguf.fields:
             raise ModelFormatError(f"{self.path.name}: required metadata key '{key}' is missing")
         value = self._value(key)
         if not isinstance(value, kind):
@@ -263,16 +245,7 @@ class ModelFile:
     def _value(self, key: str) -> Any:
         cache = self.__dict__.setdefault("_values", {})
         if key not in cache:
-            f = self.reader.fields[key]
-            try:
-                v = f.contents()
-            except (UnicodeDecodeError, IndexError, ValueError) as e:
-                raise ModelFormatError(f"{self.path.name}: metadata key '{key}' cannot be decoded ({_why(e)})") from None
-            if f.types and f.types[0] == GGUFValueType.BOOL:
-                v = bool(v)
-            elif f.types and f.types[0] == GGUFValueType.ARRAY and f.types[-1] == GGUFValueType.BOOL:
-                v = [bool(x) for x in v]
-            cache[key] = v
+            cache[key] = self.gguf.fields[key].contents()
         return cache[key]
 
     @cached_property
@@ -293,14 +266,17 @@ class ModelFile:
 
         def num(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
-            if default is not None and full not in self.reader.fields:
+            if default is not None and full not in self.gguf.fields:
                 return default
-            v = self.require(full, (int, float) if kind is float else int)
+            v = self.require(full, float if kind is float else int)  # a float key stored as an integer: damaged
             if kind is int and (isinstance(v, bool) or v < 0):
                 raise ModelFormatError(f"{self.path.name}: metadata key '{full}' = {v} must be a non-negative integer")
             return kind(v)
 
         n_block = num("block_count")
+        if not 1 <= n_block <= min(MAX_BLOCKS, len(self.tensors) // 2):  # ≥ 2 tensors (norms) per block
+            raise ModelFormatError(f"{self.path.name}: '{arch}.block_count' = {n_block} does not fit the file's "
+                                   f"{len(self.tensors)} tensors")
         n_mtp = num("nextn_predict_layers", 0)
         if n_mtp > 1:
             raise UnsupportedModelError(f"{self.path.name}: {n_mtp} MTP blocks; only one (nextn_predict_layers=1) is supported")
@@ -335,10 +311,10 @@ class ModelFile:
                 f"{self.path.name}: tensor 'token_embd.weight' has shape {embd.shape}, expected (n_vocab, {n_embd})"
             )
         n_vocab = embd.shape[0]
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None and len(tokens.data) != n_vocab:
+        tokens = self.gguf.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and tokens.count != n_vocab:
             raise ModelFormatError(
-                f"{self.path.name}: 'tokenizer.ggml.tokens' has {len(tokens.data)} entries but token_embd has {n_vocab} rows"
+                f"{self.path.name}: 'tokenizer.ggml.tokens' has {tokens.count} entries but token_embd has {n_vocab} rows"
             )
         hp = HParams(
             arch=arch, n_block=n_block, n_mtp=n_mtp,
@@ -370,7 +346,8 @@ class ModelFile:
              f"attention.head_count {hp.n_head} must be a positive multiple of head_count_kv {hp.n_head_kv}")
         need(hp.head_dim_k > 0 and 0 < hp.n_rot <= hp.head_dim_k and hp.n_rot % 2 == 0,
              f"rope.dimension_count {hp.n_rot} must be even and ≤ key_length {hp.head_dim_k}")
-        need(hp.rms_eps > 0 and math.isfinite(hp.rms_eps), f"layer_norm_rms_epsilon {hp.rms_eps} must be > 0")
+        need(0 < hp.rms_eps < 1, f"layer_norm_rms_epsilon {hp.rms_eps} must be between 0 and 1")
+        need(hp.rope_base > 0 and math.isfinite(hp.rope_base), f"rope.freq_base {hp.rope_base} must be > 0")
         need(hp.ssm_n_group > 0 and hp.ssm_dt_rank > 0 and hp.ssm_dt_rank % hp.ssm_n_group == 0,
              f"ssm.time_step_rank {hp.ssm_dt_rank} must be a positive multiple of ssm.group_count {hp.ssm_n_group}")
         need(hp.ssm_d_inner % hp.ssm_dt_rank == 0, f"ssm.inner_size {hp.ssm_d_inner} not divisible by time_step_rank")
@@ -400,8 +377,14 @@ class ModelFile:
             if info.shape not in allowed:
                 want = " or ".join(str(s) for s in allowed)
                 raise ModelFormatError(f"{name}: tensor '{tname}' has shape {info.shape}, expected {want}")
-            if len(info.shape) == 1 or tname.endswith("ssm_conv1d.weight"):
+            if len(info.shape) == 1:
                 if info.qtype not in _VECTOR_TYPES:
+                    raise UnsupportedModelError(
+                        f"{name}: 1-D tensor '{tname}' is stored as {info.qtype.name}; GGUF files store them as F32 "
+                        "(a damaged type field?)"
+                    )
+            elif tname.endswith("ssm_conv1d.weight"):
+                if info.qtype not in _CONV_TYPES:
                     raise UnsupportedModelError(
                         f"{name}: tensor '{tname}' is stored as {info.qtype.name}; expected F32, F16 or BF16"
                     )
@@ -421,10 +404,10 @@ class ModelFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored data as the reader maps it (a view of the mmap, no copy)."""
-        try:
-            return self._reader_tensors[name].data
-        except KeyError:
-            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file") from None
+        t = self._raw.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.path.name}: tensor '{name}' is not in the file")
+        return self.gguf.tensor_data(t)
 
     def tensor(self, name: str):
         """The tensor as an engine.storage.qtensor.QTensor (still in its stored block format)."""
@@ -480,8 +463,3 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:200]

@@ -1,0 +1,306 @@
+"""A GGUF reader that checks before it reads: every count and length against the bytes left, every tensor's dims,
+type, offset and place in the data section, so a damaged file ends in one typed error naming what is wrong.
+
+Why not gguf's GGUFReader: it walks arrays one element at a time in Python and trusts their counts, so an array
+that claims 2^40 items runs for hours and takes gigabytes; it takes tensor offsets as given (zero, misaligned,
+overlapping, past the end); and it takes ~1.7 s on the embedded model. This one reads numeric arrays as numpy
+views, loops only over string arrays (whose count is bounded by the bytes left first), and takes tens of ms.
+The format: github.com/ggml-org/ggml/blob/master/docs/gguf.md.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
+
+from engine.errors import ModelFormatError
+
+MAX_COUNT = 1 << 24  # keys, tensors or array items: far above any model (a 256k vocabulary is 1 << 18)
+MAX_NAME = 255  # key and tensor names (ggml's own limit for tensor names is 63)
+MAX_DIMS = 4
+MAX_ELEMENTS = 1 << 48
+DEFAULT_ALIGNMENT = 32
+SAMPLE_BYTES = 4096  # per end of each tensor, for check_data
+# Byte offsets of the fp16 scales inside one block of each quant type (ggml-common.h).
+_FP16_SCALES = {
+    GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ4_XS: (0,),
+    GGMLQuantizationType.IQ2_XXS: (0,), GGMLQuantizationType.IQ2_XS: (0,), GGMLQuantizationType.IQ2_S: (0,),
+    GGMLQuantizationType.IQ3_XXS: (0,), GGMLQuantizationType.IQ3_S: (0,), GGMLQuantizationType.IQ1_S: (0,),
+}
+
+_SCALAR = {  # value type -> (struct code, size)
+    GGUFValueType.UINT8: ("B", 1), GGUFValueType.INT8: ("b", 1), GGUFValueType.UINT16: ("H", 2),
+    GGUFValueType.INT16: ("h", 2), GGUFValueType.UINT32: ("I", 4), GGUFValueType.INT32: ("i", 4),
+    GGUFValueType.FLOAT32: ("f", 4), GGUFValueType.BOOL: ("B", 1), GGUFValueType.UINT64: ("Q", 8),
+    GGUFValueType.INT64: ("q", 8), GGUFValueType.FLOAT64: ("d", 8),
+}
+_NUMPY = {t: np.dtype("<" + c) for t, (c, _) in _SCALAR.items()}
+_TYPED_VIEWS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One metadata key: its type (the item type for arrays) and value. Numeric arrays stay numpy views."""
+
+    name: str
+    type: GGUFValueType
+    item_type: GGUFValueType | None  # arrays only
+    value: Any
+    count: int = 1  # items, for arrays
+
+    def contents(self) -> Any:
+        v = self.value
+        if isinstance(v, np.ndarray):
+            return [bool(x) for x in v] if self.item_type == GGUFValueType.BOOL else v.tolist()
+        return bool(v) if self.type == GGUFValueType.BOOL else v
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    ne: tuple[int, ...]  # ggml order (fastest dimension first)
+    offset: int  # absolute, in the file
+    n_elements: int
+    n_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """torch order."""
+        return tuple(reversed(self.ne))
+
+
+class GGUFFile:
+    """The parsed header of a GGUF and a read-only memory map of the whole file."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.name = self.path.name
+        try:
+            self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"cannot read model file {self.path}: {getattr(e, 'strerror', None) or e}") from None
+        self.size = int(self.data.size)
+        self._buf = memoryview(self.data)  # type: ignore[arg-type]
+        self._pos = 0
+        self._what = "the file header"
+        self.fields: dict[str, Field] = {}
+        self.tensors: list[RawTensor] = []
+        self._parse()
+
+    # -- primitive reads, each bounded by the bytes left ---------------------------------------------
+    def _fail(self, why: str) -> None:
+        raise ModelFormatError(f"{self.name}: damaged GGUF: {why} (in {self._what}, at byte {self._pos})")
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self._pos + n > self.size:
+            self._fail(f"needs {n} more bytes but the file has {self.size - self._pos} left (truncated?)")
+
+    def _scalar(self, t: GGUFValueType) -> Any:
+        code, size = _SCALAR[t]
+        self._need(size)
+        v = struct.unpack_from("<" + code, self._buf, self._pos)[0]
+        self._pos += size
+        return v
+
+    def _count(self, what: str, item_size: int) -> int:
+        n = self._scalar(GGUFValueType.UINT64)
+        left = self.size - self._pos
+        if n > MAX_COUNT or n * item_size > left:
+            self._fail(f"{what} claims {n:,} items, more than the {left:,} bytes left can hold")
+        return n
+
+    def _string(self, limit: int | None = None) -> str:
+        n = self._scalar(GGUFValueType.UINT64)
+        if limit is not None and n > limit:
+            self._fail(f"a name of {n:,} bytes (the limit is {limit})")
+        self._need(n)
+        raw = bytes(self._buf[self._pos:self._pos + n])
+        self._pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self._fail("text that is not UTF-8")
+        raise AssertionError  # unreachable: _fail raises
+
+    def _value_type(self, raw: int) -> GGUFValueType:
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            self._fail(f"unknown value type {raw}")
+        raise AssertionError
+
+    # -- the header ----------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        if self.size < 24:
+            raise ModelFormatError(f"{self.name}: file too short to be a GGUF ({self.size} bytes)")
+        if bytes(self._buf[:4]) != b"GGUF":
+            raise ModelFormatError(f"{self.name}: not a GGUF file (magic {bytes(self._buf[:4])!r}, expected b'GGUF')")
+        self._pos = 4
+        self.version = self._scalar(GGUFValueType.UINT32)
+        if self.version not in (2, 3):
+            raise ModelFormatError(f"{self.name}: GGUF version {self.version} is not supported (expected 2 or 3)")
+        n_tensors = self._count("the tensor count", 8 + 1 + 4 + 8 + 4 + 8)  # the smallest tensor record
+        n_kv = self._count("the metadata key count", 8 + 1 + 4 + 1)  # the smallest key record
+        for _ in range(n_kv):
+            self._what = "a metadata key name"
+            key = self._string(MAX_NAME)
+            self._what = f"metadata key '{key}'"
+            if key in self.fields:
+                self._fail("the key appears twice")
+            self.fields[key] = self._field(key)
+        self.alignment = self._alignment()
+        records = []
+        for i in range(n_tensors):
+            self._what = f"tensor record {i}"
+            name = self._string(MAX_NAME)
+            self._what = f"tensor '{name}'"
+            n_dims = self._scalar(GGUFValueType.UINT32)
+            if not 1 <= n_dims <= MAX_DIMS:
+                self._fail(f"{n_dims} dimensions (1…{MAX_DIMS} allowed)")
+            ne = tuple(self._scalar(GGUFValueType.UINT64) for _ in range(n_dims))
+            raw_type = self._scalar(GGUFValueType.UINT32)
+            offset = self._scalar(GGUFValueType.UINT64)
+            records.append((name, ne, raw_type, offset))
+        header_end = self._pos
+        self.data_offset = -(-header_end // self.alignment) * self.alignment
+        self._what = "the padding before the tensor data"
+        if self.data_offset > self.size:
+            self._fail("the tensor data section starts past the end of the file")
+        if np.any(self.data[header_end:self.data_offset]):
+            self._fail("the padding between the header and the tensor data is not zero (shifted data?)")
+        names: set[str] = set()
+        for name, ne, raw_type, offset in records:
+            self._what = f"tensor '{name}'"
+            if name in names:
+                self._fail("the tensor name appears twice")
+            names.add(name)
+            self.tensors.append(self._tensor(name, ne, raw_type, offset))
+        self._check_layout()
+
+    def _field(self, key: str) -> Field:
+        t = self._value_type(self._scalar(GGUFValueType.UINT32))
+        if t == GGUFValueType.STRING:
+            return Field(key, t, None, self._string())
+        if t != GGUFValueType.ARRAY:
+            v = self._scalar(t)
+            if t == GGUFValueType.BOOL and v > 1:
+                self._fail(f"a boolean stored as {v} (0 or 1 expected)")
+            return Field(key, t, None, v)
+        it = self._value_type(self._scalar(GGUFValueType.UINT32))
+        if it == GGUFValueType.ARRAY:
+            self._fail("arrays of arrays are not supported")
+        if it == GGUFValueType.STRING:
+            n = self._count("the array", 8)
+            return Field(key, t, it, [self._string() for _ in range(n)], n)
+        size = _SCALAR[it][1]
+        n = self._count("the array", size)
+        arr = np.frombuffer(self._buf, dtype=_NUMPY[it], count=n, offset=self._pos)
+        if it == GGUFValueType.BOOL and (arr > 1).any():
+            self._fail("a boolean array holds values other than 0 and 1")
+        self._pos += n * size
+        return Field(key, t, it, arr, n)
+
+    def _alignment(self) -> int:
+        f = self.fields.get("general.alignment")
+        if f is None:
+            return DEFAULT_ALIGNMENT
+        self._what = "metadata key 'general.alignment'"
+        if f.type not in (GGUFValueType.UINT32, GGUFValueType.UINT64) or not 0 < f.value <= 1 << 16 \
+                or f.value & (f.value - 1):
+            self._fail(f"the alignment must be a power of two up to 65536, not {f.value!r}")
+        return int(f.value)
+
+    def _tensor(self, name: str, ne: tuple[int, ...], raw_type: int, offset: int) -> RawTensor:
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            self._fail(f"unknown tensor type {raw_type}")
+            raise AssertionError from None
+        if any(d < 1 for d in ne):
+            self._fail(f"a dimension of {min(ne)} in {list(ne)}")
+        n = 1
+        for d in ne:
+            n *= d
+        if n > MAX_ELEMENTS:
+            self._fail(f"dimensions {list(ne)} give {n:,} elements, more than any model holds")
+        if ne[0] % block:
+            self._fail(f"row length {ne[0]} is not a multiple of the {qtype.name} block size {block}")
+        if offset % self.alignment:
+            self._fail(f"data offset {offset} is not a multiple of the alignment {self.alignment}")
+        return RawTensor(name, qtype, ne, self.data_offset + offset, n, n // block * type_size)
+
+    def _check_layout(self) -> None:
+        """Tensors tile the data section in order of offset, each at the next aligned byte after the one before:
+        how every GGUF writer lays them out. A gap, an overlap or bytes left over mean a damaged table."""
+        at = self.data_offset
+        prev = None
+        for t in sorted(self.tensors, key=lambda t: t.offset):
+            self._what = f"tensor '{t.name}'"
+            if t.offset < at:
+                self._fail(f"its data (bytes {t.offset}…{t.offset + t.n_bytes}) overlaps tensor '{prev}'")
+            if t.offset > at:
+                self._fail(f"{t.offset - at} unused bytes before its data (offset {t.offset - self.data_offset}, "
+                           f"expected {at - self.data_offset}): wrong offset or type?")
+            end = t.offset + t.n_bytes
+            if end > self.size:
+                raise ModelFormatError(f"{self.name}: tensor '{t.name}' ends at byte {end} but the file has "
+                                       f"{self.size} bytes (truncated download?)")
+            at = -(-end // self.alignment) * self.alignment
+            prev = t.name
+        self._what = "the end of the file"
+        last_end = max((t.offset + t.n_bytes for t in self.tensors), default=self.data_offset)
+        if self.size not in (last_end, at):
+            self._fail(f"{self.size - last_end} bytes after the last tensor's data (shifted or appended data?)")
+
+    # -- tensor data ---------------------------------------------------------------------------------
+    def check_data(self) -> None:
+        """No NaN/Inf among the floats and block scales at the start and end of every tensor (llama.cpp's
+        ggml_validate_row_data, on a sample: a few KiB per tensor, so a 20 GB file is not read at open).
+        Bytes read from the wrong place (a shifted data section, a wrong offset) make non-finite scales at once."""
+        for t in self.tensors:
+            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            n_blocks = t.n_bytes // type_size
+            k = max(1, SAMPLE_BYTES // type_size)
+            for first in sorted({0, max(n_blocks - k, 0)}):
+                raw = self.data[t.offset + first * type_size:t.offset + min(first + k, n_blocks) * type_size]
+                if not _finite(t.qtype, raw.reshape(-1, type_size)):
+                    raise ModelFormatError(f"{self.name}: tensor '{t.name}' holds NaN or infinite values near block "
+                                           f"{first}: its data is damaged or not where the table says")
+
+    def tensor_data(self, t: RawTensor) -> np.ndarray:
+        """The tensor's bytes as gguf's reader views them: typed for float/int types, else uint8 rows."""
+        raw = self.data[t.offset:t.offset + t.n_bytes]  # a slice of the memmap: no copy
+        view = _TYPED_VIEWS.get(t.qtype)
+        if view is not None:
+            return raw.view(view).reshape(t.shape)
+        block, type_size = GGML_QUANT_SIZES[t.qtype]
+        return raw.reshape(t.shape[:-1] + (t.ne[0] // block * type_size,))
+
+
+def _finite(qtype: GGMLQuantizationType, blocks: np.ndarray) -> bool:
+    """blocks: [n, type_size] uint8. True when the floats / fp16 scales in them are all finite."""
+    if qtype == GGMLQuantizationType.F32:
+        return bool(np.isfinite(blocks.view(np.float32)).all())
+    if qtype == GGMLQuantizationType.F16:
+        return bool(np.isfinite(blocks.view(np.float16)).all())
+    if qtype == GGMLQuantizationType.BF16:
+        return not bool(((blocks.view(np.uint16) & 0x7F80) == 0x7F80).any())
+    for at in _FP16_SCALES.get(qtype, ()):
+        scales = blocks[:, at] | (blocks[:, at + 1].astype(np.uint16) << 8)
+        if ((scales & 0x7C00) == 0x7C00).any():
+            return False
+    return True
