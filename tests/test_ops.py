@@ -105,3 +105,17 @@ def test_gdn_inputs_match_the_op_by_op_form_and_are_per_token(backend: ops.Backe
     for t in (0, 4):
         one = ops.gdn_inputs(window[t:t + K], taps, b[t:t + 1], a[t:t + 1], A, dt_bias, hk, dk, 1e-6, backend)
         assert all(torch.equal(x1, x[t:t + 1]) for x1, x in zip(one, got))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_rope_is_the_torch_rotation_and_per_token(backend: ops.Backend) -> None:
+    """RoPE (NEOX pairing on the first n_rot of 24 dims) gives the torch twin's bits (the same multiplies and adds),
+    leaves its input alone, and rotates each token as a one-token call would."""
+    from engine.models.qwen35 import rope_tables
+    cos, sin = rope_tables(16, 16, 10000.0)
+    x = torch.randn(5, 3, 24, generator=torch.Generator().manual_seed(4))
+    before = x.clone()
+    y = ops.rope(x, cos[7:12], sin[7:12], 16, backend)
+    assert torch.equal(x, before) and torch.equal(y[..., 16:], x[..., 16:])
+    assert torch.equal(y, ops.rope(x, cos[7:12], sin[7:12], 16, ops.TORCH))
+    assert torch.equal(ops.rope(x[2:3], cos[9:10], sin[9:10], 16, backend), y[2:3])

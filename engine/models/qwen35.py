@@ -1,6 +1,6 @@
 """Qwen3.5 / Qwen3.6 hybrid models (`qwen35moe`, `qwen35`), as llama.cpp computes them (spec §3).
 
-Read top to bottom: norms and RoPE → gated attention → Gated DeltaNet → FFN (MoE or dense) → decoder layer →
+Read top to bottom: RoPE tables → gated attention → Gated DeltaNet → FFN (MoE or dense) → decoder layer →
 model (trunk forward, LM head). The layers describe the math and call engine.ops for every product, attention and
 recurrence: their weights come bound to the kernels that run them (engine.models.build), so nothing here names a
 weight format or a kernel. Every op is batch-invariant, so a pass over N tokens gives each token exactly the bits a
@@ -31,8 +31,8 @@ def _noop(name: str, il: int, t: torch.Tensor) -> None:
 
 # --- norms and rotary embedding ------------------------------------------------------------------
 
-# Batch invariance: norms use sqrt and division (correctly rounded whether ATen takes its SIMD or scalar path),
-# and small per-token transcendentals go through `ops.pointwise`.
+# Batch invariance: norms and RoPE (ops.rms_norm, ops.l2_norm, ops.rope) work row by row, and small per-token
+# transcendentals go through `ops.pointwise`.
 
 def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n_ctx, n_rot/2] with θ built by repeated float32 multiplication, as ggml does."""
@@ -44,16 +44,6 @@ def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torc
     t = torch.from_numpy(theta)
     return torch.cos(t), torch.sin(t)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """NEOX pairing (i, i + n_rot/2) on dims [0, n_rot) of every head; x: [N, H, D], cos/sin: [N, n_rot/2]."""
-    half = n_rot // 2
-    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest], dim=-1)
-
-
-# --- layers --------------------------------------------------------------------------------------
 
 @dataclass
 class AttentionWeights:
@@ -83,8 +73,8 @@ class GatedAttention:
         q = ops.rms_norm(q, w.q_norm, hp.rms_eps, self.backend)
         k = ops.rms_norm(k, w.k_norm, hp.rms_eps, self.backend)
         cos, sin = rope[0][pos:pos + n], rope[1][pos:pos + n]
-        q = apply_rope(q, cos, sin, hp.n_rot)
-        k = apply_rope(k, cos, sin, hp.n_rot)
+        q = ops.rope(q, cos, sin, hp.n_rot, self.backend)
+        k = ops.rope(k, cos, sin, hp.n_rot, self.backend)
         cb("Qcur", il, q)
         cb("Kcur", il, k)
         cb("Vcur", il, v)

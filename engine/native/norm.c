@@ -1,4 +1,4 @@
-/* Row norms as ggml computes them: the sum of squares accumulated in double, the row's scale in float, then
+/* Row norms as ggml computes them (and RoPE, the other per-row transform of a query or key): the sum of squares accumulated in double, the row's scale in float, then
  * y = x · scale, times the weight, times an optional per-element factor (a gate already through its activation),
  * times an optional constant.
  *
@@ -35,5 +35,23 @@ void norm_rows(const float *x, int64_t n, int64_t d, const float *w, const float
             for (int64_t i = 0; i < d; i++) yr[i] *= gate[r * d + i];
         if (post != 1.0f)
             for (int64_t i = 0; i < d; i++) yr[i] *= post;
+    }
+}
+
+/* RoPE, NEOX pairing, in place: x [n, h, d]; for token t and pair i < n_rot/2 of every head,
+ * (x_i, x_{i+n_rot/2}) ← (x_i·c − x_j·s, x_i·s + x_j·c) with c, s = cos[t, i], sin[t, i] ([n, n_rot/2]); dims from n_rot
+ * on are left as they are. The same multiplies and adds as the torch twin (engine.models.qwen35.apply_rope). */
+void rope_neox(float *x, int64_t n, int64_t h, int64_t d, int64_t n_rot, const float *cos_t, const float *sin_t) {
+    const int64_t half = n_rot / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t hh = 0; hh < h; hh++) {
+            float *xr = x + (t * h + hh) * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xr[i], x2 = xr[i + half];
+                xr[i] = x1 * c[i] - x2 * s[i];
+                xr[i + half] = x1 * s[i] + x2 * c[i];
+            }
+        }
     }
 }

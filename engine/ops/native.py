@@ -42,6 +42,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "gdn_recurrence": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
     "gdn_inputs": ([_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P,
                     _P], None),
+    "rope_neox": ([_P, _I, _I, _I, _I, _P, _P], None),
     "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
 }
 
@@ -260,3 +261,11 @@ def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: tor
                    dt_bias.data_ptr(), h, hk, dk, eps, q_scale, u.data_ptr(), q.data_ptr(), k.data_ptr(),
                    beta.data_ptr(), g.data_ptr())
     return u, q, k, beta, g
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """RoPE (NEOX pairing) of x [n, H, D] (float32, contiguous: rotated in place and returned) with cos/sin
+    [n, n_rot/2] (contiguous)."""
+    n, h, d = x.shape
+    LIB.rope_neox(x.data_ptr(), n, h, d, n_rot, cos.data_ptr(), sin.data_ptr())  # type: ignore[union-attr]
+    return x

@@ -1,5 +1,5 @@
-"""Row norms: RMSNorm (with an optional gate, as the Gated DeltaNet output uses it) and the L2 norm of the delta
-rule's queries and keys, natively in one call per norm, or by their torch twins.
+"""Per-row transforms: RMSNorm (with an optional gate, as the Gated DeltaNet output uses it), the L2 norm of the
+delta rule's queries and keys, and RoPE, natively in one call each, or by their torch twins.
 
 The native form sums squares in double as ggml does (engine/native/norm.c); the twins are the plain torch
 formulas (differentiable: training runs them). Both are per-row, so a pass over N rows gives each row the bits of a
@@ -39,6 +39,23 @@ def l2_norm(x: torch.Tensor, eps: float, backend: Backend, scale: float = 1.0) -
         return native.norm_rows(x, None, None, eps, l2=True, post=scale)
     y = l2_norm_torch(x, eps)
     return y if scale == 1.0 else y * scale
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """NEOX pairing (i, i + n_rot/2) on dims [0, n_rot) of every head; x: [N, H, D], cos/sin: [N, n_rot/2]."""
+    half = n_rot // 2
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest], dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int, backend: Backend) -> torch.Tensor:
+    """x [N, H, D] rotated (NEOX pairing on the first n_rot dims) by the rows cos/sin [N, n_rot/2] of its positions:
+    a new tensor."""
+    if _native(backend, x, cos, sin):
+        return native.rope_neox(x.clone(memory_format=torch.contiguous_format), cos.contiguous(), sin.contiguous(),
+                                n_rot)
+    return apply_rope_torch(x, cos, sin, n_rot)
 
 
 def _native(backend: Backend, *ts: torch.Tensor | None) -> bool:
