@@ -164,3 +164,27 @@ def test_native_experts_pass_equals_the_torch_twin(backend: ops.Backend) -> None
     native = ops.moe_experts(x, idx, w, ops.Experts(*ws, backend))
     twin = ops.moe_experts(x, idx, w, ops.Experts(*ws, ops.TORCH))
     torch.testing.assert_close(native, twin, rtol=0, atol=1e-5 * twin.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", backend_params(native_only=True))
+def test_one_call_moe_layer_equals_the_layer_op_by_op(backend: ops.Backend) -> None:
+    """The whole MoE layer in one native call (router, softmax, top-k, routed experts, shared expert and its gate:
+    ops.moe_ffn) against the model's own description of it run op by op (MoE.math) on the same weights: the same
+    experts in the same slots, routing weights and output to float32 rounding (a sum order differs: the router's
+    dot products; an expert in the wrong slot or a missing shared expert is off by order 1)."""
+    model = load_model(open_model(fixture_path(KQUANT_MOE)), n_ctx=64, backend=backend)
+    ffn = model.layers[1].ffn
+    assert ffn.w.experts.one_call(ffn.w.router, ffn.w.shared) is not None  # this layer runs in one call
+    x = torch.randn(5, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(2))
+    noop = lambda name, il, t: None  # noqa: E731
+    one = ops.moe_ffn(x, ffn.w.router, ffn.w.experts, ffn.w.shared, KQUANT_MOE.n_expert_used,
+                      twin=lambda t: pytest.fail("the twin ran"))
+    ref = ffn.math(x, noop)
+    assert torch.equal(one.idx, ref.idx)
+    torch.testing.assert_close(one.logits, ref.logits, rtol=0, atol=1e-5 * ref.logits.abs().max().item())
+    torch.testing.assert_close(one.weights, ref.weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.y, ref.y, rtol=0, atol=1e-5 * ref.y.abs().max().item())
+    for i in (0, 3):  # each token's row is a one-token call's row
+        single = ops.moe_ffn(x[i:i + 1], ffn.w.router, ffn.w.experts, ffn.w.shared, KQUANT_MOE.n_expert_used,
+                             twin=lambda t: pytest.fail("the twin ran"))
+        assert torch.equal(single.y, one.y[i:i + 1]) and torch.equal(single.idx, one.idx[i:i + 1])

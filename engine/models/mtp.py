@@ -5,7 +5,7 @@ import torch
 
 from engine import ops
 from engine.cache import Cache
-from engine.models.qwen35 import DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, rms_norm
+from engine.models.qwen35 import DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop
 from engine.ops import Linear
 
 # Head passes of up to this many rows take their embeddings from the per-token memo: a draft pass has at most
@@ -42,15 +42,16 @@ class MTPHead:
         the last few thousand tokens seen are kept (each computed as a one-row pass computes it: norms are
         per-row, batch-invariant), sparing a draft its dequantize and norm ops."""
         if self.enorm.requires_grad or ids.numel() > MAX_DEPTH_ROWS:  # training, or a catch-up over a prompt
-            return rms_norm(ops.embedding(self.embed, ids, device=self.device), self.enorm, self.hp.rms_eps)
+            return ops.rms_norm(ops.embedding(self.embed, ids, device=self.device), self.enorm, self.hp.rms_eps,
+                                self.layer.backend)
         c = self._embedded
         toks = ids.tolist()
         missing = [t for t in dict.fromkeys(toks) if t not in c]
         if missing:
             if len(c) + len(missing) > EMBEDDED_ROWS:
                 c.clear()
-            rows = rms_norm(ops.embedding(self.embed, torch.tensor(missing), device=self.device), self.enorm,
-                            self.hp.rms_eps)
+            rows = ops.rms_norm(ops.embedding(self.embed, torch.tensor(missing), device=self.device), self.enorm,
+                                self.hp.rms_eps, self.layer.backend)
             c.update(zip(missing, rows))
         return c[toks[0]].unsqueeze(0) if len(toks) == 1 else torch.stack([c[t] for t in toks])
 
@@ -64,12 +65,12 @@ class MTPHead:
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
         e = self._normed_embeddings(ids)
-        h = rms_norm(hidden.to(self.device), self.hnorm, eps)
+        h = ops.rms_norm(hidden.to(self.device), self.hnorm, eps, self.layer.backend)
         x = ops.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)
         x = self.layer(x, cache, pos, self.model.rope(self.device), cb, None, False)
         cache.pos = pos + n
-        out = rms_norm(x, self.head_norm, eps)
+        out = ops.rms_norm(x, self.head_norm, eps, self.layer.backend)
         cb("mtp_result_norm", self.il, out)
         logits = None
         if logit_rows != "none":

@@ -1,6 +1,6 @@
 """Qwen3.5 / Qwen3.6 hybrid models (`qwen35moe`, `qwen35`), as llama.cpp computes them (spec §3).
 
-Read top to bottom: norms and RoPE → gated attention → Gated DeltaNet → FFN (MoE or dense) → decoder layer →
+Read top to bottom: RoPE tables → gated attention → Gated DeltaNet → FFN (MoE or dense) → decoder layer →
 model (trunk forward, LM head). The layers describe the math and call engine.ops for every product, attention and
 recurrence: their weights come bound to the kernels that run them (engine.models.build), so nothing here names a
 weight format or a kernel. Every op is batch-invariant, so a pass over N tokens gives each token exactly the bits a
@@ -31,18 +31,8 @@ def _noop(name: str, il: int, t: torch.Tensor) -> None:
 
 # --- norms and rotary embedding ------------------------------------------------------------------
 
-# Batch invariance: norms use sqrt and division (correctly rounded whether ATen takes its SIMD or scalar path),
-# and small per-token transcendentals go through `ops.pointwise`.
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x · 1/sqrt(mean(x²) + eps) · w over the last dim; `w` is the stored GGUF weight (already 1+w)."""
-    return x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
-
-
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """ggml_l2_norm: x / max(‖x‖, eps)."""
-    return x / torch.clamp(x.pow(2).sum(-1, keepdim=True).sqrt(), min=eps)
-
+# Batch invariance: norms and RoPE (ops.rms_norm, ops.l2_norm, ops.rope) work row by row, and small per-token
+# transcendentals go through `ops.pointwise`.
 
 def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n_ctx, n_rot/2] with θ built by repeated float32 multiplication, as ggml does."""
@@ -54,16 +44,6 @@ def rope_tables(n_ctx: int, n_rot: int, base: float) -> tuple[torch.Tensor, torc
     t = torch.from_numpy(theta)
     return torch.cos(t), torch.sin(t)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """NEOX pairing (i, i + n_rot/2) on dims [0, n_rot) of every head; x: [N, H, D], cos/sin: [N, n_rot/2]."""
-    half = n_rot // 2
-    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest], dim=-1)
-
-
-# --- layers --------------------------------------------------------------------------------------
 
 @dataclass
 class AttentionWeights:
@@ -90,11 +70,11 @@ class GatedAttention:
         q, gate = qg[..., :D], qg[..., D:].reshape(n, hp.n_head * D)
         k = k.reshape(n, hp.n_head_kv, D)
         v = v.reshape(n, hp.n_head_kv, Dv)
-        q = rms_norm(q, w.q_norm, hp.rms_eps)
-        k = rms_norm(k, w.k_norm, hp.rms_eps)
+        q = ops.rms_norm(q, w.q_norm, hp.rms_eps, self.backend)
+        k = ops.rms_norm(k, w.k_norm, hp.rms_eps, self.backend)
         cos, sin = rope[0][pos:pos + n], rope[1][pos:pos + n]
-        q = apply_rope(q, cos, sin, hp.n_rot)
-        k = apply_rope(k, cos, sin, hp.n_rot)
+        q = ops.rope(q, cos, sin, hp.n_rot, self.backend)
+        k = ops.rope(k, cos, sin, hp.n_rot, self.backend)
         cb("Qcur", il, q)
         cb("Kcur", il, k)
         cb("Vcur", il, v)
@@ -150,51 +130,51 @@ class GatedDeltaNet:
         mixed, z, b, a = ops.linear_many(x, (w.qkv, w.gate, w.beta, w.alpha))  # mixed: [n, C]
         # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
         window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
-        taps = self.taps()
-        conv = window[0:n] * taps[0]
-        for j in range(1, K):
-            conv = conv + window[j:j + n] * taps[j]
         if capture is not None:
             capture.conv[il] = ConvSteps(window, K)  # views of the window, no copy
         st.conv = window[n:]  # rebind, not copy_: the old state may be saved for backward while training
-        u = F.silu(conv)
+        u, q, k, v, beta, g = ops.gdn_inputs(window, self.taps(), b, a, w.a, w.dt_bias, Hk, dk, hp.rms_eps,
+                                             self.backend)
         cb("conv_output_silu", il, u)
-        q = u[:, :Hk * dk].reshape(n, Hk, dk)
-        k = u[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk)
-        v = u[:, 2 * Hk * dk:].reshape(n, Hv, dv)
-        q = l2_norm(q, hp.rms_eps) * (1.0 / math.sqrt(dk))
-        k = l2_norm(k, hp.rms_eps)
         if chunked and capture is None and n > 1:
-            beta = torch.sigmoid(b)
-            g = w.a * F.softplus(a + w.dt_bias)
             o, st.ssm = ops.delta_rule_chunked(*ops.tiled(q, k, Hv), v, beta, g, st.ssm, self.chunk)
         else:
-            # β = σ(b), g = ssm_a · softplus(α + dt_bias) for all tokens at once on SIMD-padded rows (the same bits
-            # for one token or many)
-            beta = pointwise(torch.sigmoid, b)
-            g = w.a * pointwise(F.softplus, a + w.dt_bias)
             o, states = ops.delta_rule(q, k, v, beta, g, st, self.backend, capture is not None)
             if capture is not None:
                 capture.ssm[il] = states
         cb("beta", il, beta)
         cb("gate", il, g)
         cb("attn_output", il, o)
-        o = rms_norm(o, w.norm, hp.rms_eps) * F.silu(z.view(n, Hv, dv))
+        o = ops.rms_norm(o, w.norm, hp.rms_eps, self.backend, gate=F.silu(z.view(n, Hv, dv)))
         return ops.linear(o.reshape(n, Hv * dv), w.out)
 
 
-@dataclass
 class RoutingStats:
-    """Per-layer expert usage counts, accumulated across passes (the app's heat map on CPU runs)."""
+    """Per-layer expert usage counts, accumulated across passes (the app's heat map on CPU runs). A pass only
+    records its ids; they are counted when `counts` is read (a few times a second), or when many are waiting."""
 
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    FOLD = 256  # passes recorded per layer before they are counted
+
+    def __init__(self) -> None:
+        self._counts: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     def add(self, layer: int, experts: torch.Tensor, n_expert: int) -> None:
-        c = torch.bincount(experts.reshape(-1).cpu(), minlength=n_expert)
-        if layer in self.counts:
-            self.counts[layer] += c
-        else:
-            self.counts[layer] = c
+        n, ids = self._pending.setdefault(layer, (n_expert, []))
+        ids.append(experts.reshape(-1))
+        if len(ids) >= self.FOLD:
+            self._fold(layer)
+
+    def _fold(self, layer: int) -> None:
+        n_expert, ids = self._pending.pop(layer)
+        c = torch.bincount(torch.cat(ids).cpu(), minlength=n_expert)
+        self._counts[layer] = self._counts[layer] + c if layer in self._counts else c
+
+    @property
+    def counts(self) -> dict[int, torch.Tensor]:
+        for layer in list(self._pending):
+            self._fold(layer)
+        return self._counts
 
 
 def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +193,12 @@ class MoEWeights:
     shared_up: Linear | None
     shared_down: Linear | None
 
+    @property
+    def shared(self) -> ops.Shared | None:
+        if self.shared_gate_inp is None or self.shared_gate is None or self.shared_up is None or self.shared_down is None:
+            return None
+        return self.shared_gate_inp, self.shared_gate, self.shared_up, self.shared_down
+
 
 class MoE:
     def __init__(self, hp: HParams, w: MoEWeights, layer: int, stats: RoutingStats | None = None):
@@ -228,13 +214,19 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
         hp, w, il = self.hp, self.w, self.il
-        logits = ops.linear(x, w.router)
-        cb("ffn_moe_logits", il, logits)
-        weights, idx = route(logits, hp.n_expert_used)
-        cb("ffn_moe_weights_norm", il, weights)
+        out = ops.moe_ffn(x, w.router, w.experts, w.shared, hp.n_expert_used, twin=lambda t: self.math(t, cb))
+        cb("ffn_moe_logits", il, out.logits)
+        cb("ffn_moe_weights_norm", il, out.weights)
         if self.stats is not None:
-            self.stats.add(il, idx, hp.n_expert)
-        # where the routed experts' products can take the shared expert too, it joins them (gated per token)
+            self.stats.add(il, out.idx, hp.n_expert)
+        return out.y
+
+    def math(self, x: torch.Tensor, cb: Hook) -> ops.MoEOut:
+        """The layer op by op (ops.moe_ffn runs it in one native call where it can): router, routing, the routed
+        experts, and the shared expert weighted by its gate."""
+        hp, w, il = self.hp, self.w, self.il
+        logits = ops.linear(x, w.router)
+        weights, idx = route(logits, hp.n_expert_used)
         inside = w.experts.runs_shared
         gate = pointwise(torch.sigmoid, ops.linear(x, w.shared_gate_inp)) if inside else None  # type: ignore[arg-type]
         y = self.experts(x, idx, weights, gate)
@@ -245,7 +237,7 @@ class MoE:
             sh = ops.linear(sh, w.shared_down) * pointwise(torch.sigmoid, ops.linear(x, w.shared_gate_inp))  # type: ignore[arg-type]
             cb("ffn_shexp", il, sh)
             y = y + sh
-        return y
+        return ops.MoEOut(y, logits, weights, idx)
 
 
 @dataclass
@@ -275,7 +267,7 @@ class DecoderLayer:
     def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor], cb: Hook,
                  capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
         il = self.il
-        a = rms_norm(x, self.attn_norm, self.eps)
+        a = ops.rms_norm(x, self.attn_norm, self.eps, self.backend)
         cb("attn_norm", il, a)
         if isinstance(self.mixer, GatedDeltaNet):
             y = self.mixer(a, cache.gdn[il], cb, capture, chunked)
@@ -283,7 +275,7 @@ class DecoderLayer:
             y = self.mixer(a, cache.kv[il], pos, rope, cb)
         cb("attn_residual_in", il, y)
         h = x + y
-        f = rms_norm(h, self.post_norm, self.eps)
+        f = ops.rms_norm(h, self.post_norm, self.eps, self.backend)
         cb("attn_post_norm", il, f)
         out = h + self.ffn(f, cb)
         cb("l_out", il, out)
@@ -363,7 +355,7 @@ class Qwen35Model:
                 x = x.to(layer.device)
             x = layer(x, cache, pos, self.rope(layer.device), cb, cap, chunked)
         cache.pos = pos + n
-        h = rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps)
+        h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)
         logits = None
         if logit_rows != "none":

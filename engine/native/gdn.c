@@ -167,3 +167,42 @@ int gdn_recurrence(const float *q, const float *k, const float *v, const float *
     pool_run(n_threads, H, gdn_head, &j);
     return 0;
 }
+
+/* ---- the recurrence's inputs -------------------------------------------------------------------------------- */
+
+/* From a pass's projections to the recurrence's inputs, per token t (spec §3.4):
+ *   u = silu(Σ_j window[t + j] ⊙ taps[j])    the causal conv over the last K inputs (window [K−1+n, C]: the conv
+ *                                           state, then the pass's rows; taps [K, C]), summed tap 0 first;
+ *   q = u[0 : H_k·d_k] per key head / max(‖·‖, eps) · q_scale;  k likewise (no scale);  (v: u's last H·d_v)
+ *   β = sigmoid(b);  g = A · softplus(a + dt_bias)   (softplus(x) = x above 20, as torch's).
+ * u [n, C], q and k [n, H_k, d_k], beta and g [n, H]. Element by element what the torch twin computes op by op
+ * (engine.ops.delta_rule.gdn_inputs), in one pass over the rows instead of about twenty tensor ops. */
+void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, int64_t kk, const float *b,
+                const float *a, const float *A, const float *dt_bias, int64_t h, int64_t hk, int64_t dk, float eps,
+                float q_scale, float *u, float *q, float *k, float *beta, float *g) {
+    for (int64_t t = 0; t < n; t++) {
+        float *ut = u + t * c;
+        for (int64_t i = 0; i < c; i++) ut[i] = window[t * c + i] * taps[i];
+        for (int64_t j = 1; j < kk; j++) {
+            const float *w = window + (t + j) * c, *tj = taps + j * c;
+            for (int64_t i = 0; i < c; i++) ut[i] = ut[i] + w[i] * tj[i];
+        }
+        for (int64_t i = 0; i < c; i++) ut[i] = ut[i] / (1.f + expf(-ut[i]));
+        for (int64_t part = 0; part < 2; part++) {
+            float *dst = (part ? k : q) + t * hk * dk;
+            const float post = part ? 1.f : q_scale;
+            for (int64_t hh = 0; hh < hk; hh++) {
+                const float *src = ut + part * hk * dk + hh * dk;
+                double acc[4] = {0.0, 0.0, 0.0, 0.0};
+                for (int64_t i = 0; i < dk; i++) acc[i % 4] += (double)(src[i] * src[i]);
+                const float s = 1.0f / fmaxf(sqrtf((float)((acc[0] + acc[1]) + (acc[2] + acc[3]))), eps);
+                for (int64_t i = 0; i < dk; i++) dst[hh * dk + i] = src[i] * s * post;
+            }
+        }
+        for (int64_t i = 0; i < h; i++) {
+            beta[t * h + i] = 1.f / (1.f + expf(-b[t * h + i]));
+            const float x = a[t * h + i] + dt_bias[i];
+            g[t * h + i] = A[i] * (x > 20.f ? x : log1pf(expf(x)));
+        }
+    }
+}

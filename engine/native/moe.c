@@ -113,3 +113,86 @@ done:
     free(ints), free(g), free(u), free(o);
     return rc;
 }
+
+/* ---- the whole layer: router, top-k, routed experts, shared expert ------------------------------------------- */
+
+/* Σ a[i]·b[i] over 8 fixed lanes, summed pairwise at the end: the same numbers from every instruction set (a plain
+ * multiply and add per lane, no contraction), whichever clone runs. */
+__attribute__((target_clones("avx2", "default")))
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    for (; i < n; i++) acc[i % 8] += a[i] * b[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* One token's routing, as llama.cpp's build_moe_ffn (softmax gating, top-k, weights renormalised): logits =
+ * router · x; softmax with the sum in double (ggml_soft_max); the k largest probabilities in descending order
+ * (the lower expert id first on a tie); each divided by their sum. */
+typedef struct {
+    const float *router, *x;
+    int64_t d, n_expert, k_used;
+    float *logits, *wts;
+    int64_t *idx;
+} Route;
+
+static void route_item(void *ctx, int64_t t) {
+    const Route *r = ctx;
+    const int64_t E = r->n_expert, k = r->k_used;
+    float *l = r->logits + t * E, *w = r->wts + t * k;
+    int64_t *id = r->idx + t * k;
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        l[e] = dot_f32(r->router + e * r->d, r->x + t * r->d, r->d);
+        if (l[e] > mx) mx = l[e];
+    }
+    float p[1024];  /* E ≤ 1024: checked by moe_layer */
+    double sum = 0.0;
+    for (int64_t e = 0; e < E; e++) sum += (double)(p[e] = expf(l[e] - mx));
+    const float inv = (float)(1.0 / sum);
+    for (int64_t e = 0; e < E; e++) p[e] *= inv;
+    double wsum = 0.0;
+    for (int64_t s = 0; s < k; s++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < s; j++) taken |= id[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        id[s] = best;
+        w[s] = p[best];
+        wsum += (double)p[best];
+    }
+    const float ws = (float)wsum;
+    for (int64_t s = 0; s < k; s++) w[s] = w[s] / ws;
+}
+
+/* A MoE layer for the n tokens of a pass in one call: routing (router [n_expert, d] float32), the routed experts
+ * (moe_routed), and the shared expert (stacks sg, su, sd with one expert each; NULL when the layer has none) weighted
+ * by sigmoid(shared_inp · x) and added after the routed sum. Outputs y [n, d], and the router's logits [n, n_expert],
+ * weights and ids [n, k_used] (the model's hooks and routing statistics read them). Returns as moe_routed; -3 for
+ * more than 1024 experts. */
+int moe_layer(const float *router, const float *shared_inp, const ExpertStack *sg, const ExpertStack *su,
+              const ExpertStack *sd, const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down,
+              const float *x, int64_t n, int64_t k_used, int64_t n_expert, float *logits, float *wts, int64_t *idx,
+              float *y, int isa) {
+    if (n_expert > 1024 || k_used > n_expert) return -3;
+    const int64_t d = down->n_rows;
+    Route r = {router, x, gate->k, n_expert, k_used, logits, wts, idx};
+    pool_run(n > 1 ? gate->threads : 1, n, route_item, &r);
+    int rc = moe_routed(gate, up, down, x, n, idx, wts, k_used, n_expert, y, isa);
+    if (rc || !sg) return rc;
+    float *sw = malloc((size_t)n * sizeof(float)), *ys = malloc((size_t)(n * d) * sizeof(float));
+    int64_t *zero = calloc((size_t)n, sizeof(int64_t));
+    rc = -1;
+    if (sw && ys && zero) {
+        for (int64_t t = 0; t < n; t++) sw[t] = 1.f / (1.f + expf(-dot_f32(shared_inp, x + t * gate->k, gate->k)));
+        rc = moe_routed(sg, su, sd, x, n, zero, sw, 1, 1, ys, isa);  /* ys[t] = sw[t] · shared(x_t) */
+        if (rc == 0)
+            for (int64_t i = 0; i < n * d; i++) y[i] += ys[i];
+    }
+    free(sw), free(ys), free(zero);
+    return rc;
+}

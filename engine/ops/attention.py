@@ -36,7 +36,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scal
 
 def _floats(*ts: torch.Tensor) -> bool:
     """float32 on the CPU, no autograd: what the native float kernels take."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in ts)
+    return all(t.is_cpu and t.dtype is torch.float32 and not t.requires_grad for t in ts)
 
 
 def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float) -> torch.Tensor:

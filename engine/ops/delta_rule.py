@@ -7,6 +7,7 @@ for long prefills and training, equal to the recurrence to ~1e-6 relative.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -17,6 +18,7 @@ from engine.cache import GDNState, StateReplay
 from engine.ops import native
 from engine.ops.attention import _floats
 from engine.ops.backend import Backend, OpEvent
+from engine.ops.norms import l2_norm
 
 # Batch invariance: ATen runs pointwise transcendentals (exp, rsqrt, sigmoid…) on SIMD lanes for most
 # elements but in scalar code for a tensor's tail, and the two can differ in the last bit; a [N, 4]
@@ -31,6 +33,30 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     padded = torch.zeros(n, length + (-length) % 64, dtype=x.dtype, device=x.device)
     padded[:, :length] = x
     return fn(padded)[:, :length]
+
+
+def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A: torch.Tensor,
+               dt_bias: torch.Tensor, hk: int, dk: int, eps: float, backend: Backend
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence's inputs from a pass's projections (spec §3.4): the causal conv over window [K−1+n, C] (the
+    conv state, then the pass's rows) with taps [K, C], silu → u [n, C]; q, k [n, H_k, d_k] its first two parts
+    L2-normed per head (q scaled by 1/sqrt(d_k)), v [n, H, d_v] its last; β = sigmoid(b), g = A·softplus(a +
+    dt_bias) [n, H]. Natively in one call (engine/native/gdn.c), or op by op in torch."""
+    n, h = b.shape
+    if backend.native and _floats(window, taps, b, a, A, dt_bias):
+        u, q, k, beta, g = native.gdn_inputs(*(t.contiguous() for t in (window, taps, b, a, A, dt_bias)), hk, dk,
+                                             eps, 1.0 / math.sqrt(dk))
+    else:
+        kk = taps.shape[0]
+        u = window[0:n] * taps[0]
+        for j in range(1, kk):
+            u = u + window[j:j + n] * taps[j]
+        u = F.silu(u)
+        q = l2_norm(u[:, :hk * dk].reshape(n, hk, dk), eps, backend, scale=1.0 / math.sqrt(dk))
+        k = l2_norm(u[:, hk * dk:2 * hk * dk].reshape(n, hk, dk), eps, backend)
+        beta = pointwise(torch.sigmoid, b)
+        g = A * pointwise(F.softplus, a + dt_bias)
+    return u, q, k, u[:, 2 * hk * dk:].reshape(n, h, -1), beta, g
 
 
 def tiled(q: torch.Tensor, k: torch.Tensor, h_v: int) -> tuple[torch.Tensor, torch.Tensor]:

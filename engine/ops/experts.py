@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ from engine.expert_cache import ExpertCache
 from engine.ops import native, torch_int8
 from engine.ops.activations import quantize, round_for
 from engine.ops.backend import Backend, OpEvent
-from engine.ops.linear import NativeLinear, Weight
+from engine.ops.linear import Linear, NativeLinear, Weight
 from engine.storage.qtensor import QTensor
 
 # Dequantized expert weights handled at once per projection: bounds memory on big models (a 35B
@@ -59,6 +61,7 @@ class Experts:
         self.shared = shared if self.shared_slices else None
         self.stacks = tuple(NativeLinear(t, b) for t in ws) if self.kind == "native" else ()  # type: ignore[arg-type]
         self._planes: dict[bool, tuple[torch_int8.Planes, torch_int8.Planes]] = {}
+        self._layer: _OneCall | None | bool = False  # the one-call layer's inputs (False: not yet decided)
 
     @property
     def n_expert(self) -> int:
@@ -73,6 +76,33 @@ class Experts:
         return sum(t.nbytes if isinstance(t, QTensor) else t.numel() * t.element_size()
                    for t in (self.gate, self.up, self.down)) // self.n_expert
 
+    def one_call(self, router: Linear, shared: Shared | None) -> _OneCall | None:
+        """The inputs of the one-call native MoE layer (moe_ffn), or None where it does not run this layer."""
+        if self._layer is False:
+            self._layer = self._one_call(router, shared)
+        return self._layer  # type: ignore[return-value]
+
+    def _one_call(self, router: Linear, shared: Shared | None) -> _OneCall | None:
+        if self.kind != "native" or self.cache is not None:
+            return None
+        rw = _f32(router)
+        if rw is None or rw.shape[0] != self.n_expert or rw.shape[0] > 1024:
+            return None
+        n_e = self.n_expert
+        stacks = tuple(native.expert_stack(code, raw, n_e, lin.n_rows // n_e, lin.n_cols, 1)
+                       for lin in self.stacks for raw, code in [lin.kernel_bytes()])
+        nbytes = router.nbytes
+        sh_inp, sh = None, ()
+        if shared is not None:
+            sh_inp = _f32(shared[0])
+            if sh_inp is None or not all(isinstance(lin, NativeLinear) for lin in shared[1:]):
+                return None
+            sh = tuple(native.expert_stack(code, raw, 1, lin.n_rows, lin.n_cols, 1)
+                       for lin in shared[1:] for raw, code in [lin.kernel_bytes()])  # type: ignore[attr-defined]
+            sh_inp = sh_inp.reshape(-1)
+            nbytes += sum(lin.nbytes for lin in shared)
+        return _OneCall(rw, sh_inp, stacks, sh, nbytes)
+
     def planes(self, with_shared: bool) -> tuple[torch_int8.Planes, torch_int8.Planes]:
         """The int8 planes of the stacks (and the shared expert's slices), made on first use."""
         p = self._planes.get(with_shared)
@@ -80,6 +110,62 @@ class Experts:
             p = self._planes[with_shared] = torch_int8.expert_planes(
                 self.gate, self.up, self.down, self.shared if with_shared else None)  # type: ignore[arg-type]
         return p
+
+
+@dataclass(frozen=True)
+class MoEOut:
+    """A MoE layer's output and its routing: y [n, d], router logits [n, E], top-k weights and ids [n, k]."""
+
+    y: torch.Tensor
+    logits: torch.Tensor
+    weights: torch.Tensor
+    idx: torch.Tensor
+
+
+Shared = tuple[Linear, Linear, Linear, Linear]  # the shared expert: gate input (1, d), gate, up, down
+
+
+def moe_ffn(x: torch.Tensor, router: Linear, ex: Experts, shared: Shared | None, k: int,
+            twin: Callable[[torch.Tensor], MoEOut]) -> MoEOut:
+    """A whole MoE layer: routing (softmax over the router's logits, top k, renormalised), the routed experts and
+    the shared expert weighted by sigmoid(gate input · x). In one native call (engine/native/moe.c moe_layer) where
+    the backend runs every piece of it (native routed experts without an expert cache, float32 router and shared
+    gate input, a native shared expert); else `twin(x)`, the model's description of the same math in ops calls.
+    The choice is made once per layer."""
+    one = ex.one_call(router, shared)
+    if one is None:
+        return twin(x)
+    obs = ex.backend.observer
+    t0 = time.perf_counter() if obs is not None else 0.0
+    xc = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    threads = ex.backend.n_threads(x.shape[0] * k * ex.expert_bytes())
+    for st in (*one.stacks, *one.shared):
+        st.threads = threads
+    y, logits, wts, idx = native.moe_layer(one.router, one.shared_inp, one.shared or None, one.stacks, xc, k,
+                                           ex.backend.level)
+    if obs is not None:
+        distinct = int(torch.unique(idx).numel())
+        obs(OpEvent("moe_experts", ex.expert_bytes() * distinct + one.nbytes, x.shape[0],
+                    time.perf_counter() - t0, distinct))
+    return MoEOut(y, logits, wts, idx)
+
+
+class _OneCall:
+    """What moe_layer reads for one layer, made once: float32 router and gate input, and the stacks' descriptors."""
+
+    def __init__(self, router: torch.Tensor, shared_inp: torch.Tensor | None,
+                 stacks: tuple[native.ExpertStack, ...], shared: tuple[native.ExpertStack, ...], nbytes: int):
+        self.router, self.shared_inp, self.stacks, self.shared, self.nbytes = router, shared_inp, stacks, shared, nbytes
+
+
+def _f32(lin: Linear) -> torch.Tensor | None:
+    """A float32 weight's values on the CPU, as a contiguous [out, in] tensor (None for any other weight)."""
+    w = lin.weight
+    if isinstance(w, QTensor):
+        if w.qtype != QT.F32 or w.raw.device.type != "cpu":
+            return None
+        return w.raw.view(torch.float32).view(lin.n_rows, lin.n_cols)
+    return None
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,

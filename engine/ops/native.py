@@ -38,7 +38,12 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "group_expert_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
     "attention_causal": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
     "moe_routed": ([_STACK, _STACK, _STACK, _P, _I, _P, _P, _I, _I, _P, _C], _C),
+    "moe_layer": ([_P, _P, _STACK, _STACK, _STACK, _STACK, _STACK, _STACK, _P, _I, _I, _I, _P, _P, _P, _P, _C], _C),
     "gdn_recurrence": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
+    "gdn_inputs": ([_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P,
+                    _P], None),
+    "rope_neox": ([_P, _I, _I, _I, _I, _P, _P], None),
+    "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
 }
 
 
@@ -156,6 +161,26 @@ def moe_routed(stacks: tuple[ExpertStack, ExpertStack, ExpertStack], x: torch.Te
     return y
 
 
+def moe_layer(router: torch.Tensor, shared_inp: torch.Tensor | None, shared: tuple[ExpertStack, ...] | None,
+              stacks: tuple[ExpertStack, ExpertStack, ExpertStack], x: torch.Tensor, k: int,
+              isa: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer in one call (engine/native/moe.c moe_layer): router [E, d] float32, the shared expert's gate
+    input [d] and stacks (one expert each; None: no shared expert), the routed stacks, x [n, d] float32
+    (contiguous). Returns y [n, d], router logits [n, E], top-k weights [n, k] and ids [n, k]."""
+    n, e_n = x.shape[0], router.shape[0]
+    y, logits, wts = torch.empty(n, stacks[2].n_rows), torch.empty(n, e_n), torch.empty(n, k)
+    idx = torch.empty(n, k, dtype=torch.long)
+    sg, su, sd = (ctypes.byref(s) for s in shared) if shared is not None else (None, None, None)
+    rc = LIB.moe_layer(router.data_ptr(), _ptr(shared_inp), sg, su, sd,  # type: ignore[union-attr]
+                       *(ctypes.byref(s) for s in stacks), x.data_ptr(), n, k, e_n, logits.data_ptr(),
+                       wts.data_ptr(), idx.data_ptr(), y.data_ptr(), isa)
+    if rc == -3:
+        raise ValueError(f"{e_n} experts, top {k}: more than the native MoE layer takes (1024)")
+    if rc != 0:
+        raise MemoryError("no memory for the MoE layer's pass")
+    return y, logits, wts, idx
+
+
 @dataclass(frozen=True)
 class Groups:
     """A pass's (token, slot) pairs grouped by expert, as a stable argsort of the flat top-k ids orders them."""
@@ -208,3 +233,39 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     if rc != 0:
         raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")
     return o
+
+
+def norm_rows(x: torch.Tensor, w: torch.Tensor | None, gate: torch.Tensor | None, eps: float, l2: bool,
+              post: float = 1.0) -> torch.Tensor:
+    """Per-row RMS (or L2) norm of x [..., d] (float32 on the CPU), times w [d], times gate (x's shape), times
+    `post`: a new tensor."""
+    d = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    g = gate.contiguous() if gate is not None else None
+    wc = w.contiguous() if w is not None else None
+    LIB.norm_rows(x.data_ptr(), x.numel() // d, d, _ptr(wc), _ptr(g), eps, int(l2), post, y.data_ptr())  # type: ignore[union-attr]
+    return y
+
+
+def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A: torch.Tensor,
+               dt_bias: torch.Tensor, hk: int, dk: int, eps: float,
+               q_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """engine/native/gdn.c gdn_inputs: window [K−1+n, C], taps [K, C], b and a [n, H], A and dt_bias [H] (float32,
+    contiguous) → u [n, C], q and k [n, H_k, d_k], beta and g [n, H]."""
+    kk, c = taps.shape
+    n, h = b.shape
+    u, q, k = torch.empty(n, c), torch.empty(n, hk, dk), torch.empty(n, hk, dk)
+    beta, g = torch.empty(n, h), torch.empty(n, h)
+    LIB.gdn_inputs(window.data_ptr(), taps.data_ptr(), n, c, kk, b.data_ptr(), a.data_ptr(), A.data_ptr(),  # type: ignore[union-attr]
+                   dt_bias.data_ptr(), h, hk, dk, eps, q_scale, u.data_ptr(), q.data_ptr(), k.data_ptr(),
+                   beta.data_ptr(), g.data_ptr())
+    return u, q, k, beta, g
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """RoPE (NEOX pairing) of x [n, H, D] (float32, contiguous: rotated in place and returned) with cos/sin
+    [n, n_rot/2] (contiguous)."""
+    n, h, d = x.shape
+    LIB.rope_neox(x.data_ptr(), n, h, d, n_rot, cos.data_ptr(), sin.data_ptr())  # type: ignore[union-attr]
+    return x

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from engine import ops
 from engine.cache import CapturedStates, GDNState, KVLayer
-from engine.models.qwen35 import GatedAttention, GatedDeltaNet, Hook, MoE, Qwen35Model, l2_norm, rms_norm
+from engine.models.qwen35 import GatedAttention, GatedDeltaNet, Hook, MoE, Qwen35Model
 from engine.ops.experts import reduce_slots
+from engine.ops.norms import l2_norm_torch as l2_norm, rms_norm_torch as rms_norm
 
 
 class TrainingAttention(GatedAttention):
