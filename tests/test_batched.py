@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import ops
-from engine.models.qwen35 import route
+from engine.ops.experts import route
 from engine.storage.modelfile import open_model
 from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model

@@ -86,7 +86,7 @@ def test_integer_path_only_for_q8_0_on_cpu() -> None:
 def test_shared_expert_runs_with_the_routed_experts(slices: int, n: int) -> None:
     """The shared expert, cut into routed-expert-sized slices and run as extra slots, gives the routed
     experts plus σ(gate)·shared expert computed apart (to float rounding: its down sum is split per slice)."""
-    from engine.models.qwen35 import route
+    from engine.ops.experts import route
 
     e_n, f, d = 6, 32, 64
     stacks = [QTensor(random_tensor(QT.Q8_0, s, seed=i, wide=False), QT.Q8_0, s)

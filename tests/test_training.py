@@ -111,7 +111,7 @@ def test_a_batch_of_sequences_in_one_pass_equals_separate_passes() -> None:
 def test_dense_expert_path_equals_the_grouped_path() -> None:
     """On an accelerator the trainer weights every expert's output by its (mostly zero) routing weight in
     three large products; on any device that equals the grouped per-expert path."""
-    from engine.models.qwen35 import route
+    from engine.ops.experts import route
     from engine.training.layers import run_experts_dense, run_experts_float
 
     g = torch.Generator().manual_seed(5)

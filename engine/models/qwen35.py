@@ -9,7 +9,7 @@ one-token pass would. `hook(name, layer, tensor)` sees every named intermediate,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from engine import ops
 from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer
 from engine.expert_cache import ExpertCache
-from engine.ops import Experts, Linear, pointwise
+from engine.ops import Experts, Linear
 from engine.storage.modelfile import HParams
 
 Hook = Callable[[str, int, torch.Tensor], None]
@@ -177,13 +177,6 @@ class RoutingStats:
         return self._counts
 
 
-def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, top-k, renormalised (llama.cpp build_moe_ffn with norm_w, SOFTMAX)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    w, idx = torch.topk(probs, k, dim=-1, sorted=True)
-    return w / w.sum(dim=-1, keepdim=True), idx
-
-
 @dataclass
 class MoEWeights:
     router: Linear  # (E, d), F32
@@ -222,19 +215,17 @@ class MoE:
         return out.y
 
     def math(self, x: torch.Tensor, cb: Hook) -> ops.MoEOut:
-        """The layer op by op (ops.moe_ffn runs it in one native call where it can): router, routing, the routed
-        experts, and the shared expert weighted by its gate."""
+        """The layer op by op (ops.moe_ffn runs it in one native call where it can): routing (router, softmax, top k,
+        renormalised; the shared expert's gate), the routed experts, and the shared expert weighted by its gate."""
         hp, w, il = self.hp, self.w, self.il
-        logits = ops.linear(x, w.router)
-        weights, idx = route(logits, hp.n_expert_used)
+        logits, weights, idx, sgate = ops.moe_route(x, w.router, w.shared_gate_inp, hp.n_expert_used)
         inside = w.experts.runs_shared
-        gate = pointwise(torch.sigmoid, ops.linear(x, w.shared_gate_inp)) if inside else None  # type: ignore[arg-type]
-        y = self.experts(x, idx, weights, gate)
+        y = self.experts(x, idx, weights, sgate if inside else None)
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None and not inside:
             sg, su = ops.linear_many(x, (w.shared_gate, w.shared_up))  # type: ignore[arg-type]
             sh = F.silu(sg) * su
-            sh = ops.linear(sh, w.shared_down) * pointwise(torch.sigmoid, ops.linear(x, w.shared_gate_inp))  # type: ignore[arg-type]
+            sh = ops.linear(sh, w.shared_down) * sgate  # type: ignore[arg-type,operator]
             cb("ffn_shexp", il, sh)
             y = y + sh
         return ops.MoEOut(y, logits, weights, idx)

@@ -67,6 +67,12 @@ static void pairs(const ExpertStack *s, const QRows *x, const int64_t *xrow, int
                        n_groups, experts, starts, out, s->threads, isa);
 }
 
+/* g ← silu(g) · u, element by element; exported so the grouped Python driver (an expert cache's passes) computes
+ * the bits this file's passes compute. */
+void silu_mul(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 /* x [n, d]; idx [n, k_used] expert ids in [0, n_expert), wts [n, k_used] their weights; y [n, d]:
  * y[t] = Σ_s wts[t, s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t, s], summed in slot order from 0.
  * Returns 0, -1 when out of memory, -2 for an expert id out of range. */
@@ -93,7 +99,7 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
     if (!same && quantize_for(up, x, n, isa, &xu)) goto done;
     pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
     pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);
-    for (int64_t i = 0; i < p_n * f; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    silu_mul(g, u, p_n * f);
     if (quantize_for(down, g, p_n, isa, &xh)) goto done;
     for (int64_t p = 0; p < p_n; p++) self[p] = p;
     pairs(down, &xh, self, n_groups, experts, starts, o, isa);
@@ -169,6 +175,19 @@ static void route_item(void *ctx, int64_t t) {
     for (int64_t s = 0; s < k; s++) w[s] = w[s] / ws;
 }
 
+/* A pass's routing (route_item per token) and, with shared_inp, the shared expert's gate sigmoid(shared_inp · x_t)
+ * into sgate [n]: what moe_layer computes first, and what the op-by-op form of the layer calls (ops.moe_route), so
+ * both route with the same bits. Returns 0, or -3 for more than 1024 experts. */
+int moe_route(const float *router, const float *shared_inp, const float *x, int64_t n, int64_t d, int64_t k_used,
+              int64_t n_expert, float *logits, float *wts, int64_t *idx, float *sgate, int threads) {
+    if (n_expert > 1024 || k_used > n_expert) return -3;
+    Route r = {router, x, d, n_expert, k_used, logits, wts, idx};
+    pool_run(n > 1 ? threads : 1, n, route_item, &r);
+    if (shared_inp)
+        for (int64_t t = 0; t < n; t++) sgate[t] = 1.f / (1.f + expf(-dot_f32(shared_inp, x + t * d, d)));
+    return 0;
+}
+
 /* A MoE layer for the n tokens of a pass in one call: routing (router [n_expert, d] float32), the routed experts
  * (moe_routed), and the shared expert (stacks sg, su, sd with one expert each; NULL when the layer has none) weighted
  * by sigmoid(shared_inp · x) and added after the routed sum. Outputs y [n, d], and the router's logits [n, n_expert],
@@ -178,17 +197,19 @@ int moe_layer(const float *router, const float *shared_inp, const ExpertStack *s
               const ExpertStack *sd, const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down,
               const float *x, int64_t n, int64_t k_used, int64_t n_expert, float *logits, float *wts, int64_t *idx,
               float *y, int isa) {
-    if (n_expert > 1024 || k_used > n_expert) return -3;
     const int64_t d = down->n_rows;
-    Route r = {router, x, gate->k, n_expert, k_used, logits, wts, idx};
-    pool_run(n > 1 ? gate->threads : 1, n, route_item, &r);
-    int rc = moe_routed(gate, up, down, x, n, idx, wts, k_used, n_expert, y, isa);
-    if (rc || !sg) return rc;
-    float *sw = malloc((size_t)n * sizeof(float)), *ys = malloc((size_t)(n * d) * sizeof(float));
+    float *sw = malloc((size_t)n * sizeof(float));
+    if (!sw) return -1;
+    int rc = moe_route(router, shared_inp, x, n, gate->k, k_used, n_expert, logits, wts, idx, sw, gate->threads);
+    if (rc == 0) rc = moe_routed(gate, up, down, x, n, idx, wts, k_used, n_expert, y, isa);
+    if (rc || !sg) {
+        free(sw);
+        return rc;
+    }
+    float *ys = malloc((size_t)(n * d) * sizeof(float));
     int64_t *zero = calloc((size_t)n, sizeof(int64_t));
     rc = -1;
-    if (sw && ys && zero) {
-        for (int64_t t = 0; t < n; t++) sw[t] = 1.f / (1.f + expf(-dot_f32(shared_inp, x + t * gate->k, gate->k)));
+    if (ys && zero) {
         rc = moe_routed(sg, su, sd, x, n, zero, sw, 1, 1, ys, isa);  /* ys[t] = sw[t] · shared(x_t) */
         if (rc == 0)
             for (int64_t i = 0; i < n * d; i++) y[i] += ys[i];

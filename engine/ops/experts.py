@@ -22,7 +22,9 @@ from engine.expert_cache import ExpertCache
 from engine.ops import native, torch_int8
 from engine.ops.activations import quantize, round_for
 from engine.ops.backend import Backend, OpEvent
+from engine.ops.delta_rule import pointwise
 from engine.ops.linear import Linear, NativeLinear, Weight
+from engine.ops.linear import linear as ops_linear
 from engine.storage.qtensor import QTensor
 
 # Dequantized expert weights handled at once per projection: bounds memory on big models (a 35B
@@ -123,6 +125,31 @@ class MoEOut:
 
 
 Shared = tuple[Linear, Linear, Linear, Linear]  # the shared expert: gate input (1, d), gate, up, down
+
+
+def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, top-k, renormalised (llama.cpp build_moe_ffn with norm_w, SOFTMAX): the torch form."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, idx = torch.topk(probs, k, dim=-1, sorted=True)
+    return w / w.sum(dim=-1, keepdim=True), idx
+
+
+def moe_route(x: torch.Tensor, router: Linear, shared_inp: Linear | None, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A MoE layer's routing: router logits [n, E], top-k weights and ids [n, k], and the shared expert's gate
+    sigmoid(gate input · x) [n, 1] (None without one). Natively (moe.c moe_route, the routing moe_ffn's one call
+    runs, so the op-by-op layer routes with its bits) where the router and gate input are float32 on a native
+    backend's CPU; else the router's product, `route` and a sigmoid in torch."""
+    rw = _f32(router)
+    si = _f32(shared_inp) if shared_inp is not None else None
+    if router.backend.native and rw is not None and rw.shape[0] <= 1024 and (shared_inp is None or si is not None) \
+            and x.is_cpu and x.dtype is torch.float32 and not x.requires_grad:
+        return native.moe_route(rw, si.reshape(-1) if si is not None else None, x.contiguous(), k,
+                                router.backend.n_threads(x.shape[0] * router.n_rows * router.n_cols))
+    logits = ops_linear(x, router)
+    weights, idx = route(logits, k)
+    sgate = pointwise(torch.sigmoid, ops_linear(x, shared_inp)) if shared_inp is not None else None
+    return logits, weights, idx, sgate
 
 
 def moe_ffn(x: torch.Tensor, router: Linear, ex: Experts, shared: Shared | None, k: int,
@@ -351,7 +378,7 @@ class _Native:
         tokens = self.tokens if pairs is None else self.tokens[pairs]
         g = _pairs(self.x, gate, tokens, ids, starts)
         u = _pairs(self.x, up, tokens, ids, starts)
-        h = F.silu(g).mul_(u)
+        h = native.silu_mul(g, u)  # the one-call pass's bits (moe.c), not torch's silu
         y = _pairs(h, down, ARANGE[:h.shape[0]], ids, starts)
         self.out[self.order if pairs is None else self.order[pairs]] = y
 

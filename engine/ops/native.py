@@ -38,6 +38,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "group_expert_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
     "attention_causal": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _C, _C], _C),
     "moe_routed": ([_STACK, _STACK, _STACK, _P, _I, _P, _P, _I, _I, _P, _C], _C),
+    "silu_mul": ([_P, _P, _I], None),
+    "moe_route": ([_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _C], _C),
     "moe_layer": ([_P, _P, _STACK, _STACK, _STACK, _STACK, _STACK, _STACK, _P, _I, _I, _I, _P, _P, _P, _P, _C], _C),
     "gdn_recurrence": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _C, _C], _C),
     "gdn_inputs": ([_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P,
@@ -181,6 +183,20 @@ def moe_layer(router: torch.Tensor, shared_inp: torch.Tensor | None, shared: tup
     return y, logits, wts, idx
 
 
+def moe_route(router: torch.Tensor, shared_inp: torch.Tensor | None, x: torch.Tensor, k: int, threads: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """moe.c moe_route: router logits [n, E], top-k weights and ids [n, k], and with shared_inp [d] the shared
+    expert's gate sigmoid(shared_inp · x) [n, 1]; router [E, d] and x [n, d] float32, contiguous."""
+    n, e_n = x.shape[0], router.shape[0]
+    logits, wts, idx = torch.empty(n, e_n), torch.empty(n, k), torch.empty(n, k, dtype=torch.long)
+    sgate = torch.empty(n, 1) if shared_inp is not None else None
+    rc = LIB.moe_route(router.data_ptr(), _ptr(shared_inp), x.data_ptr(), n, x.shape[1], k, e_n,  # type: ignore[union-attr]
+                       logits.data_ptr(), wts.data_ptr(), idx.data_ptr(), _ptr(sgate), threads)
+    if rc != 0:
+        raise ValueError(f"{e_n} experts, top {k}: more than the native router takes (1024)")
+    return logits, wts, idx, sgate
+
+
 @dataclass(frozen=True)
 class Groups:
     """A pass's (token, slot) pairs grouped by expert, as a stable argsort of the flat top-k ids orders them."""
@@ -269,3 +285,9 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int)
     n, h, d = x.shape
     LIB.rope_neox(x.data_ptr(), n, h, d, n_rot, cos.data_ptr(), sin.data_ptr())  # type: ignore[union-attr]
     return x
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """g ← silu(g) · u in place (float32, contiguous, same shape), as moe.c's passes compute it; returns g."""
+    LIB.silu_mul(g.data_ptr(), u.data_ptr(), g.numel())  # type: ignore[union-attr]
+    return g
