@@ -64,15 +64,17 @@ def test_logits_match_llama_cpp(spec: FixtureSpec, kl_max: float) -> None:
 def test_kl_flags_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     # Negative control (spec §8): skipping the top-k renormalisation is a real bug; KL must see it. (The bug is
     # planted in the model's math, not a kernel choice.)
-    import engine.models.qwen35 as q
+    from engine import ops
 
     toks = np.random.default_rng(7).integers(0, TINY_MOE.n_vocab - 3, 256).tolist()
     ref = llama_logits(fixture_path(TINY_MOE), toks)
+    real = ops.moe_route
 
-    def no_renorm(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.topk(torch.softmax(logits.float(), -1), k, dim=-1)
+    def no_renorm(x, router, shared_inp, k):  # type: ignore[no-untyped-def]
+        logits, _, idx, sgate = real(x, router, shared_inp, k)
+        return logits, torch.gather(torch.softmax(logits.float(), -1), 1, idx), idx, sgate
 
-    monkeypatch.setattr(q, "route", no_renorm)
+    monkeypatch.setattr(ops, "moe_route", no_renorm)  # the op-by-op layer the F32 fixture runs (MoE.math)
     assert kl_ref_ours(ref, our_logits(TINY_MOE, toks)) > 0.02
 
 
