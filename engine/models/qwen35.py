@@ -160,7 +160,7 @@ class RoutingStats:
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     def add(self, layer: int, experts: torch.Tensor, n_expert: int) -> None:
-        n, ids = self._pending.setdefault(layer, (n_expert, []))
+        _, ids = self._pending.setdefault(layer, (n_expert, []))
         ids.append(experts.reshape(-1))
         if len(ids) >= self.FOLD:
             self._fold(layer)

@@ -187,20 +187,11 @@ void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, in
             const float *w = window + (t + j) * c, *tj = taps + j * c;
             for (int64_t i = 0; i < c; i++) ut[i] = ut[i] + w[i] * tj[i];
         }
-        for (int64_t i = 0; i < c; i++) ut[i] = ut[i] / (1.f + expf(-ut[i]));
-        for (int64_t part = 0; part < 2; part++) {
-            float *dst = (part ? k : q) + t * hk * dk;
-            const float post = part ? 1.f : q_scale;
-            for (int64_t hh = 0; hh < hk; hh++) {
-                const float *src = ut + part * hk * dk + hh * dk;
-                double acc[4] = {0.0, 0.0, 0.0, 0.0};
-                for (int64_t i = 0; i < dk; i++) acc[i % 4] += (double)(src[i] * src[i]);
-                const float s = 1.0f / fmaxf(sqrtf((float)((acc[0] + acc[1]) + (acc[2] + acc[3]))), eps);
-                for (int64_t i = 0; i < dk; i++) dst[hh * dk + i] = src[i] * s * post;
-            }
-        }
+        for (int64_t i = 0; i < c; i++) ut[i] = silu_f(ut[i]);
+        norm_rows(ut, hk, dk, NULL, NULL, eps, 1, q_scale, q + t * hk * dk);  /* ops.l2_norm's bits */
+        norm_rows(ut + hk * dk, hk, dk, NULL, NULL, eps, 1, 1.f, k + t * hk * dk);
         for (int64_t i = 0; i < h; i++) {
-            beta[t * h + i] = 1.f / (1.f + expf(-b[t * h + i]));
+            beta[t * h + i] = sigmoid_f(b[t * h + i]);
             const float x = a[t * h + i] + dt_bias[i];
             g[t * h + i] = A[i] * (x > 20.f ? x : log1pf(expf(x)));
         }

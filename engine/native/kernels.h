@@ -34,6 +34,14 @@ int cpu_features(void);
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
 int isa_runs(int isa, int level);
 
+/* The activations the float kernels share, one expression each, so every file computes the same bits. */
+static inline float silu_f(float x) { return x / (1.f + expf(-x)); }
+static inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* norm.c: per-row RMS (or L2) norm of x [n, d], times w [d], times gate [n, d], times post (each optional) */
+void norm_rows(const float *x, int64_t n, int64_t d, const float *w, const float *gate, float eps, int l2,
+               float post, float *y);
+
 /* pool.c: fn(ctx, i) for i in [0, n_items) on up to n_threads threads (the caller's included), each item once;
  * returns when all are done. The caller works too and never waits for a thread that has not started an item. */
 typedef void (*pool_fn)(void *ctx, int64_t item);

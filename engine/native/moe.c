@@ -70,7 +70,7 @@ static void pairs(const ExpertStack *s, const QRows *x, const int64_t *xrow, int
 /* g ← silu(g) · u, element by element; exported so the grouped Python driver (an expert cache's passes) computes
  * the bits this file's passes compute. */
 void silu_mul(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++) g[i] = silu_f(g[i]) * u[i];
 }
 
 /* x [n, d]; idx [n, k_used] expert ids in [0, n_expert), wts [n, k_used] their weights; y [n, d]:
@@ -184,7 +184,7 @@ int moe_route(const float *router, const float *shared_inp, const float *x, int6
     Route r = {router, x, d, n_expert, k_used, logits, wts, idx};
     pool_run(n > 1 ? threads : 1, n, route_item, &r);
     if (shared_inp)
-        for (int64_t t = 0; t < n; t++) sgate[t] = 1.f / (1.f + expf(-dot_f32(shared_inp, x + t * d, d)));
+        for (int64_t t = 0; t < n; t++) sgate[t] = sigmoid_f(dot_f32(shared_inp, x + t * d, d));
     return 0;
 }
 

@@ -20,7 +20,7 @@ static double sum_squares(const float *x, int64_t d) {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-/* x, y [n, d] (y may be x); w [d] or NULL; gate [n, d] or NULL; l2: the L2 form instead of RMS. */
+/* x, y [n, d] (y may be x); w [d] or NULL; gate [n, d] or NULL; l2: the L2 form instead of RMS (kernels.h). */
 void norm_rows(const float *x, int64_t n, int64_t d, const float *w, const float *gate, float eps, int l2,
                float post, float *y) {
     for (int64_t r = 0; r < n; r++) {
