@@ -174,11 +174,15 @@ class MainWindow(QMainWindow):
         self.progress.setVisible(False)
         self.undo_btn = QPushButton("Undo delete")
         self.undo_btn.setVisible(False)
+        self.cancel_load_btn = QPushButton("Cancel loading")
+        self.cancel_load_btn.setToolTip("Stop loading this model (Esc); the previous model stays")
+        self.cancel_load_btn.setVisible(False)
         self.context_label, self.device_label, self.model_label = QLabel(), QLabel(), QLabel()
         self.context_label.setAccessibleName("Context used")
         self.model_label.setAccessibleName("Model")
         sb.addWidget(self.state_label, 1)
         sb.addWidget(self.progress)
+        sb.addWidget(self.cancel_load_btn)
         sb.addWidget(self.undo_btn)
         for w in (self.context_label, self.device_label, self.model_label):
             w.setContentsMargins(8, 0, 8, 0)
@@ -275,6 +279,7 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         w = self.engine.worker
         w.loadProgress.connect(self.on_load_progress)
+        w.loadCancelled.connect(self.on_load_cancelled)
         w.loaded.connect(self.on_loaded)
         w.loadFailed.connect(self.on_load_failed)
         w.prefill.connect(self.on_prefill)
@@ -299,6 +304,7 @@ class MainWindow(QMainWindow):
         self.export_btn.clicked.connect(self.export_conversation)
         self.export_action.triggered.connect(self.export_conversation)
         self.undo_btn.clicked.connect(self.undo_delete)
+        self.cancel_load_btn.clicked.connect(self.cancel_load)
         self.undo_timer.timeout.connect(lambda: self.undo_btn.setVisible(False))
         self.search.textChanged.connect(lambda _t: self.refresh_conversations())
         self.conv_list.currentItemChanged.connect(self._on_select)
@@ -327,6 +333,8 @@ class MainWindow(QMainWindow):
         self.progress.setValue(0)
         self.progress.setFormat(f"opening {name}")
         self.progress.setVisible(True)
+        self.cancel_load_btn.setVisible(True)
+        self.cancel_load_btn.setEnabled(True)
         self._set_state(f"Loading {name}…")
         self._update_buttons()
         self.engine.load(path, self.settings.engine_config())
@@ -341,6 +349,7 @@ class MainWindow(QMainWindow):
         self.model_info = info
         self.loading = None
         self.progress.setVisible(False)
+        self.cancel_load_btn.setVisible(False)
         self.settings.add_recent(info["path"])
         save_settings(self.qs, self.settings)
         self._fill_recent()
@@ -364,6 +373,7 @@ class MainWindow(QMainWindow):
     def on_load_failed(self, msg: str) -> None:
         failed, self.loading = self.loading, None
         self.progress.setVisible(False)
+        self.cancel_load_btn.setVisible(False)
         if self._fallback and self.model_info is None:  # the last model cannot be reopened: the embedded one
             self._fallback = False
             self.statusBar().showMessage(f"Could not reopen {failed}: {msg}", 15_000)
@@ -375,6 +385,25 @@ class MainWindow(QMainWindow):
             self._set_state("No model loaded")
             self.info.setText("No model loaded")
         self.show_error("Could not open the model", msg)
+        self._update_buttons()
+
+    def cancel_load(self) -> None:
+        if self.loading:
+            self.cancel_load_btn.setEnabled(False)
+            self._set_state(f"Cancelling the load of {self.loading}…")
+            self.engine.cancel_load()
+
+    @Slot(str)
+    def on_load_cancelled(self, msg: str) -> None:
+        """The previous model (if any) was loaded again before this arrives (the worker's order)."""
+        self.loading = None
+        self.progress.setVisible(False)
+        self.cancel_load_btn.setVisible(False)
+        self.cancel_load_btn.setEnabled(True)
+        kept = f" — kept {self.model_info['name']}" if self.model_info is not None else " — no model loaded"
+        self._set_state(f"Loading cancelled{kept}")
+        if self.model_info is None:
+            self.info.setText("No model loaded")
         self._update_buttons()
 
     def open_dialog(self) -> None:
@@ -580,7 +609,9 @@ class MainWindow(QMainWindow):
             self.engine.stop()
 
     def stop_or_cancel(self) -> None:
-        if self.generating:
+        if self.loading:
+            self.cancel_load()
+        elif self.generating:
             self.stop()
         elif self.editing is not None:
             self.cancel_edit()

@@ -16,7 +16,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine.errors import EngineError
+from engine.errors import EngineError, LoadCancelled
 from app.library import check_model_file
 from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
 from engine.generate import Engine, load
@@ -42,6 +42,7 @@ class EngineWorker(QObject):
     loadProgress = Signal(float, str)
     loaded = Signal(object)  # model_info dict
     loadFailed = Signal(str)  # plain-language reason; the previous model (if any) is still loaded
+    loadCancelled = Signal(str)  # the user cancelled; the previous model (if any) is loaded again
     prefill = Signal(int, int)  # prompt tokens processed, of
     token = Signal(str, bool)  # text, came from an accepted draft
     stats = Signal(object)  # engine.generate.Stats
@@ -52,6 +53,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.engine: Engine | None = None
         self.stop_flag = threading.Event()
+        self.load_cancel = threading.Event()  # set by the GUI thread; cleared when a load is requested
         # Held while generating; app.serve_panel's server takes the same lock, so the window and the
         # server never generate on one engine at once.
         self.gen_lock = threading.Lock()
@@ -66,7 +68,12 @@ class EngineWorker(QObject):
         previous = (str(self.engine.mf.path), self.engine.config) if self.engine is not None else None
         self.engine = None  # the old weights go before the new ones are prepared: never two models in memory
         try:
-            eng = load(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m))
+            eng = load(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m), cancel=self.load_cancel)
+        except LoadCancelled as e:
+            if previous is not None:
+                self._reopen(*previous)
+            self.loadCancelled.emit(str(e))
+            return
         except Exception as e:
             if not isinstance(e, EngineError):  # a bug: one readable line for the dialog, details on stderr
                 traceback.print_exc()
@@ -127,7 +134,12 @@ class EngineController(QObject):
         self.thread.start()
 
     def load(self, path: str | None, config: EngineConfig = EngineConfig()) -> None:
+        self.worker.load_cancel.clear()
         self.requestLoad.emit(path, config)
+
+    def cancel_load(self) -> None:
+        """Stops a load between layers (an Event: the worker is busy loading)."""
+        self.worker.load_cancel.set()
 
     def generate(self, messages: list, gen: GenerationConfig) -> None:
         self.requestGenerate.emit(messages, gen)
@@ -138,5 +150,6 @@ class EngineController(QObject):
 
     def shutdown(self) -> None:
         self.stop()
+        self.cancel_load()
         self.thread.quit()
         self.thread.wait(10_000)

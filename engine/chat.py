@@ -68,7 +68,7 @@ class ChatFormat:
             raise
         except Exception as e:  # jinja2's compiler on odd input (constant folding, recursion)
             raise ChatTemplateError(f"the model's chat template cannot be compiled: {type(e).__name__}: {_line(e)}") from None
-        specials = [tokenizer.token_text(i) for i in range(tokenizer.n_vocab) if tokenizer.is_control(i)]
+        specials = tokenizer.control_texts()
         # Longest first, so "<|im_start|>" is not matched as a prefix of a longer marker.
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))) if specials else None
 

@@ -162,9 +162,21 @@ def _check_engine_args(args: argparse.Namespace, n_ctx: int) -> None:
 
 
 def _engine(args: argparse.Namespace, n_ctx: int):
+    """The loaded engine; on a terminal a progress line while it loads, then its notices (stderr)."""
     from engine.generate import load
 
-    return load(_model_arg(args.model), _engine_config(args, n_ctx))
+    progress = _progress_line if sys.stderr.isatty() else None
+    eng = load(_model_arg(args.model), _engine_config(args, n_ctx), progress=progress)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    for notice in eng.notices:
+        if getattr(args, "mtp", True) or "MTP" not in notice:  # the missing-MTP notice only matters when MTP was asked for
+            print(f"note: {notice}", file=sys.stderr)
+    return eng
+
+
+def _progress_line(fraction: float, message: str) -> None:
+    print(f"\r\033[Kloading {fraction:4.0%} {message}", end="", file=sys.stderr, flush=True)
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
@@ -207,9 +219,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     validate.validate_generation(gen)  # every range checked before the model is opened
     _check_engine_args(args, args.ctx)
     eng = _engine(args, n_ctx=args.ctx)
-    if args.mtp:
-        for notice in eng.notices:
-            print(f"note: {notice}", file=sys.stderr)
     tokens: list[int] = []
     flags: list[bool] = []
     pieces: list[str] = []

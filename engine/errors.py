@@ -36,3 +36,7 @@ class EngineBusyError(EngineError):
 
 class InvalidParameterError(EngineError, ValueError):
     """A generation or engine parameter is out of range or of the wrong kind (the message names it)."""
+
+
+class LoadCancelled(EngineError):
+    """Loading a model was cancelled by the caller (nothing of it is kept)."""

@@ -47,6 +47,7 @@ class EngineConfig:
     miss_policy: str = "load"  # expert-cache miss: "load" to the GPU, or compute on the "cpu"
     plan: Plan | None = None  # a ready plan instead of the above (tests: a CUDA plan run on CPU stand-ins)
     backend: ops.Backend | None = None  # the kernels (engine.ops); None: the fastest this machine runs
+    memory_budget: int | None = None  # bytes of RAM to plan for (engine.memory); None: what the system has free
 
     def placement(self) -> PlacementConfig:
         return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,

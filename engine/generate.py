@@ -16,15 +16,18 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
 import torch
 
+from engine import ops
 from engine.chat import ChatFormat, Message
-from engine.errors import EngineBusyError, EngineError, TokenizerError
+from engine.errors import EngineBusyError, EngineError, LoadCancelled, TokenizerError
 from engine.storage.modelfile import ModelFile, default_model_path, open_model
 from engine.models.build import load_model
+from engine.memory import available_bytes, plan_memory
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
 from engine.sampling import Sampler
 from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats, Token
@@ -53,24 +56,45 @@ def text_side(mf: ModelFile) -> tuple[Tokenizer, ChatFormat]:
 class Engine:
     """A loaded model with its tokenizer, chat template and one sequence cache."""
 
-    def __init__(self, mf: ModelFile, config: EngineConfig = EngineConfig()):
+    def __init__(self, mf: ModelFile, config: EngineConfig = EngineConfig(), *, progress: ProgressFn | None = None,
+                 cancel: threading.Event | None = None):
+        """`progress(fraction, message)` is told how far preparing the layers is (0 … 1); setting `cancel` stops it
+        with LoadCancelled between layers."""
         validate_engine_config(config)
+        report = progress or (lambda f, m: None)
+
+        def on_layer(done: int, total: int) -> None:
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled(f"loading {mf.path.name} was cancelled")
+            report(done / total, f"preparing layer {done} of {total}")
+
         self.mf = mf
         self.config = config
         if config.n_threads:
             torch.set_num_threads(config.n_threads)
         self.hp = mf.hparams
+        report(0.0, "reading the tokenizer")
         self.tokenizer, self.chat = text_side(mf)
+        on_layer(0, mf.hparams.n_layer + int(mf.hparams.has_mtp))
         n_ctx = min(config.n_ctx, mf.hparams.n_ctx_train)
-        self.plan = config.plan or plan_placement(ModelSizes.from_model(mf, n_ctx), config.placement(),
-                                                  free_device_bytes(config.device))
-        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=config.backend)
+        sizes = ModelSizes.from_model(mf, n_ctx)
+        self.plan = config.plan or plan_placement(sizes, config.placement(), free_device_bytes(config.device))
+        pc = mf.param_counts
+        backend = config.backend or ops.default_backend()
+        self.memory = plan_memory(mf.path.name, mf.file_size, sum(sizes.kv) + sum(sizes.state),
+                                  config.memory_budget or available_bytes(),
+                                  mf.file_size * pc.active // max(pc.total, 1), backend.packs)
+        if not self.memory.copies:
+            backend = replace(backend, copies=False)
+        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
         # Things the user should know about this model (shown by the CLI and the app).
         self.notices: list[str] = [] if self.drafter is not None else [
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
+        if self.memory.notice is not None:
+            self.notices.append(self.memory.notice)
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
         self._last_logits: torch.Tensor | None = None
@@ -319,16 +343,20 @@ class _StopStrings:
 
 
 def load(path: str | os.PathLike[str] | ModelFile | None = None, config: EngineConfig = EngineConfig(),
-         progress: ProgressFn | None = None) -> Engine:
-    """Open, validate and prepare a model (None = the embedded default model; a ModelFile: one already opened)."""
+         progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> Engine:
+    """Open, validate and prepare a model (None = the embedded default model; a ModelFile: one already opened).
+    `progress(fraction, message)` follows the work (opening and checking the file, the tokenizer, each layer);
+    setting `cancel` stops it with LoadCancelled."""
     validate_engine_config(config)  # before anything is opened or allocated
     report = progress or (lambda f, m: None)
     p = path.path if isinstance(path, ModelFile) else Path(path) if path is not None else default_model_path()
     report(0.0, f"opening {p.name}")
     mf = path if isinstance(path, ModelFile) else open_model(p)
-    report(0.5, "preparing weights")
+    if cancel is not None and cancel.is_set():
+        raise LoadCancelled(f"loading {p.name} was cancelled")
+    report(0.1, "checking the model")
     try:
-        eng = Engine(mf, config)
+        eng = Engine(mf, config, progress=lambda f, m: report(0.1 + 0.9 * f, m), cancel=cancel)
     except RuntimeError as e:
         raise EngineError(f"cannot prepare {p.name}: {e}") from None
     report(1.0, "ready")

@@ -281,6 +281,10 @@ class Tokenizer:
     def is_control(self, id: int) -> bool:
         return self.token_type(id) == CONTROL
 
+    def control_texts(self) -> list[str]:
+        """The texts of every control token (one pass: a 248k vocabulary, not 248k calls)."""
+        return [t for t, typ in zip(self._tokens, self._types) if typ == CONTROL]
+
     def detokenizer(self, *, skip_special: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special=skip_special)
 

@@ -30,7 +30,7 @@ def test_k_quants_need_256_wide_rows() -> None:
         quantize(np.zeros((2, 128), np.float32), T.Q4_K)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_random_blocks_are_valid_and_scaled(qtype: T) -> None:
     raw = random_blocks((32, 1024), qtype, np.random.default_rng(1), std=0.02)
     y = gq.dequantize(raw, qtype)

@@ -297,3 +297,19 @@ def test_model_library_tab_lists_and_opens(qtbot, tmp_path: Path) -> None:
     win.library.open_btn.click()
     qtbot.waitUntil(lambda: win.model_info is not None and win.model_info["name"] == "foretell-demo", timeout=60_000)
     assert win.windowTitle() == "Foretell — foretell-demo" and win.model_label.text() == "foretell-demo"
+
+
+def test_loading_shows_a_cancel_button_and_cancel_keeps_the_model(qtbot, tmp_path: Path) -> None:
+    from tests.fixtures import KQUANT_MOE
+
+    win = _window(qtbot, tmp_path)
+    name, n_errors = win.model_info["name"], len(win.errors)
+    assert not win.cancel_load_btn.isVisibleTo(win)
+    win.load_model(str(fixture_path(KQUANT_MOE)))
+    assert win.cancel_load_btn.isVisibleTo(win) and win.progress.isVisibleTo(win)
+    win.stop_or_cancel()  # Esc while loading cancels the load
+    qtbot.waitUntil(lambda: win.loading is None, timeout=30_000)
+    qtbot.waitUntil(lambda: win.state_label.text().startswith("Loading cancelled"), timeout=30_000)
+    assert win.state_label.text() == f"Loading cancelled — kept {name}"
+    assert win.model_info["name"] == name and len(win.errors) == n_errors  # no error dialog for a cancel
+    assert not win.cancel_load_btn.isVisibleTo(win) and not win.progress.isVisibleTo(win)

@@ -136,10 +136,10 @@ def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, ctl, monkeypat
     # A valid file that fails while being prepared (out of memory): the previous model is opened again.
     real = app.worker.load
 
-    def failing(path, config, progress=None):  # type: ignore[no-untyped-def]
+    def failing(path, config, progress=None, cancel=None):  # type: ignore[no-untyped-def]
         if not isinstance(path, str):  # the new, already checked ModelFile
             raise OutOfMemoryError("not enough memory for the test model")
-        return real(path, config, progress)
+        return real(path, config, progress, cancel)
 
     monkeypatch.setattr(app.worker, "load", failing)
     got["loaded"] = None
@@ -148,3 +148,21 @@ def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, ctl, monkeypat
     assert got["errors"][1] == "not enough memory for the test model"
     assert got["loaded"] is not None and got["loaded"]["path"] == str(fixture_path(TINY_MOE))
     assert ctl.worker.engine is not None and ctl.worker.engine is not first
+
+
+def test_cancelling_a_load_reopens_the_previous_model(qtbot, ctl) -> None:
+    got = _record(ctl)
+    cancelled: list[str] = []
+    ctl.worker.loadCancelled.connect(cancelled.append)
+    ctl.load(str(fixture_path(TINY_MOE)), EngineConfig(n_ctx=256))
+    qtbot.waitUntil(lambda: got["loaded"] is not None, timeout=30_000)
+    got["loaded"] = None
+    ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=256))
+    ctl.cancel_load()  # set while the worker is still opening the file
+    qtbot.waitUntil(lambda: bool(cancelled), timeout=30_000)
+    assert "cancelled" in cancelled[0] and not got["errors"]
+    assert got["loaded"]["path"] == str(fixture_path(TINY_MOE))  # the previous model, loaded again
+    got["loaded"] = None
+    ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=256))  # a new request is not cancelled
+    qtbot.waitUntil(lambda: got["loaded"] is not None, timeout=30_000)
+    assert got["loaded"]["path"] == str(fixture_path(KQUANT_MOE)) and len(cancelled) == 1

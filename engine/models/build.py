@@ -3,7 +3,7 @@ and bind each to the kernels that will run it (engine.ops, through one Backend),
 trunk and the MTP head. The only place where a weight meets its backend."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -96,10 +96,12 @@ class _Builder:
 
 
 def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
-               plan: Plan | None = None, backend: ops.Backend | None = None) -> Qwen35Model:
+               plan: Plan | None = None, backend: ops.Backend | None = None,
+               on_layer: Callable[[int, int], None] | None = None) -> Qwen35Model:
     """The model of `src` with weights on `device`, or where `plan` puts them (engine.placement): trunk layers on
     the plan's accelerator or the CPU, routed experts resident, on the CPU, or on the CPU with a GPU cache. Every
-    weight is bound to `backend`'s kernels (default: the fastest this machine runs) on its device."""
+    weight is bound to `backend`'s kernels (default: the fastest this machine runs) on its device.
+    `on_layer(done, total)` is called after each block (progress; it may raise to cancel)."""
     hp = src.hparams
     backend = backend or ops.default_backend()
     cpu = torch.device("cpu")
@@ -117,7 +119,12 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
     output = ops.bind((src.tensor("output.weight") if src.has_tensor("output.weight") else tok_embd).to(out_dev),
                       backend)
     output_norm = _vec(src, "output_norm.weight", out_dev)
-    layers = [b.layer(i, layer_devices[i]) for i in range(hp.n_layer)]
+    total = hp.n_layer + (1 if hp.has_mtp else 0)
+    layers = []
+    for i in range(hp.n_layer):
+        layers.append(b.layer(i, layer_devices[i]))
+        if on_layer is not None:
+            on_layer(i + 1, total)
     model = Qwen35Model(hp, layers, tok_embd, output, output_norm, n_ctx or hp.n_ctx_train, out_dev, acc,
                         b.routing, b.expert_caches)
     if hp.has_mtp:
@@ -130,4 +137,6 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
             src.tensor(p + "embed_tokens.weight") if has(p + "embed_tokens.weight") else tok_embd,
             b.linear(p + "shared_head_head.weight", mtp_dev) if has(p + "shared_head_head.weight") else output,
             mtp_dev)
+        if on_layer is not None:
+            on_layer(total, total)
     return model

@@ -60,6 +60,9 @@ class Backend:
     threads: int | None = None  # native calls: this many threads; None: torch's count (one for small calls)
     int8: Int8Layouts = Int8Layouts()
     observer: Observer | None = field(default=None, compare=False)
+    # Derived anonymous copies of weights (packed forms, stacked projections) allowed; False keeps every weight a
+    # view of the file mapping, which the kernel can drop and re-read (engine.memory: models near or over RAM).
+    copies: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ("native", "torch") or (self.kind == "native") != (self.isa in NATIVE_ISAS) \
@@ -82,7 +85,7 @@ class Backend:
     @property
     def packs(self) -> bool:
         """Quantized weights interleaved 16 rows at a time for the VNNI products."""
-        return self.isa == "avx512vnni"
+        return self.isa == "avx512vnni" and self.copies
 
     def on(self, device: torch.device | str) -> Backend:
         """The backend for weights and layers on `device`: native kernels run on the CPU only."""
@@ -101,7 +104,7 @@ class Backend:
         return replace(self, observer=observer)
 
     def __repr__(self) -> str:
-        return f"Backend({self.name})"
+        return f"Backend({self.name}{'' if self.copies else ', mapped'})"
 
 
 TORCH = Backend("torch", "torch")

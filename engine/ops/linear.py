@@ -229,7 +229,7 @@ def linear_many(x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
 
 def _stack(ws: tuple[Linear, ...]) -> Linear | None:
     kinds = {type(w) for w in ws}
-    if len(ws) < 2 or len(kinds) != 1 or ws[0].kind not in ("native", "int8") \
+    if len(ws) < 2 or len(kinds) != 1 or ws[0].kind not in ("native", "int8") or not ws[0].backend.copies \
             or len({(w.weight.qtype, w.n_cols) for w in ws}) != 1 or sum(w.nbytes for w in ws) > FUSE_MAX_BYTES:  # type: ignore[union-attr]
         return None
     parts: list[QTensor] = [w.weight for w in ws]  # type: ignore[misc]

@@ -22,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from engine.errors import ModelFormatError
 
 MAX_COUNT = 1 << 24  # keys, tensors or array items: far above any model (a 256k vocabulary is 1 << 18)
+_U64 = struct.Struct("<Q")
 MAX_NAME = 255  # key and tensor names (ggml's own limit for tensor names is 63)
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 48
@@ -135,6 +136,31 @@ class GGUFFile:
             self._fail("text that is not UTF-8")
         raise AssertionError  # unreachable: _fail raises
 
+    def _strings(self, n: int) -> list[str]:
+        """n strings in a row (a 248k-token vocabulary: one tight loop over the lengths, then one decode each)."""
+        buf, pos, end = self._buf, self._pos, self.size
+        unpack = _U64.unpack_from
+        spans = []
+        for _ in range(n):
+            if end - pos < 8:
+                self._pos = pos
+                self._need(8)
+            m = unpack(buf, pos)[0]
+            pos += 8
+            if m > end - pos:
+                self._pos = pos
+                self._need(m)
+            spans.append((pos, m))
+            pos += m
+        base = spans[0][0] if spans else pos
+        block = bytes(buf[base:pos])
+        try:
+            out = [block[a - base:a - base + m].decode("utf-8") for a, m in spans]
+        except UnicodeDecodeError:
+            self._fail("text that is not UTF-8")
+        self._pos = pos
+        return out
+
     def _value_type(self, raw: int) -> GGUFValueType:
         try:
             return GGUFValueType(raw)
@@ -204,7 +230,7 @@ class GGUFFile:
             self._fail("arrays of arrays are not supported")
         if it == GGUFValueType.STRING:
             n = self._count("the array", 8)
-            return Field(key, t, it, [self._string() for _ in range(n)], n)
+            return Field(key, t, it, self._strings(n), n)
         size = _SCALAR[it][1]
         n = self._count("the array", size)
         arr = np.frombuffer(self._buf, dtype=_NUMPY[it], count=n, offset=self._pos)

@@ -111,6 +111,11 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, st
         d = std / 170.0  # d·sc·(q − 7.5) with sc ~ U[0, 63], q ~ U[0, 15]
         raw[:, 0:2] = np.full((n, 1), d, np.float16).view(np.uint8).reshape(n, 2)
         raw[:, 2:4] = np.full((n, 1), d * 7.5, np.float16).view(np.uint8).reshape(n, 2)
+    elif qtype == T.Q5_K:
+        raw = rng.integers(0, 256, (n, 176), dtype=np.uint8)
+        d = std / 330.0  # d·sc·(q − 15.5) with sc ~ U[0, 63], q ~ U[0, 31]
+        raw[:, 0:2] = np.full((n, 1), d, np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = np.full((n, 1), d * 15.5, np.float16).view(np.uint8).reshape(n, 2)
     elif qtype == T.Q6_K:
         raw = rng.integers(0, 256, (n, 210), dtype=np.uint8)
         raw[:, 192:208] = rng.integers(1, 128, (n, 16), dtype=np.uint8)  # positive int8 sub-block scales

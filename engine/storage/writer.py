@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 
 from engine.storage.modelfile import HParams, expected_tensors
 from engine.storage.quantize import quantize
@@ -29,6 +29,21 @@ class Raw:
     data: np.ndarray
     qtype: T
     shape: tuple[int, ...]  # logical torch shape
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor made only when it is written (ready-made ggml blocks of `qtype`, or float32 for F32), so a file larger
+    than memory can be written one tensor at a time."""
+
+    make: Callable[[], np.ndarray]
+    qtype: T
+    shape: tuple[int, ...]  # logical torch shape
+
+    @property
+    def nbytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * (self.shape[-1] // block) * size
 
 
 @dataclass
@@ -121,25 +136,36 @@ def write_gguf(
         else:
             w.add_uint32(k, v)
     _add_vocab(w, vocab)
+    # Tensor infos first, then the data one tensor at a time in the same order (GGUFWriter.write_tensor_data), so
+    # only one tensor's bytes are in memory at once when they are given as Lazy.
+    makers = []
     for tname, arr in tensors.items():
         shapes, _ = want[tname]
         allowed = shapes if isinstance(shapes[0], tuple) else (shapes,)
-        shape = arr.shape if isinstance(arr, Raw) else tuple(arr.shape)
+        shape = arr.shape if isinstance(arr, (Raw, Lazy)) else tuple(arr.shape)
         if tuple(shape) not in allowed:
             raise ValueError(f"{tname}: shape {tuple(shape)}, expected {allowed}")
-        if isinstance(arr, Raw):
-            w.add_tensor(tname, arr.data, raw_dtype=arr.qtype)
+        if isinstance(arr, Lazy):
+            w.add_tensor_info(tname, arr.shape, np.dtype(np.float32), arr.nbytes, raw_dtype=arr.qtype)
+            makers.append(arr.make)
             continue
-        t = storage_type(tname, tuple(arr.shape), qtype, type_overrides)
-        if t == T.F32:
-            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float32))
-        elif t == T.F16:
-            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float16))
+        if isinstance(arr, Raw):
+            data, t = arr.data, arr.qtype
         else:
-            w.add_tensor(tname, quantize(arr, t), raw_dtype=t)
+            t = storage_type(tname, tuple(arr.shape), qtype, type_overrides)
+            if t == T.F32:
+                data = np.ascontiguousarray(arr, dtype=np.float32)
+            elif t == T.F16:
+                data = np.ascontiguousarray(arr, dtype=np.float16)
+            else:
+                data = quantize(arr, t)
+        w.add_tensor_info(tname, data.shape, data.dtype, data.nbytes, raw_dtype=t if data.dtype == np.uint8 else None)
+        makers.append(lambda data=data: data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for make in makers:
+        w.write_tensor_data(np.ascontiguousarray(make()))
     w.close()
 
 
