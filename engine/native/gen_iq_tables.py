@@ -7,7 +7,8 @@ header, and tests/test_iq_grid.py checks that the committed header is what this 
 
 Layout: an 8-value grid row is one uint64 (value j in byte j, IQ1's −1/0/1 as two's complement bytes), a 4-value
 row one uint32; SIGN_BYTES[b] holds, per bit j of b, byte j = 0xFF (−1: the value is negative) or 0x01 (+1), the
-multiplier of the portable loops and the second operand of AVX2's sign_epi8.
+multiplier of the portable loops and the second operand of AVX2's sign_epi8; KSIGNS_BYTES[i] is SIGN_BYTES of the
+sign byte that 7-bit sign index i stands for (gguf's ksigns: the eighth sign completes an even parity).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 from gguf import quants as gq
 
 HEADER = Path(__file__).with_name("iq_tables.h")
-_PER_LINE = {8: 4, 4: 6, 1: 16}  # entries per line by entry width in bytes
+_PER_LINE = {8: 4, 4: 6}  # entries per line by entry width in bytes
 
 
 def _grid(cls: type) -> np.ndarray:
@@ -35,7 +36,7 @@ def _words(rows: np.ndarray) -> np.ndarray:
 
 def _array(ctype: str, name: str, values: np.ndarray, width: int) -> str:
     digits, per = 2 * width, _PER_LINE[width]
-    suffix = "ull" if width == 8 else ("u" if width == 4 else "")
+    suffix = "ull" if width == 8 else "u"
     items = [f"0x{int(v):0{digits}x}{suffix}" for v in values]
     lines = [", ".join(items[i:i + per]) for i in range(0, len(items), per)]
     body = ",\n    ".join(lines)
@@ -59,8 +60,8 @@ def render() -> str:
         _array("uint32_t", "IQ3XXS_GRID", _words(_grid(gq.IQ3_XXS)), 4),
         _array("uint32_t", "IQ3S_GRID", _words(_grid(gq.IQ3_S)), 4),
         _array("uint64_t", "IQ1S_GRID", _words(_grid(gq.IQ1_S)), 8),
-        _array("uint8_t", "KSIGNS_IQ2XS", ksigns, 1),
         _array("uint64_t", "SIGN_BYTES", _words(sign_bytes), 8),
+        _array("uint64_t", "KSIGNS_BYTES", _words(sign_bytes[ksigns]), 8),
         "#endif\n",
     ]
     return "\n".join(parts)
