@@ -76,6 +76,69 @@ def test_products_equal_the_dequantized_product(qt: T, backend: ops.Backend) -> 
     assert err < 2e-6 * ref.abs().max().item(), err
 
 
+# ggml's generic dot products: a grid value is d · (2s+1) · grid · sign / UNIT exactly (IQ1: d · (2s+1) · (8g ± 1) / 8)
+UNIT = {T.IQ2_XXS: 8, T.IQ2_XS: 8, T.IQ2_S: 8, T.IQ3_XXS: 4, T.IQ3_S: 1, T.IQ1_S: 8, T.IQ1_M: 8}
+
+
+def _block_scales(w: QTensor) -> np.ndarray:
+    """Each block's fp16 scale as float32 [rows, blocks] (IQ1_M: the top nibbles of its four scale words)."""
+    raw = w.raw.numpy().reshape(w.n_rows, w.n_cols // 256, -1)
+    if w.qtype != T.IQ1_M:
+        return raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    top = raw[..., 49:56:2].astype(np.uint16) >> 4
+    return (top[..., 0] | top[..., 1] << 4 | top[..., 2] << 8 | top[..., 3] << 12).view(np.float16).astype(np.float32)
+
+
+def _iq1_scales(w: QTensor) -> np.ndarray:
+    """IQ1's odd integer scale of every 16 values, int64 [rows, cols / 16]."""
+    raw = w.raw.numpy().reshape(w.n_rows, w.n_cols // 256, -1).astype(np.int64)
+    if w.qtype == T.IQ1_S:
+        qh = raw[..., 34:50:2] | raw[..., 35:50:2] << 8  # [rows, blocks, 8]: one per 32
+        return np.repeat(2 * ((qh >> 12) & 7) + 1, 2, axis=-1).reshape(w.n_rows, -1)
+    sc = raw[..., 48:56:2] | raw[..., 49:56:2] << 8  # [rows, blocks, 4]: one word per 64
+    per32 = np.stack([sc & 63, (sc >> 6) & 63], axis=-1).reshape(*sc.shape[:2], 8)
+    return np.stack([2 * (per32 & 7) + 1, 2 * ((per32 >> 3) & 7) + 1], axis=-1).reshape(w.n_rows, -1)
+
+
+def _ggml_generic(w: QTensor, xr: ops.QuantRows) -> torch.Tensor:
+    """ggml-cpu's vec_dot_iq*_q8_K_generic for every (activation row, weight row): exact integer sums per block
+    (from the dequantized weights, exact multiples of d / UNIT), then its float32 steps in its order."""
+    d = _block_scales(w)
+    nb = w.n_cols // 256
+    ints = np.rint(w.dequantize().numpy().astype(np.float64) * UNIT[w.qtype] /
+                   np.repeat(d, 256, axis=1).astype(np.float64)).astype(np.int64)  # Σ over a block of ints · q
+    q = xr.q.numpy().astype(np.int64)
+    per_block = lambda a: np.einsum("rbk,mbk->mrb", a.reshape(w.n_rows, nb, 256), q.reshape(len(q), nb, 256))  # noqa: E731
+    total = per_block(ints)
+    dx = xr.d.numpy().astype(np.float32)
+    acc = np.zeros((len(q), w.n_rows), np.float32)
+    if w.qtype in (T.IQ1_S, T.IQ1_M):  # ints are ls · (8g + δ): split off Σ ls · δ · q, as ggml keeps it apart
+        ls = np.repeat(_iq1_scales(w), 16, axis=1)
+        delta = np.where(np.mod(ints // ls, 8) == 1, 1, -1)
+        assert np.array_equal(ints % ls, np.zeros_like(ints))
+        s2 = per_block(ls * delta)
+        s1 = (total - s2) // 8
+        for b in range(nb):
+            step = (d[None, :, b] * dx[:, b:b + 1]) * (s1[..., b].astype(np.float32) +
+                                                     np.float32(0.125) * s2[..., b].astype(np.float32))
+            acc = acc + step
+        return torch.from_numpy(acc)
+    for b in range(nb):
+        acc = acc + (d[None, :, b] * dx[:, b:b + 1]) * total[..., b].astype(np.float32)
+    return torch.from_numpy(acc * np.float32({8: 0.125, 4: 0.25, 1: 1.0}[UNIT[w.qtype]]))
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_products_have_the_bits_of_ggml_generic_dot_products(qt: T, backend: ops.Backend) -> None:
+    """Bit for bit what ggml-cpu's generic IQ dot products give for the same Q8_K rows: the same integers per block
+    and the same float32 operations in the same order (a float step in another order is off in the last bits)."""
+    w = _bind(_weight(qt, (24, 1024), seed=14), backend)
+    x = _x(3, 1024, seed=15)
+    xr = ops.quantize(x, "Q8_K", on_native=True, level=backend.level)
+    assert torch.equal(ops.linear(x, w), _ggml_generic(w.weight, xr))
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_rows_are_batch_and_thread_invariant(qt: T, backend: ops.Backend) -> None:
