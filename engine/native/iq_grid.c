@@ -1,5 +1,5 @@
 /* Products of the grid-codebook IQ types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) with Q8_K
- * activation rows, the way llama.cpp's CPU backend computes them (ggml-cpu's vec_dot_iq*_q8_K).
+ * activation rows, the way llama.cpp's CPU backend computes them: ggml-cpu's generic vec_dot_iq*_q8_K, bit for bit.
  *
  * A block of 256 weights stores, per 8 (IQ3: 4) values, an index into a grid of magnitudes and a sign pattern
  * (IQ1: a grid of −1/0/1 and a delta ±1/8 shared by 8 or 32 values), an odd integer scale per 16 or 32 values and

@@ -1,6 +1,7 @@
 /* What the native kernel files share: ggml type ids, tile sizes, the activation rows' layout, instruction-set
  * targets, and the functions one file calls in another. The calls between files form a DAG: kquant.c (the
- * quantized products' drivers) calls q8_0.c and packed_x16.c; every file asks cpu.c which instruction sets run. */
+ * quantized products' drivers) calls q8_0.c, packed_x16.c and iq_grid.c; every file asks cpu.c which instruction sets
+ * run. */
 #ifndef FORETELL_KERNELS_H
 #define FORETELL_KERNELS_H
 
