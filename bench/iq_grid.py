@@ -1,6 +1,7 @@
 """Grid-codebook IQ products (engine/native/iq_grid.c): GB/s of weight read per type, AVX2 form against portable C.
 
-    python bench/iq_grid.py [--out-rows 4096] [--cols 2048] [--threads 1] [--rounds 5] [--out bench/results/iq_grid.json]
+    python bench/iq_grid.py [--out-rows 4096] [--cols 2048] [--threads 1] [--rounds 5]
+                            [--out bench/results/iq_grid.json]
 
 One product per IQ grid type (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) and per row count M (1 = a decode
 step, 4 = a verify pass), random valid blocks (engine.storage.quantize.random_iq_blocks), each path `ops.linear` on

@@ -76,7 +76,8 @@ def test_products_equal_the_dequantized_product(qt: T, backend: ops.Backend) -> 
     assert err < 2e-6 * ref.abs().max().item(), err
 
 
-# ggml's generic dot products: a grid value is d · (2s+1) · grid · sign / UNIT exactly (IQ1: d · (2s+1) · (8g ± 1) / 8)
+# ggml's generic dot products: a grid value is d · (2s+1) · grid · sign / UNIT exactly
+# (IQ1: d · (2s+1) · (8g ± 1) / 8)
 UNIT = {T.IQ2_XXS: 8, T.IQ2_XS: 8, T.IQ2_S: 8, T.IQ3_XXS: 4, T.IQ3_S: 1, T.IQ1_S: 8, T.IQ1_M: 8}
 
 
@@ -106,9 +107,12 @@ def _ggml_generic(w: QTensor, xr: ops.QuantRows) -> torch.Tensor:
     d = _block_scales(w)
     nb = w.n_cols // 256
     ints = np.rint(w.dequantize().numpy().astype(np.float64) * UNIT[w.qtype] /
-                   np.repeat(d, 256, axis=1).astype(np.float64)).astype(np.int64)  # Σ over a block of ints · q
+                   np.repeat(d, 256, axis=1).astype(np.float64)).astype(np.int64)  # ls · grid · sign
     q = xr.q.numpy().astype(np.int64)
-    per_block = lambda a: np.einsum("rbk,mbk->mrb", a.reshape(w.n_rows, nb, 256), q.reshape(len(q), nb, 256))  # noqa: E731
+
+    def per_block(a: np.ndarray) -> np.ndarray:  # Σ over each block of a · q, [activation rows, weight rows, blocks]
+        return np.einsum("rbk,mbk->mrb", a.reshape(w.n_rows, nb, 256), q.reshape(len(q), nb, 256))
+
     total = per_block(ints)
     dx = xr.d.numpy().astype(np.float32)
     acc = np.zeros((len(q), w.n_rows), np.float32)
