@@ -1,6 +1,7 @@
 /* What the native kernel files share: ggml type ids, tile sizes, the activation rows' layout, instruction-set
  * targets, and the functions one file calls in another. The calls between files form a DAG: kquant.c (the
- * quantized products' drivers) calls q8_0.c and packed_x16.c; every file asks cpu.c which instruction sets run. */
+ * quantized products' drivers) calls q8_0.c, packed_x16.c and iq_grid.c; every file asks cpu.c which instruction sets
+ * run. */
 #ifndef FORETELL_KERNELS_H
 #define FORETELL_KERNELS_H
 
@@ -53,6 +54,14 @@ typedef struct {
     const int16_t *bs;  /* [rows, k/16] */
     int64_t k;
 } Acts;
+
+/* iq_grid.c: the grid-codebook IQ types (ggml type ids) against Q8_K activation rows. rows_times_iq: weight rows
+ * [r0, r1) (stored blocks, rows row_bytes apart) times activation rows xrow[0..m) (0..m when NULL) into
+ * out[i * ldo + r]; each output's bits independent of m, the row grouping and the threads. */
+enum { T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21, T_IQ2_S = 22, T_IQ1_M = 29 };
+int iq_grid_type(int qtype);
+void rows_times_iq(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                   const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
 
 #if defined(__x86_64__)
 #define AVX512_TARGET "avx512f,avx512bw,f16c"

@@ -418,6 +418,10 @@ static void rows_times_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
  * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                        const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
+    if (iq_grid_type(qtype)) {
+        rows_times_iq(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa);
+        return;
+    }
     if (qtype == T_Q8_0) {
         q8_rows_times(w, row_bytes, r0, r1, a->q, a->d, a->k, xrow, m, out, ldo, isa);
         return;

@@ -67,7 +67,8 @@ LIB = _load()
 
 QK_K = 256  # values per K-quant block (and per Q8_K activation block)
 QK_8_0 = 32  # values per Q8_0 block
-PRODUCT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)  # weight types with native products
+IQ_GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)  # iq_grid.c
+PRODUCT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0) + IQ_GRID_TYPES  # weight types with native products
 GROUP = 16  # rows interleaved in a packed weight
 PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kernels.h's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
 _CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = 1, 2, 4  # kernels.h's cpu_features() bits

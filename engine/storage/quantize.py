@@ -123,3 +123,30 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, st
     else:
         raise ValueError(f"random_blocks: {qtype.name} not supported")
     return raw.reshape(*shape[:-1], -1)
+
+
+# The grid-codebook IQ types' block bytes. Every byte pattern of their blocks is valid (grid indices, signs and
+# integer scales use all their bits), so random blocks need only a finite fp16 scale.
+IQ_GRID_BLOCK_BYTES = {T.IQ2_XXS: 66, T.IQ2_XS: 74, T.IQ2_S: 82, T.IQ3_XXS: 98, T.IQ3_S: 110, T.IQ1_S: 50,
+                       T.IQ1_M: 56}
+
+
+def random_iq_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, std: float) -> np.ndarray:
+    """Random valid blocks of a grid IQ type whose values have roughly the given std: random bytes, and every
+    block's fp16 scale set to std over the values' std at scale 1 (measured on the first blocks drawn)."""
+    n = int(np.prod(shape[:-1])) * (shape[-1] // QK_K)
+    raw = rng.integers(0, 256, (n, IQ_GRID_BLOCK_BYTES[qtype]), dtype=np.uint8)
+    sample = raw[:256].copy()
+    _set_iq_scale(sample, qtype, np.float16(1.0))
+    unit = float(gq.dequantize(sample, qtype).std())
+    _set_iq_scale(raw, qtype, np.float16(std / unit))
+    return raw.reshape(*shape[:-1], -1)
+
+
+def _set_iq_scale(raw: np.ndarray, qtype: T, d: np.float16) -> None:
+    bits = int(np.array(d, np.float16).view(np.uint16))
+    if qtype == T.IQ1_M:  # the scale's four nibbles are the top nibbles of the block's four 16-bit scale words
+        for k in range(4):
+            raw[:, 49 + 2 * k] = (raw[:, 49 + 2 * k] & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4)
+    else:
+        raw[:, 0], raw[:, 1] = bits & 0xFF, bits >> 8
