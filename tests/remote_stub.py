@@ -1,4 +1,4 @@
-"""A small OpenAI-shaped server for tests/test_remote.py: what vLLM and SGLang report (per-request metrics,
+"""llama.cpp's own server in-process (`llama_server`), and a small OpenAI-shaped server for tests/test_remote.py: what vLLM and SGLang report (per-request metrics,
 Prometheus counters and gauges, /server_info), and each fault a remote engine must survive. One `Stub` per
 behaviour, on 127.0.0.1, run by uvicorn on a thread."""
 from __future__ import annotations
@@ -153,3 +153,22 @@ class Stub:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def llama_server():  # xllamacpp.Server
+    """llama-server's code in-process on 127.0.0.1 (xllamacpp): the embedded model, MTP drafting 2 tokens,
+    /metrics on; 1 thread, no busy polling (the test host is small and shared). Keep a reference: dropping it
+    stops the server."""
+    import xllamacpp as xl  # a declared test dependency (the `test` extra)
+
+    from engine.storage.modelfile import default_model_path
+
+    p = xl.CommonParams()
+    p.model.path = str(default_model_path())
+    p.n_ctx, p.n_parallel, p.warmup, p.endpoint_metrics = 512, 1, False, True
+    for cp in (p.cpuparams, p.cpuparams_batch, p.speculative.draft.cpuparams, p.speculative.draft.cpuparams_batch):
+        cp.n_threads, cp.poll = 1, 0
+    p.speculative.types = [xl.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_MTP]
+    p.speculative.draft.n_max = 2
+    p.hostnames, p.port = ["127.0.0.1"], 0
+    return xl.Server(p)

@@ -21,8 +21,7 @@ from engine.remote import spec_sources
 from engine.remote.http import normalize_url
 from engine.sampling import SamplingConfig
 from engine.server.run import LocalServer
-from engine.storage.modelfile import default_model_path
-from tests.remote_stub import WORDS, Behaviour, Stub
+from tests.remote_stub import WORDS, Behaviour, Stub, llama_server
 
 QUESTION = [Message("user", "Who made the heaven?")]
 
@@ -42,19 +41,7 @@ def run(eng, prompt=QUESTION, stop=None, **gen):
 
 @pytest.fixture(scope="module")
 def llama_url():
-    """llama-server's code in-process: the embedded model, MTP drafting 2 tokens, /metrics on; 1 thread, no
-    busy polling (the test host is small and shared)."""
-    import xllamacpp as xl  # a declared test dependency (the `test` extra)
-
-    p = xl.CommonParams()
-    p.model.path = str(default_model_path())
-    p.n_ctx, p.n_parallel, p.warmup, p.endpoint_metrics = 512, 1, False, True
-    for cp in (p.cpuparams, p.cpuparams_batch, p.speculative.draft.cpuparams, p.speculative.draft.cpuparams_batch):
-        cp.n_threads, cp.poll = 1, 0
-    p.speculative.types = [xl.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_MTP]
-    p.speculative.draft.n_max = 2
-    p.hostnames, p.port = ["127.0.0.1"], 0
-    server = xl.Server(p)
+    server = llama_server()
     yield server.listening_address
     del server
 

@@ -24,6 +24,7 @@ from engine.remote.http import Wire, sse_events, transport_error
 
 # Servers that take a draft depth per request, and the field they read it from.
 _PER_REQUEST_MTP = ("foretell", "llama.cpp")
+LIVE_SCRAPE_S = 1.0
 _OWNERS = {"llamacpp": "llama.cpp", "vllm": "vllm", "sglang": "sglang", "foretell": "foretell"}
 
 
@@ -51,6 +52,8 @@ class _Reply:
     timings: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
     thinking: bool = False  # inside a reasoning block (reasoning_content), rendered as <think>…</think>
+    scraped: float = 0.0  # when /metrics was last read for the live figures
+    live: SpeculativeStats | None = None
 
 
 class RemoteEngine:
@@ -128,7 +131,7 @@ class RemoteEngine:
                     now = time.perf_counter()
                     if reply.chunks and now - last_stats >= gen.stats_interval_s:
                         last_stats = now
-                        yield self._stats(reply, None, final=False)
+                        yield self._stats(reply, self._live(reply, before), final=False)
             except (requests.RequestException, AttributeError, ValueError) as e:
                 # AttributeError/ValueError: the read was cut by _close_on_stop closing the response under it
                 if stop.is_set():
@@ -250,6 +253,16 @@ class RemoteEngine:
             except RemoteError:
                 spec = None
         return spec
+
+    def _live(self, reply: _Reply, before: spec_sources.Counters | None) -> SpeculativeStats | None:
+        """Acceptance while the reply streams, for the live charts: the /metrics delta so far (server-wide),
+        scraped at most once a second — per-request figures only come with the last chunk."""
+        now = time.perf_counter()
+        if before is None or now - reply.scraped < LIVE_SCRAPE_S:
+            return reply.live
+        reply.scraped = now
+        reply.live = spec_sources.from_counter_delta(before, self._scrape()) or reply.live
+        return reply.live
 
     def _scrape(self) -> spec_sources.Counters | None:
         return spec_sources.counters(self.wire.get_text("/metrics", root=True))
