@@ -37,6 +37,7 @@ class Behaviour:
     stall_after: int | None = None  # then sleep stall_s mid-stream
     stall_s: float = 0.0
     chunk_delay_s: float = 0.0
+    count_midway: bool = False  # the counters advance half-way through the reply, not at its end
     status: int | None = None  # answer completions with this status (and an OpenAI error body)
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
 
@@ -116,9 +117,19 @@ class Stub:
         n = min(int(body.get("max_tokens") or 8), len(WORDS))
         return StreamingResponse(self._events(chat, n), media_type="text/event-stream")
 
+    def _count(self) -> None:
+        """One reply's speculation: 3 drafts of 2 tokens, 4 accepted (3 at position 0, 1 at position 1)."""
+        self.drafts += 3
+        self.draft_tokens += 6
+        self.accepted += 4
+        self.per_pos[0] += 3
+        self.per_pos[1] += 1
+
     async def _events(self, chat: bool, n: int):
         b = self.b
         for i in range(n):
+            if b.count_midway and i == n // 2:
+                self._count()
             if i == b.cut_after:
                 return
             if i == b.abort_after:
@@ -132,12 +143,8 @@ class Stub:
                 await asyncio.sleep(b.chunk_delay_s)
             choice = {"index": 0, "delta": {"content": WORDS[i]}} if chat else {"index": 0, "text": WORDS[i]}
             yield _sse({"object": "chunk", "choices": [{**choice, "finish_reason": None}]})
-        # this reply's speculation: 3 drafts of 2 tokens, 4 accepted (3 at position 0, 1 at position 1)
-        self.drafts += 3
-        self.draft_tokens += 6
-        self.accepted += 4
-        self.per_pos[0] += 3
-        self.per_pos[1] += 1
+        if not b.count_midway:
+            self._count()
         last: dict[str, Any] = {"object": "chunk", "choices": [
             {"index": 0, "delta": {} if chat else None, "text": "", "finish_reason": "length"}]}
         if b.request_metrics:

@@ -58,7 +58,7 @@ def foretell():
 # -- llama.cpp's server ------------------------------------------------------------------------------------------
 def test_llama_server_streamed_chat_with_acceptance_from_timings(llama_url) -> None:
     eng = connect(RemoteConfig(llama_url))
-    assert eng.server == "llama.cpp" and eng.mtp_per_request and eng.counters_at_connect is not None
+    assert eng.server == "llama.cpp" and not eng.mtp_per_request and eng.counters_at_connect is not None
     text, st, done = run(eng, max_tokens=6)
     assert text and done.reason in ("max_tokens", "eos")
     assert st.final and 1 <= st.generated_tokens <= 6 and st.prompt_tokens > 5
@@ -144,6 +144,18 @@ def test_vllm_counter_deltas_are_server_wide() -> None:
         _, st, _ = run(connect(RemoteConfig(stub.url)), max_tokens=3)
     assert st.speculative.source == "/metrics" and st.speculative.server_wide
     _check_vllm_numbers(st.speculative)
+
+
+def test_live_acceptance_from_metrics_while_streaming() -> None:
+    """Before the last chunk, the charts get the /metrics delta so far (read at most once a second)."""
+    with Stub(Behaviour(counters=True, count_midway=True, chunk_delay_s=0.25)) as stub:
+        eng = connect(RemoteConfig(stub.url))
+        live = [ev for ev in eng.generate(QUESTION, GenerationConfig(max_tokens=10))
+                if isinstance(ev, Stats) and not ev.final]
+    with_spec = [st.speculative for st in live if st.speculative is not None]
+    assert live[0].speculative is None  # nothing drafted yet at the first read
+    assert with_spec and with_spec[-1].source == "/metrics" and with_spec[-1].drafted == 6
+    assert live[-1].generated_tokens >= 6 and live[-1].decode_tok_s > 0
 
 
 def test_sglang_gauges_then_server_info() -> None:

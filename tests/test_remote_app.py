@@ -54,7 +54,7 @@ def test_chat_through_llama_server_with_acceptance_in_the_charts(qtbot, tmp_path
     assert win.windowTitle() == "Foretell — llama box" and win.device_label.text() == "remote llama.cpp"
     form = win.settings_panel.form
     assert not form.isRowVisible(win.settings_panel.expert_cache) and not form.isRowVisible(win.settings_panel.device)
-    assert form.isRowVisible(win.settings_panel.mtp) and "sent with each request" in win.settings_panel.remote_note.text()
+    assert not form.isRowVisible(win.settings_panel.mtp) and "server's own setting" in win.settings_panel.remote_note.text()
     assert "Remote: llama box" in [a.text() for a in win.recent_menu.actions()]  # saved beside the local files
     _send(qtbot, win, "Who made the heaven?")
     reply = win.store.messages(win.conv_id)[-1]

@@ -22,8 +22,10 @@ from engine.remote import spec_sources
 from engine.remote.errors import RemoteError, RemoteModelError, RemoteProtocolError
 from engine.remote.http import Wire, sse_events, transport_error
 
-# Servers that take a draft depth per request, and the field they read it from.
-_PER_REQUEST_MTP = ("foretell", "llama.cpp")
+# Servers that take MTP on/off and a draft depth per request (Foretell's `mtp` field). llama-server reads
+# `speculative.n_max` per request in its source, but the tested build (xllamacpp 2026.10.11549) drafted the same
+# with 0, 1 and 2: there MTP stays the server's setting rather than a control that does nothing.
+_PER_REQUEST_MTP = ("foretell",)
 LIVE_SCRAPE_S = 1.0
 _OWNERS = {"llamacpp": "llama.cpp", "vllm": "vllm", "sglang": "sglang", "foretell": "foretell"}
 
@@ -178,8 +180,6 @@ class RemoteEngine:
             body["stop"] = list(gen.stop_strings)
         if self.server == "foretell":
             body["mtp"] = (gen.draft or True) if gen.mtp else False
-        elif self.server == "llama.cpp" and gen.mtp and gen.draft:
-            body["speculative.n_max"] = gen.draft
         return body
 
     def _read_chunk(self, ev: dict[str, Any], reply: _Reply, chat: bool) -> list[str]:
