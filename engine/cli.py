@@ -205,6 +205,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=None if args.draft == "auto" else int(args.draft),
     )
     validate.validate_generation(gen)  # every range checked before the model is opened
+    if (args.api_key or args.remote_model) and not args.remote:
+        raise InvalidParameterError("--api-key and --remote-model go with --remote URL")
     if args.remote:
         from engine.remote.cli import generate_remote
 

@@ -38,6 +38,7 @@ class Behaviour:
     stall_s: float = 0.0
     chunk_delay_s: float = 0.0
     count_midway: bool = False  # the counters advance half-way through the reply, not at its end
+    reasoning: int = 0  # the first chunks carry reasoning_content (a thinking model behind a reasoning parser)
     status: int | None = None  # answer completions with this status (and an OpenAI error body)
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
 
@@ -141,7 +142,8 @@ class Stub:
                 await asyncio.sleep(b.stall_s)
             if b.chunk_delay_s:
                 await asyncio.sleep(b.chunk_delay_s)
-            choice = {"index": 0, "delta": {"content": WORDS[i]}} if chat else {"index": 0, "text": WORDS[i]}
+            field = "reasoning_content" if i < b.reasoning else "content"
+            choice = {"index": 0, "delta": {field: WORDS[i]}} if chat else {"index": 0, "text": WORDS[i]}
             yield _sse({"object": "chunk", "choices": [{**choice, "finish_reason": None}]})
         if not b.count_midway:
             self._count()

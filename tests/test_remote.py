@@ -158,6 +158,15 @@ def test_live_acceptance_from_metrics_while_streaming() -> None:
     assert live[-1].generated_tokens >= 6 and live[-1].decode_tok_s > 0
 
 
+def test_reasoning_content_arrives_as_a_thinking_block() -> None:
+    """A server that splits thinking off (reasoning_content) gives the same text a local model writes."""
+    with Stub(Behaviour(reasoning=2)) as stub:
+        text, _, _ = run(connect(RemoteConfig(stub.url)), max_tokens=4)
+        thinking_only, _, _ = run(connect(RemoteConfig(stub.url)), max_tokens=2)
+    assert text == "<think>\nIn the\n</think>\n\n beginning was"
+    assert thinking_only == "<think>\nIn the\n</think>\n\n"  # a reply that ends while thinking is closed
+
+
 def test_sglang_gauges_then_server_info() -> None:
     with Stub(Behaviour(owner="sglang", gauges=True, server_info=True)) as stub:
         _, st, _ = run(connect(RemoteConfig(stub.url)), max_tokens=3)
@@ -221,7 +230,7 @@ def test_timeout_before_the_first_token_raises() -> None:
 @pytest.mark.parametrize("behaviour, why", [
     (Behaviour(stall_after=3, stall_s=3), "sent nothing for 0.5 s"),
     (Behaviour(cut_after=3), "ended the stream before the reply was finished"),
-    (Behaviour(abort_after=3), "was cut"),
+    (Behaviour(abort_after=3), "ended the stream before the reply was finished"),  # the connection dropped
     (Behaviour(error_after=3), "CUDA out of memory"),
 ])
 def test_a_reply_broken_mid_way_is_kept_and_marked(behaviour, why) -> None:
@@ -262,6 +271,8 @@ def test_cli_faults_are_one_line(capsys) -> None:
         assert main(["generate", "--remote", stub.url, "--prompt", "hi", "--json"]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "API key" in err
+    assert main(["generate", "--api-key", "k", "--prompt", "hi"]) == 2  # a remote option without --remote
+    assert capsys.readouterr().err == "error: --api-key and --remote-model go with --remote URL\n"
     with Stub(Behaviour(cut_after=2)) as stub:
         assert main(["generate", "--remote", stub.url, "--prompt", "hi", "--json", "--max-tokens", "5"]) == 1
         cap = capsys.readouterr()

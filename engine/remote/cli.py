@@ -17,10 +17,7 @@ from engine.remote.engine import RemoteConfig, connect
 
 def generate_remote(args: argparse.Namespace, prompt: Any, gen: GenerationConfig) -> int:
     eng = connect(RemoteConfig(args.remote, api_key=args.api_key, model=args.remote_model))
-    try:
-        tokens, _, text, final, done = collect_reply(eng.generate(prompt, gen), echo=not args.json)
-    finally:
-        eng.close()
+    tokens, _, text, final, done = collect_reply(eng.generate(prompt, gen), echo=not args.json)
     for notice in eng.notices:
         print(f"note: {notice}", file=sys.stderr)
     # drafted/accepted are unknown (null) unless the server reports them; then they come with their source

@@ -8,19 +8,17 @@ ends the reply with `Done("interrupted", why)`, so what was received is kept and
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import requests
 
 from engine.events import Done, Event, GenerationConfig, SpeculativeStats, Stats, Token
 from engine.remote import spec_sources
 from engine.remote.errors import RemoteError, RemoteModelError, RemoteProtocolError
-from engine.remote.http import Wire, sse_events, transport_error
+from engine.remote.http import Reply, Wire, sse_events
 
 # Servers that take MTP on/off and a draft depth per request (Foretell's `mtp` field). llama-server reads
 # `speculative.n_max` per request in its source, but the tested build (xllamacpp 2026.10.11549) drafted the same
@@ -41,7 +39,7 @@ class RemoteConfig:
 
 
 @dataclass
-class _Reply:
+class _Received:
     """What one streamed reply has brought so far."""
 
     t_start: float
@@ -71,7 +69,6 @@ class RemoteEngine:
         self.counters_at_connect: spec_sources.Counters | None = None
         self.has_gauges = False
         self.notices: list[str] = []
-        self.lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -108,9 +105,6 @@ class RemoteEngine:
                                 "(it does not take them per request)")
         return self
 
-    def close(self) -> None:
-        self.wire.close()
-
     # -- one reply ---------------------------------------------------------------------------------------------
     def generate(self, prompt: Sequence[Any] | str, gen: GenerationConfig = GenerationConfig(),
                  stop: threading.Event | None = None) -> Iterator[Event]:
@@ -118,32 +112,27 @@ class RemoteEngine:
         chat = not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], int))
         body = self._body(prompt, gen, chat)
         before = self._scrape() if self.counters_at_connect is not None else None
-        reply = _Reply(t_start=time.perf_counter())
+        reply = _Received(t_start=time.perf_counter())
         resp = self.wire.stream("/chat/completions" if chat else "/completions", body)
         done_reading = threading.Event()
-        threading.Thread(target=_close_on_stop, args=(resp, stop, done_reading), daemon=True).start()
+        threading.Thread(target=_shutdown_on_stop, args=(resp, stop, done_reading), daemon=True).start()
         last_stats = reply.t_start
         try:
             try:
                 for ev in sse_events(resp):
                     if ev is None:
                         break
-                    for text in self._read_chunk(ev, reply, chat):
-                        yield Token(list(reply.ids[-1:]) if reply.ids else [], text)
+                    n_ids = len(reply.ids)
+                    for i, text in enumerate(self._read_chunk(ev, reply, chat)):
+                        yield Token(reply.ids[n_ids:] if i == 0 else [], text)  # a chunk's ids go with its text
                     now = time.perf_counter()
                     if reply.chunks and now - last_stats >= gen.stats_interval_s:
                         last_stats = now
                         yield self._stats(reply, self._live(reply, before), final=False)
-            except (requests.RequestException, AttributeError, ValueError) as e:
-                # AttributeError/ValueError: the read was cut by _close_on_stop closing the response under it
-                if stop.is_set():
+            except RemoteError as e:
+                if stop.is_set():  # the read was cut by _shutdown_on_stop
                     yield from self._finish(reply, before, "stopped", "")
                     return
-                err = e if isinstance(e, RemoteError) else transport_error(e, self.wire.where, self.wire.timeout) \
-                    if isinstance(e, requests.RequestException) else RemoteProtocolError(str(e))
-                yield from self._cut(reply, before, err)
-                return
-            except RemoteError as e:
                 yield from self._cut(reply, before, e)
                 return
         finally:
@@ -182,7 +171,7 @@ class RemoteEngine:
             body["mtp"] = (gen.draft or True) if gen.mtp else False
         return body
 
-    def _read_chunk(self, ev: dict[str, Any], reply: _Reply, chat: bool) -> list[str]:
+    def _read_chunk(self, ev: dict[str, Any], reply: _Received, chat: bool) -> list[str]:
         if "error" in ev:  # an error sent inside the stream (after the 200 status)
             err = ev["error"]
             raise RemoteProtocolError(f"{self.wire.where} reported an error mid-reply: "
@@ -222,13 +211,13 @@ class RemoteEngine:
             reply.chunks += 1
         return texts
 
-    def _cut(self, reply: _Reply, before: spec_sources.Counters | None, err: RemoteError) -> Iterator[Event]:
+    def _cut(self, reply: _Received, before: spec_sources.Counters | None, err: RemoteError) -> Iterator[Event]:
         """A failure: before any text it is raised; after, the partial reply ends with Done("interrupted")."""
         if not reply.chunks:
             raise err
         yield from self._finish(reply, before, "interrupted", f"{err} — the reply so far is kept")
 
-    def _finish(self, reply: _Reply, before: spec_sources.Counters | None, reason: str,
+    def _finish(self, reply: _Received, before: spec_sources.Counters | None, reason: str,
                 message: str) -> Iterator[Event]:
         if reply.thinking:
             yield Token([], "\n</think>\n\n")
@@ -240,7 +229,7 @@ class RemoteEngine:
         yield self._stats(reply, spec, final=True)
         yield Done(reason, message)
 
-    def _speculation(self, reply: _Reply, before: spec_sources.Counters | None) -> SpeculativeStats | None:
+    def _speculation(self, reply: _Received, before: spec_sources.Counters | None) -> SpeculativeStats | None:
         per_request = spec_sources.from_timings(reply.timings) or spec_sources.from_request_metrics(reply.metrics)
         text = self.wire.get_text("/metrics", root=True) if before is not None or self.has_gauges else None
         delta = spec_sources.from_counter_delta(before, spec_sources.counters(text)) if before else None
@@ -254,7 +243,7 @@ class RemoteEngine:
                 spec = None
         return spec
 
-    def _live(self, reply: _Reply, before: spec_sources.Counters | None) -> SpeculativeStats | None:
+    def _live(self, reply: _Received, before: spec_sources.Counters | None) -> SpeculativeStats | None:
         """Acceptance while the reply streams, for the live charts: the /metrics delta so far (server-wide),
         scraped at most once a second — per-request figures only come with the last chunk."""
         now = time.perf_counter()
@@ -267,7 +256,7 @@ class RemoteEngine:
     def _scrape(self) -> spec_sources.Counters | None:
         return spec_sources.counters(self.wire.get_text("/metrics", root=True))
 
-    def _stats(self, reply: _Reply, spec: SpeculativeStats | None, *, final: bool) -> Stats:
+    def _stats(self, reply: _Received, spec: SpeculativeStats | None, *, final: bool) -> Stats:
         usage, timings = reply.usage or {}, reply.timings or {}
         prompt = int(usage.get("prompt_tokens") or timings.get("prompt_n", 0) + timings.get("cache_n", 0) or 0)
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or timings.get("cache_n") or 0)
@@ -284,21 +273,12 @@ class RemoteEngine:
 
 def connect(config: RemoteConfig) -> RemoteEngine:
     """A remote engine, checked: the server answers, the key is accepted, the model is served."""
-    eng = RemoteEngine(config)
-    try:
-        return eng.connect()
-    except BaseException:
-        eng.close()
-        raise
+    return RemoteEngine(config).connect()
 
 
 def list_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
     """The ids a server lists on /v1/models (for a model picker)."""
-    eng = RemoteEngine(RemoteConfig(url, api_key, connect_timeout_s=timeout_s, read_timeout_s=timeout_s))
-    try:
-        return eng.connect().models
-    finally:
-        eng.close()
+    return connect(RemoteConfig(url, api_key, connect_timeout_s=timeout_s, read_timeout_s=timeout_s)).models
 
 
 def _message(m: Any) -> dict[str, str]:
@@ -311,17 +291,10 @@ def _done_reason(finish: str) -> str:
     return {"length": "max_tokens", "stop": "eos", "eos": "eos"}.get(finish, finish)
 
 
-def _close_on_stop(resp: requests.Response, stop: threading.Event, done: threading.Event) -> None:
-    """Stop is honoured at once, even while the server is still computing the prompt: close the connection
+def _shutdown_on_stop(resp: Reply, stop: threading.Event, done: threading.Event) -> None:
+    """Stop is honoured at once, even while the server is still computing the prompt: shut the connection down
     (the server then aborts the request), and the blocked read returns."""
     while not done.is_set():
         if stop.wait(0.1):
-            # close() alone does not wake a recv() blocked in another thread; shutting the socket down does
-            sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            resp.close()
+            resp.shutdown()
             return
