@@ -116,7 +116,8 @@ class Stub:
             await asyncio.sleep(self.b.delay_first_s)
         chat = request.url.path.endswith("chat/completions")
         n = min(int(body.get("max_tokens") or 8), len(WORDS))
-        return StreamingResponse(self._events(chat, n), media_type="text/event-stream")
+        return StreamingResponse(self._events(chat, n, bool(body.get("return_token_ids"))),
+                                 media_type="text/event-stream")
 
     def _count(self) -> None:
         """One reply's speculation: 3 drafts of 2 tokens, 4 accepted (3 at position 0, 1 at position 1)."""
@@ -126,7 +127,7 @@ class Stub:
         self.per_pos[0] += 3
         self.per_pos[1] += 1
 
-    async def _events(self, chat: bool, n: int):
+    async def _events(self, chat: bool, n: int, ids: bool = False):
         b = self.b
         for i in range(n):
             if b.count_midway and i == n // 2:
@@ -144,6 +145,8 @@ class Stub:
                 await asyncio.sleep(b.chunk_delay_s)
             field = "reasoning_content" if i < b.reasoning else "content"
             choice = {"index": 0, "delta": {field: WORDS[i]}} if chat else {"index": 0, "text": WORDS[i]}
+            if ids:
+                choice["token_ids"] = [100 + i]
             yield _sse({"object": "chunk", "choices": [{**choice, "finish_reason": None}]})
         if not b.count_midway:
             self._count()

@@ -278,6 +278,7 @@ def test_cli_faults_are_one_line(capsys) -> None:
         cap = capsys.readouterr()
     out = json.loads(cap.out)
     assert out["partial"] and out["text"] == "".join(WORDS[:2]) and out["stats"]["stop_reason"] == "interrupted"
+    assert out["tokens"] == [100, 101]  # vLLM's token_ids, asked for with return_token_ids
     lines = cap.err.strip().splitlines()  # notes (the server's own MTP setting), then the one error line
     assert lines[-1].startswith("error: ") and "kept" in lines[-1] and all(ln.startswith("note: ") for ln in lines[:-1])
 

@@ -169,6 +169,8 @@ class RemoteEngine:
             body["stop"] = list(gen.stop_strings)
         if self.server == "foretell":
             body["mtp"] = (gen.draft or True) if gen.mtp else False
+        elif self.server == "vllm":
+            body["return_token_ids"] = True  # vLLM adds each chunk's token_ids (older versions ignore the field)
         return body
 
     def _read_chunk(self, ev: dict[str, Any], reply: _Received, chat: bool) -> list[str]:
