@@ -247,9 +247,9 @@ class MetricsDock(QWidget):
             self.tok_s.push(t, st.decode_tok_s)
         sp = st.speculative
         if sp:
-            if sp.drafted:
+            if sp.drafted or sp.acceptance:  # a remote server may give the rate alone (SGLang's gauge)
                 self.acceptance.push(t, 100 * sp.acceptance)
-            if sp.verify_steps:
+            if sp.verify_steps or sp.mean_accepted_length:
                 self.mean_len.push(t, sp.mean_accepted_length)
             self.tried, self.accepted = list(sp.tried_by_depth), list(sp.accepted_by_depth)
         if st.expert_cache:
@@ -383,6 +383,10 @@ class MetricsDock(QWidget):
         if st.speculative and st.speculative.drafted:
             sp = st.speculative
             parts.append(f"{sp.accepted} of {sp.drafted} drafted tokens accepted")
+        if st.speculative and st.speculative.source != "engine":  # a remote engine: say where figures came from
+            sp = st.speculative
+            scope = "server-wide: other clients count too" if sp.server_wide else "per request"
+            parts.append(f"speed timed here; acceptance from the server's {sp.source} ({scope})")
         text = " · ".join(parts)
         ref, source = self.reference()
         if self.replies and self.replies[-1].kind != "off" and ref:

@@ -8,7 +8,7 @@ from engine.events import Stats
 
 STOP_WORDS = {"stopped": "stopped by you", "max_tokens": "reached the reply length limit",
               "context_full": "the context is full", "context_overflow": "the conversation does not fit",
-              "error": "stopped by an error"}
+              "error": "stopped by an error", "interrupted": "cut off: the server connection failed"}
 
 
 def mtp_mode(mtp: bool, draft: str) -> str:
@@ -26,6 +26,8 @@ def stats_dict(st: Stats | None, reason: str, mode: str, model: str) -> dict[str
     if st.speculative:
         d.update(drafted=st.speculative.drafted, accepted=st.speculative.accepted,
                  mean_accepted_length=round(st.speculative.mean_accepted_length, 2))
+        if st.speculative.source != "engine":  # a remote engine: where the figures came from
+            d.update(source=st.speculative.source, server_wide=st.speculative.server_wide)
     return d
 
 
@@ -37,7 +39,10 @@ def footer(stats: dict[str, Any]) -> str:
         parts += [f"{stats['decode_tok_s']:.1f} tok/s", f"{stats['tokens']} tokens"]
     if stats.get("drafted"):
         parts.append(f"{stats['accepted']} of {stats['drafted']} drafted tokens accepted")
-        parts.append(f"{stats['mean_accepted_length']:.1f} tokens per step")
+        if stats["mean_accepted_length"]:
+            parts.append(f"{stats['mean_accepted_length']:.1f} tokens per step")
+        if stats.get("source"):
+            parts.append(f"from {stats['source']}{' (server-wide)' if stats.get('server_wide') else ''}")
     elif stats.get("mtp") == "off":
         parts.append("MTP off")
     elif stats.get("mtp"):

@@ -61,6 +61,9 @@ class ServePanel(QWidget):
         if self.worker.engine is None:
             self._off("Load a model first")
             return
+        if not hasattr(self.worker.engine, "mf"):  # a remote engine: it is a server already
+            self._off("A remote engine is served by its own server: open a local model to serve it")
+            return
         try:
             server = LocalServer(self.worker.engine, port=self.port.value(), defaults=self.defaults,
                                  lock=self.worker.gen_lock)

@@ -100,7 +100,7 @@ class SettingsPanel(QWidget):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None):
         super().__init__(parent)
         self.settings = settings
-        form = QFormLayout(self)
+        self.form = form = QFormLayout(self)
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow panel puts fields under labels
         self.mtp = QCheckBox("Speculative decoding with the MTP head")
         self.draft = QComboBox()
@@ -149,9 +149,14 @@ class SettingsPanel(QWidget):
                 ("Experts", self.cpu_moe, "Experts on CPU"), ("Expert cache", self.expert_cache,
                                                               "Expert cache size (experts per layer or MiB)"),
                 ("", self.gpu_reason, "GPU status")]
+        self.remote_note = QLabel()  # a remote engine: what its server decides, not these settings
+        self.remote_note.setWordWrap(True)
+        rows.insert(0, ("", self.remote_note, "Remote engine"))
         for label, w, name in rows:
             w.setAccessibleName(name)
             form.addRow(label, w)
+        self.local_only = (self.context, self.device, gl, self.cpu_moe, self.expert_cache, self.gpu_reason)
+        form.setRowVisible(self.remote_note, False)
         self._set(settings)
         for w in (self.temperature, self.top_p, self.min_p, self.repeat_penalty):
             w.valueChanged.connect(self._emit)
@@ -165,6 +170,21 @@ class SettingsPanel(QWidget):
         self.gpu_layers.valueChanged.connect(self._emit)
         self.cpu_moe.toggled.connect(self._emit)
         self.expert_cache.currentTextChanged.connect(self._emit)
+
+    def show_engine(self, remote: dict | None) -> None:
+        """Hide what does not apply to a remote engine (context, device, GPU layers, experts); MTP and depth stay
+        only where its server takes them per request."""
+        for w in self.local_only:
+            self.form.setRowVisible(w, remote is None)
+        per_request = remote is None or remote["mtp_per_request"]
+        self.form.setRowVisible(self.mtp, per_request)
+        self.form.setRowVisible(self.draft, per_request)
+        self.form.setRowVisible(self.remote_note, remote is not None)
+        if remote is not None:
+            self.remote_note.setText(
+                f"Remote {remote['server']} engine: context, device and memory are the server's. "
+                + ("MTP and draft depth below are sent with each request." if per_request else
+                   "MTP and draft depth are the server's own setting (it does not take them per request)."))
 
     def _set(self, s: AppSettings) -> None:
         self.mtp.setChecked(s.mtp)

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
 
 from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
+from app import remote
 from app.library import LibraryPanel, scan
 from app.reply_stats import footer, mtp_mode, stats_dict
 from app.serve_panel import ServePanel
@@ -350,6 +351,10 @@ class MainWindow(QMainWindow):
         self.loading = None
         self.progress.setVisible(False)
         self.cancel_load_btn.setVisible(False)
+        self.settings_panel.show_engine(info if info.get("remote") else None)
+        if info.get("remote"):
+            self._on_remote(info)
+            return
         self.settings.add_recent(info["path"])
         save_settings(self.qs, self.settings)
         self._fill_recent()
@@ -369,6 +374,17 @@ class MainWindow(QMainWindow):
         self._update_buttons()
         self.refresh_library()
 
+    def _on_remote(self, info: dict) -> None:
+        remote.save_remote(self.qs, info["config"])
+        self._fill_recent()
+        self.info.setText(remote.describe(info))
+        self.setWindowTitle(f"Foretell — {info['name']}")
+        self.model_label.setText(info["name"])
+        self.device_label.setText(f"remote {info['server']}")
+        self.context_label.setText(f"context {info['context']:,} tokens" if info["context"] else "")
+        self._set_state("Ready")
+        self._update_buttons()
+
     @Slot(str)
     def on_load_failed(self, msg: str) -> None:
         failed, self.loading = self.loading, None
@@ -379,6 +395,7 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(f"Could not reopen {failed}: {msg}", 15_000)
             self.load_model(None)
             return
+        self.progress.setRange(0, 100)
         if self.model_info is not None:
             self._set_state(f"Ready — kept {self.model_info['name']}")
         else:
@@ -416,6 +433,21 @@ class MainWindow(QMainWindow):
         for p in self.settings.recent_models:
             act = self.recent_menu.addAction(p)
             act.triggered.connect(lambda _c=False, p=p: self.load_model(p))
+        remote.fill_menu(self.recent_menu, remote.load_remotes(self.qs), self.connect_remote, self.remote_dialog)
+
+    def remote_dialog(self) -> None:
+        dlg = remote.RemoteDialog(self)
+        dlg.accepted.connect(lambda: self.connect_remote(dlg.config()))
+        dlg.open()
+
+    def connect_remote(self, cfg) -> None:  # engine.remote.RemoteConfig
+        """Connect on the worker thread; the current engine stays until the server and model check out."""
+        self.loading = remote.label(cfg)
+        self.progress.setRange(0, 0)  # busy: a connection has no fraction
+        self.progress.setVisible(True)
+        self._set_state(f"Connecting to {cfg.url}…")
+        self._update_buttons()
+        self.engine.connect_remote(cfg)
 
     def refresh_library(self) -> None:
         """Describe the library's files — only while the Model tab shows (each file's header is read)."""
@@ -478,7 +510,7 @@ class MainWindow(QMainWindow):
         versions = list(self._stored(self.store.versions, m.id)) or [m.id]
         return ViewMessage(m.role, m.content, [(m.content, False)], footer(m.stats) if m.role == "assistant" else "",
                            version=(versions.index(m.id) + 1, len(versions)),
-                           stopped=m.stats.get("stop_reason") == "stopped")
+                           stopped=m.stats.get("stop_reason") in ("stopped", "interrupted"))
 
     def new_conversation(self) -> None:
         if self.generating:
@@ -683,7 +715,7 @@ class MainWindow(QMainWindow):
     def on_stats(self, st: Stats) -> None:
         self.last_stats = st
         self.metrics.push_stats(st)
-        if self.model_info:
+        if self.model_info and self.model_info["context"]:
             self.context_label.setText(f"context {st.prompt_tokens + st.generated_tokens:,} of "
                                        f"{self.model_info['context']:,} tokens")
         # The MTP-off estimate for the charts: the plain steps (depth 0) that auto takes and times.
@@ -706,7 +738,7 @@ class MainWindow(QMainWindow):
                 self.shown = self.shown + [saved]
                 versions = self._stored(self.store.versions, saved.id) or [saved.id]
                 last = self.chat.messages[-1]
-                last.version, last.stopped = (len(versions), len(versions)), reason == "stopped"
+                last.version, last.stopped = (len(versions), len(versions)), reason in ("stopped", "interrupted")
         self.chat.set_footer(footer(stats))
         self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
         self.progress.setVisible(False)
@@ -714,6 +746,9 @@ class MainWindow(QMainWindow):
         self.prompt.setFocus()
         if reason == "context_overflow":
             self.show_error("The conversation does not fit", message)
+        elif reason == "interrupted":  # a remote reply cut mid-way: kept, marked, and one click retries it
+            self._set_state("Ready — the reply was cut off and kept")
+            self.show_error("The reply was cut off", message, retry=True)
 
     @Slot(str)
     def on_failed(self, msg: str) -> None:
@@ -723,7 +758,7 @@ class MainWindow(QMainWindow):
         if self.conv_id is not None:
             self.open_conversation(self.conv_id)  # the partial reply was never saved: show what is stored
         self._update_buttons()
-        self.show_error("Generation failed", msg)
+        self.show_error("Generation failed", msg, retry=True)
 
     @Slot(object)
     def on_settings(self, s: AppSettings) -> None:
@@ -739,10 +774,14 @@ class MainWindow(QMainWindow):
             self.show_error("Conversation history", f"{e} {note}".strip())
             return _FAILED
 
-    def show_error(self, title: str, msg: str) -> None:
+    def show_error(self, title: str, msg: str, retry: bool = False) -> None:
+        """A message box that leaves the window live; `retry` adds a Retry button (a new version of the reply)."""
         self.errors.append(msg)
         box = QMessageBox(QMessageBox.Icon.Warning, title, msg, QMessageBox.StandardButton.Ok, self)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        if retry:
+            box.addButton(QMessageBox.StandardButton.Retry).clicked.connect(self.regenerate)
+        self.error_box = box
         box.open()  # not exec(): the window stays live
 
     def _set_state(self, text: str) -> None:

@@ -20,6 +20,9 @@ from engine.errors import EngineError, LoadCancelled
 from app.library import check_model_file
 from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
 from engine.generate import Engine, load
+from engine.remote import RemoteConfig
+from engine.remote import connect as connect_remote
+from app.remote import remote_info
 
 
 def model_info(eng: Engine) -> dict[str, Any]:
@@ -65,7 +68,7 @@ class EngineWorker(QObject):
         except EngineError as e:
             self.loadFailed.emit(str(e))
             return
-        previous = (str(self.engine.mf.path), self.engine.config) if self.engine is not None else None
+        previous = (str(self.engine.mf.path), self.engine.config) if isinstance(self.engine, Engine) else None
         self.engine = None  # the old weights go before the new ones are prepared: never two models in memory
         try:
             eng = load(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m), cancel=self.load_cancel)
@@ -84,6 +87,22 @@ class EngineWorker(QObject):
             return
         self.engine = eng
         self.loaded.emit(model_info(eng))
+
+    @Slot(object)
+    def connect_remote(self, config: RemoteConfig) -> None:
+        """A remote engine replaces the current one only once its server, key and model have been checked."""
+        self.loadProgress.emit(0.0, f"connecting to {config.url}")
+        try:
+            eng = connect_remote(config)
+        except EngineError as e:
+            self.loadFailed.emit(str(e))
+            return
+        except Exception as e:  # a bug: one readable line for the dialog, details on stderr
+            traceback.print_exc()
+            self.loadFailed.emit(f"Unexpected error while connecting: {type(e).__name__}: {e}")
+            return
+        self.engine = eng
+        self.loaded.emit(remote_info(eng))
 
     def _reopen(self, path: str, config: EngineConfig) -> None:
         try:
@@ -122,6 +141,7 @@ class EngineController(QObject):
 
     requestLoad = Signal(object, object)
     requestGenerate = Signal(object, object)
+    requestRemote = Signal(object)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -131,6 +151,7 @@ class EngineController(QObject):
         self.worker.moveToThread(self.thread)
         self.requestLoad.connect(self.worker.load)
         self.requestGenerate.connect(self.worker.generate)
+        self.requestRemote.connect(self.worker.connect_remote)
         self.thread.start()
 
     def load(self, path: str | None, config: EngineConfig = EngineConfig()) -> None:
@@ -140,6 +161,9 @@ class EngineController(QObject):
     def cancel_load(self) -> None:
         """Stops a load between layers (an Event: the worker is busy loading)."""
         self.worker.load_cancel.set()
+
+    def connect_remote(self, config: RemoteConfig) -> None:
+        self.requestRemote.emit(config)
 
     def generate(self, messages: list, gen: GenerationConfig) -> None:
         self.requestGenerate.emit(messages, gen)

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from engine.errors import EngineError, InvalidParameterError
 from engine.server.run import add_arguments as serve_arguments
@@ -195,7 +195,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.chat import Message
-    from engine.events import Done, GenerationConfig, Stats, Token
+    from engine.events import GenerationConfig
     from engine.sampling import SamplingConfig
 
     from engine import validate
@@ -217,28 +217,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=None if args.draft == "auto" else int(args.draft),
     )
     validate.validate_generation(gen)  # every range checked before the model is opened
+    if (args.api_key or args.remote_model) and not args.remote:
+        raise InvalidParameterError("--api-key and --remote-model go with --remote URL")
+    if args.remote:
+        from engine.remote.cli import generate_remote
+
+        return generate_remote(args, prompt, gen)
     _check_engine_args(args, args.ctx)
     eng = _engine(args, n_ctx=args.ctx)
+    tokens, flags, text, final, done = collect_reply(eng.generate(prompt, gen), echo=not args.json)
+    if done.reason == "context_overflow":
+        raise EngineError(done.message)
+    stats = reply_stats(final, done)
+    stats["placement"] = eng.plan.as_dict()
+    if final.expert_cache:
+        stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}
+    if args.json:
+        print(json.dumps({"tokens": tokens, "text": text, "accepted_draft": flags, "stats": stats}))
+    else:
+        print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
+              f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def collect_reply(events: Iterable[Any], echo: bool) -> tuple[list[int], list[bool], str, Any, Any]:
+    """Token ids, their accepted-draft flags, the text, the final Stats and the Done of one reply (a local or
+    a remote engine's); the text is echoed to stdout as it comes when `echo`."""
+    from engine.events import Done, Stats, Token
+
     tokens: list[int] = []
     flags: list[bool] = []
     pieces: list[str] = []
     final: Stats | None = None
     done: Done | None = None
-    for ev in eng.generate(prompt, gen):
+    for ev in events:
         if isinstance(ev, Token):
             tokens += ev.ids
             flags += [ev.accepted_draft] * len(ev.ids)
             pieces.append(ev.text)
-            if not args.json:
+            if echo:
                 print(ev.text, end="", flush=True)
         elif isinstance(ev, Stats) and ev.final:
             final = ev
         elif isinstance(ev, Done):
             done = ev
-    if done is not None and done.reason == "context_overflow":
-        raise EngineError(done.message)
     if done is None or final is None:
         raise EngineError("generation ended without a result")
+    return tokens, flags, "".join(pieces), final, done
+
+
+def reply_stats(final: Any, done: Any) -> dict[str, Any]:
+    """The `stats` object of `generate --json` (the contract in docs/DESIGN.md)."""
     stats = {
         "prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
         "ttft_s": final.ttft_s, "prefill_tok_s": final.prefill_tok_s, "decode_tok_s": final.decode_tok_s,
@@ -247,15 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     }
     if final.speculative:
         stats.update(dataclasses.asdict(final.speculative))
-    stats["placement"] = eng.plan.as_dict()
-    if final.expert_cache:
-        stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}
-    if args.json:
-        print(json.dumps({"tokens": tokens, "text": "".join(pieces), "accepted_draft": flags, "stats": stats}))
-    else:
-        print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
-              f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
-    return 0
+    return stats
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -321,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-mtp", dest="mtp", action="store_false", help="plain decoding")
     s.add_argument("--draft", default="auto", type=_draft_depth, help="draft depth 1-8 or 'auto' (default)")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--remote", metavar="URL", help="generate on an OpenAI-compatible server (llama-server, vLLM, "
+                   "SGLang, Foretell) at this base URL instead of a local model")
+    s.add_argument("--api-key", default=None, help="with --remote: the server's API key")
+    s.add_argument("--remote-model", default=None, help="with --remote: a model id from its /v1/models (default: the first)")
     _device_args(s)
     s.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the model (/v1/chat/completions, ...)")

@@ -34,6 +34,10 @@ class SpeculativeStats:
     verify_steps: int = 0
     plain_steps: int = 0  # steps decoded without drafting (auto chose depth 0)
     time_s: SpeculativeTimes = field(default_factory=SpeculativeTimes)
+    # Where the figures came from: "engine" (this process), or for a remote engine "timings" / "request metrics"
+    # (per request), "/metrics" / "sglang gauges" / "/server_info" (server-wide: other clients count too).
+    source: str = "engine"
+    server_wide: bool = False
 
 
 @dataclass(frozen=True)

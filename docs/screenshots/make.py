@@ -28,14 +28,14 @@ LONG_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is 
 STREAM_AT = 6  # tokens into the reply: the screen is grabbed from the token handler while the worker goes on
 
 
-def _drive(out: Path, theme: str, tag: str) -> None:
-    """Inside the X server: run the window, ask, and grab the screen at each stage."""
-    from PySide6.QtCore import QObject, QSettings, Qt, Slot
-    from PySide6.QtGui import QGuiApplication, QImage
-    from PySide6.QtWidgets import QApplication, QMessageBox
+def open_window(theme: str):  # type: ignore[no-untyped-def]
+    """Inside the X server: the app maximised on a fresh store and settings; (app, window, data folder, wait),
+    where wait(cond, timeout) runs the event loop until cond() holds."""
+    from PySide6.QtCore import QSettings
+    from PySide6.QtWidgets import QApplication
 
     from app.store import Store
-    from app.window import TABS, MainWindow
+    from app.window import MainWindow
 
     app = QApplication(sys.argv[:1])
     app.setApplicationName("Foretell")
@@ -52,6 +52,19 @@ def _drive(out: Path, theme: str, tag: str) -> None:
                 raise SystemExit(f"screenshots: timed out ({win.state_label.text()})")
             app.processEvents()
             time.sleep(0.01)
+
+    return app, win, data, wait
+
+
+def _drive(out: Path, theme: str, tag: str) -> None:
+    """Inside the X server: run the window, ask, and grab the screen at each stage."""
+    from PySide6.QtCore import QObject, Qt, Slot
+    from PySide6.QtGui import QGuiApplication, QImage
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.window import TABS
+
+    app, win, data, wait = open_window(theme)
 
     def settle(s: float = 0.6) -> None:
         end = time.monotonic() + s
@@ -134,7 +147,8 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     shutil.rmtree(data, ignore_errors=True)
 
 
-def _run_one(w: int, h: int, theme: str, display: int, out: Path) -> None:
+def _run_one(w: int, h: int, theme: str, display: int, out: Path, script: str = __file__) -> None:
+    """`script --drive OUT` inside its own Xvfb + openbox (docs/screenshots/remote.py drives it too)."""
     env = {**os.environ, "DISPLAY": f":{display}", "QT_QPA_PLATFORM": "xcb"}
     env.pop("WAYLAND_DISPLAY", None)
     xvfb = subprocess.Popen(["Xvfb", f":{display}", "-screen", "0", f"{w}x{h}x24", "-nolisten", "tcp"],
@@ -144,7 +158,7 @@ def _run_one(w: int, h: int, theme: str, display: int, out: Path) -> None:
         time.sleep(1.0)
         wm = subprocess.Popen(["openbox"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
-        subprocess.run([sys.executable, __file__, "--drive", str(out), "--theme", theme, "--tag", f"{w}x{h}"],
+        subprocess.run([sys.executable, script, "--drive", str(out), "--theme", theme, "--tag", f"{w}x{h}"],
                        env=env, cwd=ROOT, check=True, timeout=600)
     finally:
         for p in (wm, xvfb):
