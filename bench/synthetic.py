@@ -53,7 +53,12 @@ def byte_vocab(n_vocab: int) -> Vocab:
     return Vocab(tokens, types, merges, bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)
 
 
-def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0) -> Path:
+TINY = Shape(n_layer=4, n_embd=256, n_vocab=512, n_head=2, n_head_kv=1, head_dim=128, ssm_n_group=2, ssm_dt_rank=2,
+             ssm_d_state=128, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)  # smoke runs: rows of 256
+
+
+def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0, float_source: bool = False) -> Path:
+    """`float_source`: F16 matrices (random normal) instead of K-quant blocks, for llama.cpp to quantize."""
     hp = make_hparams("qwen35moe", n_layer=s.n_layer, n_embd=s.n_embd, n_vocab=s.n_vocab, n_head=s.n_head,
                       n_head_kv=s.n_head_kv, head_dim=s.head_dim, ssm_n_group=s.ssm_n_group,
                       ssm_dt_rank=s.ssm_dt_rank, ssm_d_state=s.ssm_d_state, n_expert=s.n_expert,
@@ -75,25 +80,29 @@ def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0) -> Path:
             continue
         qt = T.Q6_K if name.endswith(("ffn_down_exps.weight", "output.weight")) else T.Q4_K
         std = 1.0 if name == "token_embd.weight" else 1 / np.sqrt(shape[-1])
-        tensors[name] = Raw(random_blocks(shape, qt, rng, std), qt, shape)
-    write_gguf(path, hp, tensors, byte_vocab(s.n_vocab), name="synthetic-qwen35moe")
+        tensors[name] = (rng.normal(0, std, shape).astype(np.float16) if float_source
+                         else Raw(random_blocks(shape, qt, rng, std), qt, shape))
+    write_gguf(path, hp, tensors, byte_vocab(s.n_vocab), qtype=T.F16, name="synthetic-qwen35moe")
     return Path(path)
 
 
-def cached(name: str = "mid", directory: str | Path = "build/bench") -> Path:
-    """The synthetic model `name` ("mid"), written once under `directory`."""
-    shape = {"mid": MID, "qwen36-35b": QWEN36_35B}[name]
-    path = Path(directory) / f"synthetic-{name}.gguf"
+SHAPES = {"mid": MID, "qwen36-35b": QWEN36_35B, "tiny": TINY}
+
+
+def cached(name: str = "mid", directory: str | Path = "build/bench", float_source: bool = False) -> Path:
+    """The synthetic model `name` ("mid"), written once under `directory` (`float_source`: its F16 form)."""
+    shape = SHAPES[name]
+    path = Path(directory) / f"synthetic-{name}{'-f16' if float_source else ''}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        write_synthetic(tmp, shape)
+        write_synthetic(tmp, shape, float_source=float_source)
         tmp.replace(path)
     return path
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="write a synthetic benchmark model")
-    ap.add_argument("name", choices=["mid", "qwen36-35b"])
+    ap.add_argument("name", choices=list(SHAPES))
     ap.add_argument("--dir", default="build/bench")
     print(cached(ap.parse_args().name, ap.parse_args().dir))
