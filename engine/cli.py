@@ -73,7 +73,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pcfg = PlacementConfig(args.device, args.gpu_layers, args.cpu_moe, args.expert_cache, miss_policy=args.miss_policy)
     info["placement"] = plan_placement(ModelSizes.from_model(mf, min(args.ctx, hp.n_ctx_train)), pcfg,
                                        free_device_bytes(args.device)).as_dict()
-    info["products"] = _coverage(mf).as_dict()
+    cov = _coverage(mf)
+    info["products"] = cov.as_dict()
+    info["notices"] = [n for n in (cov.notice(),) if n is not None]
     if args.tensors:
         info["tensors"] = [
             {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}

@@ -75,8 +75,10 @@ def test_inspect_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
     path = FILES["IQ4_XS"]()
     must, may = _expected(path)
     assert cli.main(["inspect", str(path), "--json"]) == 0
-    listed = {f["type"] for f in json.loads(capsys.readouterr().out)["products"]["fallback"]}
+    info = json.loads(capsys.readouterr().out)
+    listed = {f["type"] for f in info["products"]["fallback"]}
     assert must <= listed <= may
+    assert len(info["notices"]) == (1 if must else 0) and all(t in "".join(info["notices"]) for t in must)
     assert cli.main(["inspect", str(path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("products"))
     assert all(t in line for t in must) and ("no native product" in line) == bool(must)
