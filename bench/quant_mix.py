@@ -142,10 +142,18 @@ def main() -> None:
                      "decoding": "greedy, plain (no MTP), EOS ignored, 4 warm-up tokens"},
         "our_forms": forms, "our_forms_unavailable_on_this_cpu": missing, "mixes": {},
     }
-    for mix in mixes:
-        path = quantized_mix(src, mix)
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    paths = {mix: quantized_mix(src, mix) for mix in mixes}
+    facts = {mix: file_facts(p) for mix, p in paths.items()}
+    # tests.quantized (through tests.oracle_llama) sets OMP_WAIT_POLICY=PASSIVE for its in-process llama.cpp; the
+    # engines' runs inherit this process's environment and must get the caller's, as bench/decode.py's do.
+    if omp is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = omp
+    for mix, path in paths.items():
         print(f"== {mix}: {path.name}", flush=True)
-        result["mixes"][mix] = {**file_facts(path), **run_mix(path, forms, args)}
+        result["mixes"][mix] = {**facts[mix], **run_mix(path, forms, args)}
     result["machine"]["load_avg_at_end"] = list(os.getloadavg())
     result["duration_s"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
