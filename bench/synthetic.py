@@ -50,7 +50,9 @@ QWEN36_35B = Shape(n_layer=40, n_embd=2048, n_vocab=248320, n_head=16, n_head_kv
 QWEN35_9B = Shape(arch="qwen35", n_layer=32, n_embd=4096, n_vocab=248320, n_head=16, n_head_kv=4, ssm_n_group=16,
                   ssm_dt_rank=32, n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff_shexp=0, n_ff=12288, mix="q4_k_m",
                   n_ctx_train=262144, bpe=True)
-SHAPES = {"mid": MID, "qwen36-35b": QWEN36_35B, "qwen35-9b": QWEN35_9B}
+TINY = Shape(n_layer=4, n_embd=256, n_vocab=512, n_head=2, n_head_kv=1, head_dim=128, ssm_n_group=2, ssm_dt_rank=2,
+             ssm_d_state=128, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)  # smoke runs: rows of 256
+SHAPES = {"mid": MID, "qwen36-35b": QWEN36_35B, "qwen35-9b": QWEN35_9B, "tiny": TINY}
 
 _Q8_0_IN_UD = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_qkv.", "attn_gate.", "ssm_alpha.", "ssm_beta.",
                "ssm_out.", "_shexp.", "eh_proj.")
@@ -101,7 +103,8 @@ def bpe_vocab(n_vocab: int, seed: int = 0) -> Vocab:
     return Vocab(tokens + specials, types, merges, bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)
 
 
-def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0) -> Path:
+def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0, float_source: bool = False) -> Path:
+    """`float_source`: F16 matrices (random normal) instead of quantized blocks, for llama.cpp to quantize."""
     hp = make_hparams(s.arch, n_layer=s.n_layer, n_embd=s.n_embd, n_vocab=s.n_vocab, n_head=s.n_head,
                       n_head_kv=s.n_head_kv, head_dim=s.head_dim, ssm_n_group=s.ssm_n_group,
                       ssm_dt_rank=s.ssm_dt_rank, ssm_d_state=s.ssm_d_state, n_ff=s.n_ff, n_expert=s.n_expert,
@@ -118,7 +121,11 @@ def write_synthetic(path: str | Path, s: Shape = MID, seed: int = 0) -> Path:
             continue
         qt = matrix_type(name, s.mix)
         std = 1.0 if name == "token_embd.weight" else 1 / np.sqrt(shape[-1])
-        tensors[name] = Lazy(lambda shape=shape, qt=qt, std=std: random_blocks(shape, qt, rng, std), qt, shape)
+        if float_source:
+            tensors[name] = Lazy(lambda shape=shape, std=std: rng.normal(0, std, shape).astype(np.float16), T.F16,
+                                 shape)
+        else:
+            tensors[name] = Lazy(lambda shape=shape, qt=qt, std=std: random_blocks(shape, qt, rng, std), qt, shape)
     vocab = bpe_vocab(s.n_vocab, seed) if s.bpe else byte_vocab(s.n_vocab)
     write_gguf(path, hp, tensors, vocab, name=f"synthetic-{s.arch}")
     return Path(path)
@@ -132,14 +139,14 @@ def _small(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nd
     return rng.normal(0, 1 / np.sqrt(shape[-1]), shape).astype(np.float32)
 
 
-def cached(name: str = "mid", directory: str | Path = "build/bench") -> Path:
-    """The synthetic model `name` (a key of SHAPES), written once under `directory`."""
+def cached(name: str = "mid", directory: str | Path = "build/bench", float_source: bool = False) -> Path:
+    """The synthetic model `name` (a key of SHAPES), written once under `directory` (`float_source`: its F16 form)."""
     shape = SHAPES[name]
-    path = Path(directory) / f"synthetic-{name}.gguf"
+    path = Path(directory) / f"synthetic-{name}{'-f16' if float_source else ''}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        write_synthetic(tmp, shape)
+        write_synthetic(tmp, shape, float_source=float_source)
         tmp.replace(path)
     return path
 

@@ -73,6 +73,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pcfg = PlacementConfig(args.device, args.gpu_layers, args.cpu_moe, args.expert_cache, miss_policy=args.miss_policy)
     info["placement"] = plan_placement(ModelSizes.from_model(mf, min(args.ctx, hp.n_ctx_train)), pcfg,
                                        free_device_bytes(args.device)).as_dict()
+    cov = _coverage(mf)
+    info["products"] = cov.as_dict()
+    info["notices"] = [n for n in (cov.notice(),) if n is not None]
     if args.tensors:
         info["tensors"] = [
             {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}
@@ -83,6 +86,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         _print_inspect(info)
     return 0
+
+
+def _coverage(mf):  # type: ignore[no-untyped-def]
+    """Which weights would miss a native product: the model bound on the CPU to the default backend, as `load`
+    binds it (weights stay views of the file; nothing is dequantized but the small vectors)."""
+    from engine import ops
+    from engine.models.build import load_model
+    from engine.ops.coverage import product_coverage
+
+    backend = ops.default_backend()
+    return product_coverage(load_model(mf, n_ctx=16, backend=backend), backend.name)
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
@@ -110,6 +124,10 @@ def _print_inspect(info: dict[str, Any]) -> None:
     for name, row in info["tensor_types"].items():
         print(f"    {name:<8} {row['tensors']:>5} tensors  {_count(row['elements']):>8}  {_size(row['bytes']):>10}")
     print(f"  placement     {info['placement']['summary']}")
+    fallback = info["products"]["fallback"]
+    print(f"  products      {info['products']['backend']}: " + (
+        "every quantized weight has a native product" if not fallback else "no native product for " + ", ".join(
+            f"{f['type']} ({f['tensors']} tensors, {f['share']:.0%} of weights: dequantized)" for f in fallback)))
     for t in info.get("tensors", []):
         print(f"    {t['name']:<40} {t['type']:<7} {str(tuple(t['shape'])):<22} {_size(t['bytes'])}")
 

@@ -33,7 +33,8 @@ from engine.sampling import Sampler
 from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats, Token
 from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
 from engine.tokenizer import Tokenizer
-from engine import validate
+from engine import ops, validate
+from engine.ops.coverage import product_coverage
 from engine.validate import validate_engine_config, validate_generation
 
 ProgressFn = Callable[[float, str], None]
@@ -95,6 +96,11 @@ class Engine:
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
         if self.memory.notice is not None:
             self.notices.append(self.memory.notice)
+        # Weights whose type has no native product on this backend (engine.ops.coverage): slower, and said so.
+        self.coverage = product_coverage(self.model, backend.name)
+        fallback = self.coverage.notice()
+        if fallback is not None:
+            self.notices.append(fallback)
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
         self._last_logits: torch.Tensor | None = None
