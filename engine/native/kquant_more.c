@@ -40,7 +40,7 @@ void unpack_q5_k(const uint8_t *b, Block *o) {
 }
 
 /* Q3_K's 16 signed 6-bit scales (stored + 32) from their 12 bytes: low nibbles in bytes 0-7, high pairs in 8-11 */
-__attribute__((always_inline)) static inline void q3_k_scales(const uint8_t *b, int8_t sc[16]) {
+static void q3_k_scales(const uint8_t *b, int8_t sc[16]) {
     uint32_t a[4];
     memcpy(a, b + 96, 12);
     const uint32_t t = a[2];
@@ -148,9 +148,15 @@ static inline void decode_block(const int qtype, const uint8_t *blk, KDec *o) {
         for (int j = 0; j < 8; j++) o->s[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
     } else if (qtype == T_Q3_K) {  /* hmask[32], qs[64], 12 scale bytes, d: values stored q + 4 */
         o->d = fp16_f16c(blk + 108);
-        int8_t sc[16];
-        q3_k_scales(blk, sc);
-        o->w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        /* q3_k_scales in registers: low nibbles of bytes 0-7 (scales 0-7) then their high nibbles (8-15), with bits
+         * 2·(j/4), 2·(j/4) + 1 of byte 8 + j%4 as bits 4-5 */
+        uint32_t u[3];
+        memcpy(u, blk + 96, 12);
+        const __m128i x = _mm_setr_epi32((int)u[0], (int)u[1], 0, 0);
+        const __m128i lo = _mm_and_si128(_mm_unpacklo_epi64(x, _mm_srli_epi16(x, 4)), _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)u[2]), _mm_setr_epi32(0, 2, 4, 6)),
+                                         _mm_set1_epi8(3));
+        o->w16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
         __m256i h = _mm256_loadu_si256((const __m256i *)blk);
         for (int n = 0; n < 2; n++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * n));
