@@ -33,14 +33,8 @@ from engine import ops  # noqa: E402
 from engine.ops.linear import DequantLinear  # noqa: E402
 from engine.storage import qtensor as quant  # noqa: E402
 from engine.storage.qtensor import QTensor  # noqa: E402
+from engine.storage.quantize import F16_FIELDS  # noqa: E402  (byte offsets of the fp16 scale fields)
 
-# byte offsets of fp16 scale fields per block; they get finite, moderate values
-_F16_FIELDS: dict[QT, tuple[int, ...]] = {
-    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
-    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
-    QT.IQ2_XXS: (0,), QT.IQ2_XS: (0,), QT.IQ2_S: (0,), QT.IQ3_XXS: (0,), QT.IQ3_S: (0,),
-    QT.IQ1_S: (0,), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
-}
 
 
 def random_weight(qtype: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -56,7 +50,7 @@ def random_weight(qtype: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
     nb = n * k // bs
     blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
     halfs = lambda: (rng.standard_normal(nb) * 0.01).astype(np.float16)  # noqa: E731
-    for off in _F16_FIELDS.get(qtype, ()):
+    for off in F16_FIELDS.get(qtype, ()):
         blocks[:, off:off + 2] = halfs().view(np.uint8).reshape(nb, 2)
     if qtype == QT.IQ1_M:
         d = halfs().view(np.uint16)

@@ -51,6 +51,7 @@ class FixtureSpec:
     n_vocab: int = 384
     logit_scale: float = 4.0  # std of the logits, in units of a unit-variance hidden state
     output_type: str | None = None  # e.g. "Q6_K" for a Q4_K_M-like mix
+    expert_down_type: str | None = None  # the routed experts' down projections (UD-Q4_K_M: Q5_K)
     tied: bool = False
     chat_template: bool = True
     seed: int = 0
@@ -67,6 +68,8 @@ KQUANT_MOE = FixtureSpec(
     n_ff_exp=256, n_ff_shexp=256, n_layer=4,
 )
 KQUANT_DENSE = replace(KQUANT_MOE, arch="qwen35", n_ff=256)
+# The popular Qwen3.6 UD-Q4_K_M mix: Q4_K matrices, Q5_K routed expert down projections, a Q6_K LM head
+UD_Q4_K_M_MOE = replace(KQUANT_MOE, expert_down_type="Q5_K")
 
 
 def hparams_of(spec: FixtureSpec) -> HParams:
@@ -145,8 +148,10 @@ def _sample_texts() -> list[str]:
 def write_fixture(path: str | os.PathLike[str], spec: FixtureSpec) -> Path:
     hp = hparams_of(spec)
     vocab = fixture_vocab(spec.n_vocab, spec.chat_template)
-    overrides = {"output.weight": T[spec.output_type]} if spec.output_type else None
-    write_gguf(path, hp, random_tensors(hp, spec), vocab, qtype=T[spec.qtype], type_overrides=overrides,
+    overrides = {"output.weight": T[spec.output_type]} if spec.output_type else {}
+    if spec.expert_down_type:
+        overrides["ffn_down_exps.weight"] = T[spec.expert_down_type]
+    write_gguf(path, hp, random_tensors(hp, spec), vocab, qtype=T[spec.qtype], type_overrides=overrides or None,
                name=f"fixture-{spec.arch}-{spec.qtype}")
     return Path(path)
 

@@ -40,10 +40,12 @@ def test_the_activation_memo_keeps_the_last_inputs_only(size: int) -> None:
 def test_weights_are_bound_once_to_a_kind_of_product() -> None:
     q8 = QTensor(random_tensor(QT.Q8_0, (32, 64), seed=0, wide=False), QT.Q8_0, (32, 64))
     q5 = QTensor(random_tensor(QT.Q5_K, (4, 256), seed=1, wide=False), QT.Q5_K, (4, 256))
+    f16 = QTensor(random_tensor(QT.F16, (4, 48), seed=2), QT.F16, (4, 48))  # rows not whole 32-value chunks
+    f32 = QTensor(random_tensor(QT.F32, (4, 64), seed=3), QT.F32, (4, 64))  # no native product
     native = [b for b in ops.available_backends() if b.native]
     for b in native:
-        assert ops.bind(q8, b).kind == "native" and ops.bind(q5, b).kind == "dequant"
-    assert ops.bind(q8, ops.TORCH).kind == "int8" and ops.bind(q5, ops.TORCH).kind == "dequant"
+        assert [ops.bind(w, b).kind for w in (q8, q5, f16, f32)] == ["native", "native", "dequant", "dequant"]
+    assert [ops.bind(w, ops.TORCH).kind for w in (q8, q5, f16)] == ["int8", "dequant", "dequant"]
     assert ops.bind(torch.randn(3, 64), ops.default_backend()).kind == "float"
 
 

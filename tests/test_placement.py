@@ -17,7 +17,7 @@ from engine.storage.modelfile import open_model
 from engine.models.build import load_model
 from engine.models.qwen35 import Qwen35Model
 from engine.placement import MiB, ModelSizes, PlacementConfig, Plan, plan_placement
-from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, UD_Q4_K_M_MOE, FixtureSpec, fixture_path
 
 # --- SLRU ------------------------------------------------------------------------------------------
 
@@ -167,8 +167,8 @@ def _logits(m: Qwen35Model, toks: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE, TINY_DENSE, dataclasses.replace(TINY_MOE, qtype="Q8_0")],
-                         ids=["moe-f32", "moe-q4k", "dense-f32", "moe-q8"])
+@pytest.mark.parametrize("spec", [TINY_MOE, KQUANT_MOE, TINY_DENSE, dataclasses.replace(TINY_MOE, qtype="Q8_0"),
+                                  UD_Q4_K_M_MOE], ids=["moe-f32", "moe-q4k", "dense-f32", "moe-q8", "moe-ud-q4km"])
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_outputs_identical_between_placements(spec: FixtureSpec, name: str) -> None:
     toks = np.random.default_rng(3).integers(0, spec.n_vocab - 3, 40).tolist()

@@ -13,14 +13,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from engine.storage import qtensor as quant
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.storage.qtensor import QTensor
+from engine.storage.quantize import F16_FIELDS  # byte offsets of the fp16 scale fields per block
 
-# byte offsets of the fp16 scale fields inside one block, per type
-F16_FIELDS: dict[QT, tuple[int, ...]] = {
-    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
-    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
-    QT.IQ2_XXS: (0,), QT.IQ2_XS: (0,), QT.IQ2_S: (0,), QT.IQ3_XXS: (0,), QT.IQ3_S: (0,),
-    QT.IQ1_S: (0,), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
-}
 TYPES = sorted(quant.SUPPORTED_TYPES, key=int)
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 

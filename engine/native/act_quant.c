@@ -117,6 +117,22 @@ void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *
     }
 }
 
+/* ggml quantize_row_q8_1: Q8_0's quants and f16-rounded scales, and per block s = fp16(d · Σq) with d = amax/127
+ * before its rounding (what Q4_1 / Q5_1 products add m_w · s of), returned as a float. */
+void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s) {
+    quantize_q8_0(x, m_rows, k, q, d);
+    for (int64_t i = 0; i < m_rows * (k / QK8_0); i++) {
+        float amax = 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK8_0; j++) {
+            const float a = fabsf(x[i * QK8_0 + j]);
+            if (a > amax) amax = a;
+            sum += q[i * QK8_0 + j];
+        }
+        s[i] = (float)(_Float16)((float)sum * (amax / 127.0f));
+    }
+}
+
 #if defined(__x86_64__)
 #define Q8_0_QUANT_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
 

@@ -1,7 +1,7 @@
 /* What the native kernel files share: ggml type ids, tile sizes, the activation rows' layout, instruction-set
  * targets, and the functions one file calls in another. The calls between files form a DAG: kquant.c (the
- * quantized products' drivers) calls q8_0.c, packed_x16.c and iq_grid.c; every file asks cpu.c which instruction sets
- * run. */
+ * quantized products' drivers) calls q8_0.c, kquant_more.c, legacy.c, half.c, iq_grid.c and packed_x16.c; every file
+ * asks cpu.c which instruction sets run. */
 #ifndef FORETELL_KERNELS_H
 #define FORETELL_KERNELS_H
 
@@ -16,7 +16,8 @@
 #define QK8_0 32  /* values per Q8_0 block */
 #define M_TILE 64
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
-enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };  /* ggml type ids */
+enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
 /* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
 enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
@@ -48,11 +49,26 @@ void norm_rows(const float *x, int64_t n, int64_t d, const float *w, const float
 typedef void (*pool_fn)(void *ctx, int64_t item);
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx);
 
+/* The activation rows a weight type's product takes (ggml-cpu's vec_dot_type): Q8_K for the K- and IQ-quants (and
+ * any type not named here), Q8_0 for Q8_0 and the 32-value types without a minimum, Q8_1 (Q8_0's quants and scales
+ * with s = fp16(d·Σq) per block) for Q4_1 and Q5_1, the values rounded to F16 / BF16 for half-precision weights. */
+enum { ACT_Q8_K = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_F16 = 3, ACT_BF16 = 4 };
+static inline int act_format(int code) {
+    switch (code) {
+    case T_Q8_0: case T_Q8_0_PACKED: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_MXFP4: return ACT_Q8_0;
+    case T_Q4_1: case T_Q5_1: return ACT_Q8_1;
+    case T_F16: return ACT_F16;
+    case T_BF16: return ACT_BF16;
+    default: return ACT_Q8_K;
+    }
+}
+
 typedef struct {
-    const int8_t *q;  /* [rows, k] */
-    const float *d;  /* [rows, k/256] */
-    const int16_t *bs;  /* [rows, k/16] */
+    const int8_t *q;  /* [rows, k]; F16/BF16 products: the rows' 16-bit values, [rows, k] uint16 */
+    const float *d;  /* [rows, k/256] (Q8_K) or [rows, k/32] (Q8_0, Q8_1: f16-rounded) */
+    const int16_t *bs;  /* Q8_K: [rows, k/16] */
     int64_t k;
+    const float *s;  /* Q8_1: [rows, k/32], fp16(d·Σq) as a float */
 } Acts;
 
 /* iq_grid.c: the grid-codebook IQ types (ggml type ids) against Q8_K activation rows. rows_times_iq: weight rows
@@ -62,6 +78,76 @@ enum { T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21
 int iq_grid_type(int qtype);
 void rows_times_iq(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
+
+/* A K-quant weight block unpacked for the portable products: unsigned values v[256] in natural order, the integer
+ * scale of each group of 4 values (lane), the integer weights of the activations' sums of 16 taken off (corr), the
+ * float factors, and whether dmin scales corr separately (a min term: Q4_K, Q5_K, Q2_K) or corr is an offset of the
+ * values inside the integer sum (Q6_K, Q3_K, IQ4_XS: the values are stored q + offset). */
+typedef struct {
+    uint8_t v[QK_K];
+    int32_t lane[QK_K / 4];
+    int32_t corr[16];  /* weight of bsum16[j] in the correction term */
+    float d, dmin;
+} Block;
+
+/* Sub-block j (of 8) of a Q4_K / Q5_K block's 6-bit scale and min, from the 12 scale bytes s */
+static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* kquant_more.c: Q5_K, Q3_K, Q2_K and IQ4_XS blocks unpacked (portable products) */
+void unpack_q5_k(const uint8_t *b, Block *o);
+void unpack_q3_k(const uint8_t *b, Block *o);
+void unpack_q2_k(const uint8_t *b, Block *o);
+void unpack_iq4_xs(const uint8_t *b, Block *o);
+
+/* legacy.c: Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4 rows [r0, r1) times Q8_0 / Q8_1 activation rows xrow[0..m)
+ * (0..m when NULL) into out[i * ldo + r]; half.c: F16 and BF16 rows times the rows' rounded values, the same way. */
+void rows_times_legacy(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                       const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
+void rows_times_half(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                     const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
+void round_half(const float *x, int64_t n, int bf16, uint16_t *out);
+
+/* act_quant.c: activation rows [m_rows, k] quantized for the integer products */
+void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa);
+void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d);
+void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s);
+void q8_k_to_q4_k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out);
+
+/* 8 float lanes summed in hsum8's order (halves, then pairs, then the last two): the portable forms' twin of it */
+static inline float lanes_sum(const float *a) {
+    const float h0 = a[0] + a[4], h1 = a[1] + a[5], h2 = a[2] + a[6], h3 = a[3] + a[7];
+    return (h0 + h2) + (h1 + h3);
+}
+
+/* IEEE half to float, portable (no F16C) */
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #if defined(__x86_64__)
 #define AVX512_TARGET "avx512f,avx512bw,f16c"
@@ -87,6 +173,31 @@ typedef struct {
     const float *d;  /* its block scales */
     const int16_t *bs;  /* its sums of 16 quants */
 } Row;
+
+/* A Q4_K (or Q5_K) block's 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
+static inline __m128i q4_k_scales(const uint8_t *blk) {
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    return _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f), (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
+                          (int)(u[1] & 0x3f3f3f3f), (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
+}
+
+/* Σ_j madd(maddubs(v[j], quants 32j …), s[j]) from p0, in two chains (even and odd j): exact int32 lanes */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i dot8(const __m256i *v, const __m256i *s, const int8_t *x, __m256i p0) {
+    __m256i p1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j))), s[j]));
+        p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(
+            _mm256_maddubs_epi16(v[j + 1], _mm256_loadu_si256((const __m256i *)(x + 32 * j + 32))), s[j + 1]));
+    }
+    return _mm256_add_epi32(p0, p1);
+}
+
+/* kquant_more.c: a Q5_K / Q3_K / Q2_K / IQ4_XS weight row's nb blocks times the tile's activation rows into their
+ * 8-lane float sums (AVX2) */
+void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc);
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL) */

@@ -1,9 +1,11 @@
 /* K-quant products on the CPU, the way llama.cpp's CPU backend computes them.
  *
- * A Q4_K or Q6_K weight multiplies activations quantized to Q8_K (blocks of 256, float scale, sums per
- * 16): per block an exact integer dot product per sub-block, weighted by the sub-block's integer scale,
- * then scaled in float. Each weight block is unpacked once and multiplied by every activation row while
- * it is in L1, so a pass over N tokens reads the weights once, not N times.
+ * A Q4_K or Q6_K weight (and Q5_K, Q3_K, Q2_K, IQ4_XS, whose blocks kquant_more.c decodes) multiplies
+ * activations quantized to Q8_K (blocks of 256, float scale, sums per 16): per block an exact integer dot
+ * product per sub-block, weighted by the sub-block's integer scale, then scaled in float. Each weight block is
+ * unpacked once and multiplied by every activation row while it is in L1, so a pass over N tokens reads the
+ * weights once, not N times. The drivers here (matrix products, routed-expert pairs) run every product type:
+ * rows_times sends the others to q8_0.c, legacy.c and half.c.
  *
  * Bits: the integer sums are exact whatever the instruction set; the float work for an output element
  * (one weight row times one activation row) runs in the same order whatever the number of rows, the
@@ -13,52 +15,15 @@
  */
 #include "kernels.h"
 
-static float fp16(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  /* subnormal: normalise */
-            int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* ---- weight blocks ------------------------------------------------------------------------------ */
-
-/* A weight block unpacked for the dot products: unsigned values v[256] in natural order, the integer
- * scale of each group of 4 values (lane scales, one per int32 lane of a dot product), the float factors,
- * and the integer sub-block weights of the activation sums (Q4_K: mins per 32; Q6_K: scales per 16). */
-typedef struct {
-    uint8_t v[QK_K];
-    int32_t lane[QK_K / 4];
-    int32_t corr[16];  /* weight of bsum16[j] in the correction term */
-    float d, dmin;
-} Block;
 
 static void unpack_q4_k(const uint8_t *b, Block *o) {
     const uint8_t *s = b + 4, *qs = b + 16;
-    o->d = fp16(b);
-    o->dmin = fp16(b + 2);
+    o->d = fp16_to_f32(b);
+    o->dmin = fp16_to_f32(b + 2);
     for (int j = 0; j < 8; j++) {
         int sc, mn;
-        if (j < 4) {
-            sc = s[j] & 63;
-            mn = s[j + 4] & 63;
-        } else {
-            sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        }
+        k4_scale_min(s, j, &sc, &mn);
         for (int l = 0; l < 8; l++) o->lane[j * 8 + l] = sc;
         o->corr[2 * j] = o->corr[2 * j + 1] = mn;
     }
@@ -73,7 +38,7 @@ static void unpack_q4_k(const uint8_t *b, Block *o) {
 static void unpack_q6_k(const uint8_t *b, Block *o) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    o->d = fp16(b + 208);
+    o->d = fp16_to_f32(b + 208);
     o->dmin = 0.f;
     for (int j = 0; j < 16; j++) {
         for (int l = 0; l < 4; l++) o->lane[j * 4 + l] = sc[j];
@@ -111,14 +76,6 @@ static int32_t dot_scalar(const Block *w, const int8_t *x) {
  * per 64 values either way); the mins' term as per-block float weights of the activations' scaled sums of
  * 16 (no faster, and its rounding, unlike ggml's integer Σ min·bsum, doubled the KL to llama.cpp). */
 #if defined(__x86_64__)
-/* A Q4_K block's 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
-static inline __m128i q4_k_scales(const uint8_t *blk) {
-    uint32_t u[3];
-    memcpy(u, blk + 4, 12);
-    return _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f), (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),
-                          (int)(u[1] & 0x3f3f3f3f), (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));
-}
-
 /* A Q6_K block's 256 values (q + 32, 0…63) as four vectors of 64 bytes in the order the block stores them:
  * vector 2n takes the low nibbles of ql[64n…] with qh[32n…] bits 0-1 (first 32) and 2-3, vector 2n + 1 the
  * high nibbles with bits 4-5 and 6-7 (the natural order). */
@@ -297,15 +254,7 @@ static void rows_q4_k_avx2(const uint8_t *row, int64_t nb, const Row *rows, int6
         }
         for (int j = 0; j < 8; j++) s[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
         if (tn == 1) {  /* a decode step's one row: its sums and accumulator stay in registers (1.3x, measured) */
-            const int8_t *x = rows[0].q + b * QK_K;
-            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[2 * c], _mm256_loadu_si256((const __m256i *)(x + 64 * c))), s[2 * c]));
-                p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[2 * c + 1], _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))), s[2 * c + 1]));
-            }
-            const __m256i p = _mm256_add_epi32(p0, p1);
+            const __m256i p = dot8(v, s, rows[0].q + b * QK_K, _mm256_setzero_si256());
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[0].bs + b * 16));
             const __m256 cc = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
             const float dx = rows[0].d[b];
@@ -314,15 +263,7 @@ static void rows_q4_k_avx2(const uint8_t *row, int64_t nb, const Row *rows, int6
             continue;
         }
         for (int64_t i = 0; i < tn; i++) {
-            const int8_t *x = rows[i].q + b * QK_K;
-            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j += 2) {
-                p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j))), s[j]));
-                p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[j + 1], _mm256_loadu_si256((const __m256i *)(x + 32 * j + 32))), s[j + 1]));
-            }
-            const __m256i p = _mm256_add_epi32(p0, p1);
+            const __m256i p = dot8(v, s, rows[i].q + b * QK_K, _mm256_setzero_si256());
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16));
             const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
             const float dx = rows[i].d[b];
@@ -361,17 +302,10 @@ static void rows_q6_k_avx2(const uint8_t *row, int64_t nb, const Row *rows, int6
             for (int t = 0; t < 4; t++) s[4 * n + t] = _mm256_shuffle_epi8(half, pick[t]);
         }
         if (tn == 1) {  /* a decode step's one row: its sums and accumulator stay in registers (1.3x, measured) */
-            const int8_t *x = rows[0].q + b * QK_K;
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(rows[0].bs + b * 16));
-            __m256i p0 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-            __m256i p1 = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j += 2) {
-                p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j))), s[j]));
-                p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(v[j + 1], _mm256_loadu_si256((const __m256i *)(x + 32 * j + 32))), s[j + 1]));
-            }
-            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(rows[0].d[b] * d), acc[0]);
+            const __m256i off = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+            const __m256i p = dot8(v, s, rows[0].q + b * QK_K, off);
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(rows[0].d[b] * d), acc[0]);
             continue;
         }
         for (int64_t i = 0; i < tn; i++) {
@@ -405,7 +339,8 @@ static void rows_times_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
             for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
             for (int64_t i = 0; i < tn; i++) acc[i] = _mm256_setzero_ps();
             if (qtype == T_Q4_K) rows_q4_k_avx2(w + r * row_bytes, nb, rows, tn, acc);
-            else rows_q6_k_avx2(w + r * row_bytes, nb, rows, tn, acc);
+            else if (qtype == T_Q6_K) rows_q6_k_avx2(w + r * row_bytes, nb, rows, tn, acc);
+            else rows_k_more_avx2(qtype, w + r * row_bytes, nb, rows, tn, acc);
             for (int64_t i = 0; i < tn; i++) out[(t0 + i) * ldo + r] = hsum8(acc[i]);
         }
     }
@@ -414,8 +349,29 @@ static void rows_times_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
 
 /* ---- products ----------------------------------------------------------------------------------- */
 
+/* The K-quant types (Q8_K activations): block bytes, whether dmin scales a mins' term (else the block's offset
+ * is inside the integer sum), and the portable unpacking. */
+typedef struct {
+    int qtype, bytes, has_min;
+    void (*unpack)(const uint8_t *b, Block *o);
+} KType;
+
+static const KType K_TYPES[] = {
+    {T_Q4_K, 144, 1, unpack_q4_k}, {T_Q6_K, 210, 0, unpack_q6_k}, {T_Q5_K, 176, 1, unpack_q5_k},
+    {T_Q3_K, 110, 0, unpack_q3_k}, {T_Q2_K, 84, 1, unpack_q2_k}, {T_IQ4_XS, 136, 0, unpack_iq4_xs},
+};
+
+static const KType *k_type(int qtype) {
+    for (size_t i = 0; i < sizeof K_TYPES / sizeof K_TYPES[0]; i++)
+        if (K_TYPES[i].qtype == qtype) return K_TYPES + i;
+    return NULL;
+}
+
 /* Weight rows [r0, r1) of one matrix (rows of row_bytes) times activation rows xrow[0..m) (0..m when
- * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i. */
+ * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i.
+ * The one dispatch by weight type: Q8_0 (q8_0.c), the other 32-value types (legacy.c), F16/BF16 (half.c), packed
+ * weights (packed_x16.c), the K-quants here (Q4_K and Q6_K with AVX512 forms; the others run their AVX2 form there).
+ * An unknown type leaves out untouched: native.PRODUCT_TYPES lists what binds. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                        const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
     if (iq_grid_type(qtype)) {
@@ -431,7 +387,20 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
         return;
     }
-    if (isa_runs(isa, ISA_AVX512)) {
+#endif
+    const int fmt = act_format(qtype);
+    if (fmt == ACT_Q8_0 || fmt == ACT_Q8_1) {
+        rows_times_legacy(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa);
+        return;
+    }
+    if (fmt == ACT_F16 || fmt == ACT_BF16) {
+        rows_times_half(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa);
+        return;
+    }
+    const KType *kt = k_type(qtype);
+    if (!kt) return;
+#if defined(__x86_64__)
+    if ((qtype == T_Q4_K || qtype == T_Q6_K) && isa_runs(isa, ISA_AVX512)) {
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
         return;
     }
@@ -440,7 +409,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #endif
-    const int64_t nb = a->k / QK_K, bbytes = qtype == T_Q4_K ? 144 : 210;
+    const int64_t nb = a->k / QK_K, bbytes = kt->bytes;
     Block blk;
     float acc[M_TILE];
     for (int64_t r = r0; r < r1; r++) {
@@ -449,8 +418,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
             const int64_t tn = m - t0 < M_TILE ? m - t0 : M_TILE;
             for (int64_t i = 0; i < tn; i++) acc[i] = 0.f;
             for (int64_t b = 0; b < nb; b++) {
-                if (qtype == T_Q4_K) unpack_q4_k(row + b * bbytes, &blk);
-                else unpack_q6_k(row + b * bbytes, &blk);
+                kt->unpack(row + b * bbytes, &blk);
                 for (int64_t i = 0; i < tn; i++) {
                     const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
                     const int16_t *bs = a->bs + (xr * nb + b) * 16;
@@ -458,7 +426,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
                     int32_t c = 0;
                     for (int j = 0; j < 16; j++) c += blk.corr[j] * bs[j];
                     const float dx = a->d[xr * nb + b];
-                    if (qtype == T_Q4_K) acc[i] += dx * (blk.d * (float)isum - blk.dmin * (float)c);
+                    if (kt->has_min) acc[i] += dx * (blk.d * (float)isum - blk.dmin * (float)c);
                     else acc[i] += dx * blk.d * (float)(isum - c);
                 }
             }
@@ -468,8 +436,9 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
 }
 
 
-/* y[i, r] = W[r] · x[i] for a Q4_K/Q6_K weight W [n_rows, k] and Q8_K rows x [m, k], or a Q8_0 weight and
- * Q8_0 rows (xd [m, k/32], xbs unused); y row stride ldy.
+/* y[i, r] = W[r] · x[i] for a weight W [n_rows, k] of a product type and activation rows x [m, k] in its format
+ * (kernels.h act_format: Q8_K quants xq, scales xd [m, k/256], sums xbs [m, k/16]; Q8_0 and Q8_1 quants, scales
+ * [m, k/32] and for Q8_1 the sums xs [m, k/32]; F16/BF16 the values' 16 bits in xq); y row stride ldy.
  * xperm: the quants in Q4_K nibble order (q8_k_to_q4_k_order; Q4_K on the AVX512 path only, else unused).
  * isa: the instruction-set level asked for (kernels.h ISA_*). */
 typedef struct {
@@ -488,9 +457,9 @@ static void matmul_item(void *ctx, int64_t c) {  /* one chunk of ROW_CHUNK weigh
 }
 
 void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
-               const int16_t *xbs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy, int n_threads,
-               int isa) {
-    Matmul j = {qtype, isa, w, row_bytes, n_rows, m, ldy, {xq, xd, xbs, k}, xperm, y};
+               const int16_t *xbs, const float *xs, const int8_t *xperm, int64_t k, int64_t m, float *y, int64_t ldy,
+               int n_threads, int isa) {
+    Matmul j = {qtype, isa, w, row_bytes, n_rows, m, ldy, {xq, xd, xbs, k, xs}, xperm, y};
     cpu_features();  /* detected before the threads start, not racily among them */
     pool_run(n_threads, (n_rows + ROW_CHUNK - 1) / ROW_CHUNK, matmul_item, &j);
 }
@@ -518,12 +487,12 @@ static void pairs_item(void *ctx, int64_t item) {
 }
 
 void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
-                     const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
-                     const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts, float *out,
-                     int n_threads, int isa) {
+                     const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
+                     int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
+                     float *out, int n_threads, int isa) {
     const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
-    Pairs j = {qtype, isa, w, expert_bytes, row_bytes, n_rows, per, {xq, xd, xbs, k}, xperm, xrow, experts, starts,
-               out};
+    Pairs j = {qtype, isa, w, expert_bytes, row_bytes, n_rows, per, {xq, xd, xbs, k, xs}, xperm, xrow, experts,
+               starts, out};
     cpu_features();
     pool_run(n_threads, n_groups * per, pairs_item, &j);
 }

@@ -10,12 +10,9 @@
 
 int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order,
                            int64_t *tokens, int64_t *experts, int64_t *counts, int64_t *starts);
-void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa);
-void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d);
-void q8_k_to_q4_k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out);
 void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
-                        const int8_t *xq, const float *xd, const int16_t *xbs, const int8_t *xperm, int64_t k,
-                        const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
+                        const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
+                        int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
                         float *out, int n_threads, int isa);
 
 /* One projection's stack of experts as the products read it: bytes (stored blocks or packed), kernel type code
@@ -26,29 +23,45 @@ typedef struct {
     int32_t code, threads;
 } ExpertStack;
 
-/* Activation rows quantized for one weight type: Q8_0 for Q8_0 weights, else Q8_K (with the Q4_K order of the
- * quants where the AVX512 stored-order Q4_K product reads them). */
+/* Activation rows in one weight type's format (kernels.h act_format): Q8_K (with the Q4_K order of the quants where
+ * the AVX512 stored-order Q4_K product reads them), Q8_0, Q8_1 (and its sums s), or the values rounded to F16/BF16
+ * (16 bits each, in q). Stacks of different types in one layer (Q4_K gate/up with a Q5_K down, a Q8_0 type beside a
+ * K-quant) each get their own. */
 typedef struct {
     int8_t *q, *perm;
-    float *d;
+    float *d, *s;
     int16_t *bs;
 } QRows;
 
-static int q8_0_code(int code) { return code == T_Q8_0 || code == T_Q8_0_PACKED; }
+static int wants_perm(int code, int isa) { return code == T_Q4_K && isa_runs(isa, ISA_AVX512); }
 
 static int quantize_for(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
     const int64_t k = s->k;
+    const int fmt = act_format(s->code);
+    *r = (QRows){0};
+    if (fmt == ACT_F16 || fmt == ACT_BF16) {
+        r->q = malloc((size_t)(m * k) * 2);
+        if (!r->q) return -1;
+        round_half(x, m * k, fmt == ACT_BF16, (uint16_t *)r->q);
+        return 0;
+    }
     r->q = malloc((size_t)(m * k));
     r->d = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
-    r->bs = q8_0_code(s->code) ? NULL : malloc((size_t)(m * (k / 16)) * sizeof(int16_t));
-    r->perm = NULL;
-    if (!r->q || !r->d || (!q8_0_code(s->code) && !r->bs)) return -1;
-    if (q8_0_code(s->code)) {
+    if (!r->q || !r->d) return -1;
+    if (fmt == ACT_Q8_0) {
         quantize_q8_0(x, m, k, r->q, r->d);
         return 0;
     }
+    if (fmt == ACT_Q8_1) {
+        r->s = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
+        if (!r->s) return -1;
+        quantize_q8_1(x, m, k, r->q, r->d, r->s);
+        return 0;
+    }
+    r->bs = malloc((size_t)(m * (k / 16)) * sizeof(int16_t));
+    if (!r->bs) return -1;
     quantize_q8_k(x, m, k, r->q, r->d, r->bs, isa);
-    if (s->code == T_Q4_K && isa_runs(isa, ISA_AVX512)) {
+    if (wants_perm(s->code, isa)) {
         r->perm = malloc((size_t)(m * k));
         if (!r->perm) return -1;
         q8_k_to_q4_k_order(r->q, m, k, r->perm);
@@ -57,14 +70,14 @@ static int quantize_for(const ExpertStack *s, const float *x, int64_t m, int isa
 }
 
 static void release(QRows *r) {
-    free(r->q), free(r->d), free(r->bs), free(r->perm);
+    free(r->q), free(r->d), free(r->s), free(r->bs), free(r->perm);
 }
 
 static void pairs(const ExpertStack *s, const QRows *x, const int64_t *xrow, int64_t n_groups,
                   const int64_t *experts, const int64_t *starts, float *out, int isa) {
     const int64_t row_bytes = s->expert_bytes / s->n_rows;
-    quant_matmul_pairs(s->code, s->w, s->expert_bytes, row_bytes, s->n_rows, x->q, x->d, x->bs, x->perm, s->k, xrow,
-                       n_groups, experts, starts, out, s->threads, isa);
+    quant_matmul_pairs(s->code, s->w, s->expert_bytes, row_bytes, s->n_rows, x->q, x->d, x->bs, x->s, x->perm, s->k,
+                       xrow, n_groups, experts, starts, out, s->threads, isa);
 }
 
 /* g ← silu(g) · u, element by element; exported so the grouped Python driver (an expert cache's passes) computes
@@ -94,8 +107,7 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
     }
     if (quantize_for(gate, x, n, isa, &xg)) goto done;
     /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
-    const int same = q8_0_code(up->code) == q8_0_code(gate->code) &&
-                     (xg.perm || !(up->code == T_Q4_K && isa_runs(isa, ISA_AVX512)));
+    const int same = act_format(up->code) == act_format(gate->code) && (xg.perm || !wants_perm(up->code, isa));
     if (!same && quantize_for(up, x, n, isa, &xu)) goto done;
     pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
     pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);

@@ -1,8 +1,9 @@
 """Activations as llama.cpp's CPU backend sees them before a product with a quantized weight (spec §8).
 
 ggml quantizes the activations of quantized matmuls: to Q8_0 (blocks of 32, scale amax/127 stored as f16) for
-Q8_0 and the legacy types, to Q8_K (blocks of 256, scale from the signed extreme, sums of 16 quants) for K- and
-IQ-quants, and rounds them to F16/BF16 for half-precision weights. Integer products take the quantized rows
+Q8_0 and the legacy types without a minimum, to Q8_1 (Q8_0's quants and scales, and s = fp16(d·Σq) per block) for
+Q4_1 and Q5_1, to Q8_K (blocks of 256, scale from the signed extreme, sums of 16 quants) for K- and IQ-quants, and
+rounds them to F16/BF16 for half-precision weights. Integer products take the quantized rows
 (`quantize`: one row type, natively or in torch ops, the same bits); float products take x rounded the same way
 (`round_for`), since an integer dot product of the rounded values equals a float dot of them.
 
@@ -25,7 +26,8 @@ from engine.ops.backend import ISA_LEVEL
 T = TypeVar("T")
 
 # The activation format of each weight type's products (ggml-cpu vec_dot_type).
-Q8_0_ACT = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"})
+Q8_0_ACT = frozenset({"Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4"})
+Q8_1_ACT = frozenset({"Q4_1", "Q5_1"})
 Q8_K_ACT = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                       "IQ3_XXS", "IQ3_S", "IQ4_XS"})
 
@@ -55,12 +57,14 @@ class LastInputs(Generic[T]):
 
 @dataclass
 class QuantRows:
-    """Rows quantized for integer products: quants int8 [M, K], scales float32 [M, K/block] (Q8_0: f16-rounded),
-    and for Q8_K the sums of 16 quants int16 [M, K/16] (None for Q8_0)."""
+    """Rows as a native product takes them: quants int8 [M, K], scales float32 [M, K/block] (Q8_0, Q8_1:
+    f16-rounded), for Q8_K the sums of 16 quants int16 [M, K/16] (else None), for Q8_1 s = fp16(d·Σq) [M, K/32] as
+    float32 (else None); for F16/BF16 the rounded values' 16 bits in q (int16 [M, K]) and no scales."""
 
     q: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     bsums: torch.Tensor | None
+    s: torch.Tensor | None = None
     _q4k: torch.Tensor | None = None
 
     @property
@@ -78,23 +82,26 @@ class QuantRows:
         return self._q4k
 
 
-_MEMO: dict[str, LastInputs[QuantRows]] = {"Q8_0": LastInputs(), "Q8_K": LastInputs()}
+_MEMO: dict[str, LastInputs[QuantRows]] = {f: LastInputs() for f in ("Q8_0", "Q8_1", "Q8_K", "F16", "BF16")}
 _ROUNDED: dict[str, LastInputs[torch.Tensor]] = {}
 
 
 def act_format(weight_type: str) -> str:
-    """The activation format of a `weight_type` product: "Q8_0", "Q8_K", "F16", "BF16" or "F32"."""
+    """The activation format of a `weight_type` product: "Q8_0", "Q8_1", "Q8_K", "F16", "BF16" or "F32"."""
     if weight_type in Q8_0_ACT:
         return "Q8_0"
+    if weight_type in Q8_1_ACT:
+        return "Q8_1"
     if weight_type in Q8_K_ACT:
         return "Q8_K"
     return weight_type if weight_type in ("F16", "BF16") else "F32"
 
 
 def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = ISA_LEVEL["avx512vnni"]) -> QuantRows:
-    """x [..., K] float32 as rows [M, K] in ggml's quantize_row_q8_0 (fmt "Q8_0") or quantize_row_q8_K ("Q8_K"),
-    by the native kernels (`on_native`, at instruction-set `level`: Backend.level) or torch ops (Q8_0 only): the same
-    bits whatever the form."""
+    """x [..., K] float32 as rows [M, K] in ggml's quantize_row_q8_0 (fmt "Q8_0"), quantize_row_q8_1 ("Q8_1") or
+    quantize_row_q8_K ("Q8_K"), by the native kernels (`on_native`, at instruction-set `level`: Backend.level) or
+    torch ops (Q8_0 only): the same bits whatever the form; or rounded to "F16" / "BF16" (to nearest even, in torch:
+    the bits engine/native/half.c round_half makes)."""
     memo = _MEMO[fmt]
     hit = memo.get(x)
     if hit is not None:
@@ -106,9 +113,16 @@ def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = ISA_LEVEL[
         return memo.put(x, _q8_0_torch(x.reshape(-1, k)))
     xc = x.detach().reshape(-1, k).float().contiguous()
     m = xc.shape[0]
+    if fmt in ("F16", "BF16"):
+        h = xc.half() if fmt == "F16" else xc.bfloat16()
+        return memo.put(x, QuantRows(h.view(torch.int16), None, None))
     if fmt == "Q8_0":
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_8_0), None)
         native.quantize_q8_0(xc, r.q, r.d)
+    elif fmt == "Q8_1":
+        r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_8_0), None,
+                      torch.empty(m, k // native.QK_8_0))
+        native.quantize_q8_1(xc, r.q, r.d, r.s)  # type: ignore[arg-type]
     else:
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_K),
                       torch.empty(m, k // 16, dtype=torch.int16))
@@ -141,7 +155,7 @@ def round_for(x: torch.Tensor, weight_type: str) -> torch.Tensor:
 
 def _round(x: torch.Tensor, weight_type: str) -> torch.Tensor:
     fmt = act_format(weight_type)
-    if fmt == "Q8_0":
+    if fmt in ("Q8_0", "Q8_1"):  # Q8_1's quants and scales are Q8_0's (its s only regroups the minimum's term)
         b = x.reshape(-1, 32)
         d = b.abs().amax(-1, keepdim=True) / 127.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))

@@ -51,8 +51,7 @@ class Experts:
         self.shared_slices = 0
         if not all(isinstance(t, QTensor) for t in ws):
             self.kind = "float"
-        elif on_cpu and b.native and all(t.qtype in native.PRODUCT_TYPES and t.n_cols % (  # type: ignore[union-attr]
-                native.QK_8_0 if t.qtype == QT.Q8_0 else native.QK_K) == 0 for t in ws):  # type: ignore[union-attr]
+        elif on_cpu and b.native and all(native.binds(t.qtype, t.n_cols) for t in ws):  # type: ignore[union-attr]
             self.kind = "native"
         elif on_cpu and all(torch_int8.usable(t, b.int8) for t in ws):  # type: ignore[arg-type]
             self.kind = "int8"
@@ -329,8 +328,8 @@ def _pairs(x: torch.Tensor, lin: NativeLinear, xrow: torch.Tensor, experts: torc
     out = torch.empty(p_n, rows)
     xrow, experts, starts = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                              for t in (xrow, experts, starts))
-    native.matmul_pairs(code, raw, e_all, rows, xr.q, xr.d, xr.bsums, lin.perm(xr, code), w.n_cols, xrow, experts,
-                        starts, out, b.n_threads(p_n * rows * w.n_cols), b.level)
+    native.matmul_pairs(code, raw, e_all, rows, xr.q, xr.d, xr.bsums, xr.s, lin.perm(xr, code), w.n_cols, xrow,
+                        experts, starts, out, b.n_threads(p_n * rows * w.n_cols), b.level)
     return out
 
 

@@ -2,9 +2,10 @@
 
 Every product is batch-invariant: row i of a multi-token pass gets exactly the bits of a one-token pass, which
 speculative verify and prefill rely on to be token-identical to plain decoding. The kinds of product:
-  - NativeLinear: Q4_K / Q6_K / Q8_0 in the native kernels (activations quantized as llama.cpp does, exact integer
-    block sums, each output's float work in a fixed order whatever the rows or threads); packed 16 rows
-    interleaved on first use where the backend packs;
+  - NativeLinear: the native products (native.PRODUCT_TYPES: K-quants, IQ4_XS, the 32-value legacy types, MXFP4,
+    F16/BF16; activations quantized or rounded as llama.cpp does, exact integer block sums, each output's float work
+    in a fixed order whatever the rows or threads); Q4_K / Q6_K / Q8_0 packed 16 rows interleaved on first use
+    where the backend packs;
   - Int8Linear: Q8_0 in torch integer GEMMs (the torch backend; exact block sums, the same float epilogue);
   - DequantLinear: any stored type dequantized one tile of rows at a time, x rounded as llama.cpp rounds it, one
     independent [1, in] × [in, out] product per row (a plain mm picks kernels by N: rows of a 4-row mm differ
@@ -117,7 +118,7 @@ class NativeLinear(Linear):
         n_out = w.n_rows
         raw, code = self.kernel_bytes()
         y = torch.empty(xr.rows, n_out)
-        native.matmul(code, raw, n_out, xr.q, xr.d, xr.bsums, self.perm(xr, code), w.n_cols, y,
+        native.matmul(code, raw, n_out, xr.q, xr.d, xr.bsums, xr.s, self.perm(xr, code), w.n_cols, y,
                       b.n_threads(n_out * w.n_cols), b.level)
         return y.reshape(*x.shape[:-1], n_out)
 
@@ -181,8 +182,7 @@ def bind(w: Weight, backend: Backend) -> Linear:
     if isinstance(w, torch.Tensor):
         return FloatLinear(w, backend)
     b = backend.on(w.device)
-    block = native.QK_8_0 if w.qtype == QT.Q8_0 else native.QK_K
-    if b.native and w.qtype in native.PRODUCT_TYPES and w.n_cols % block == 0:
+    if b.native and native.binds(w.qtype, w.n_cols):
         return NativeLinear(w, b)
     if w.raw.device.type == "cpu" and torch_int8.usable(w, b.int8):
         return Int8Linear(w, b)

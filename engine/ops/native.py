@@ -30,9 +30,11 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "cpu_features": ([], _C),
     "quantize_q8_k": ([_P, _I, _I, _P, _P, _P, _C], None),
     "quantize_q8_0": ([_P, _I, _I, _P, _P], None),
+    "quantize_q8_1": ([_P, _I, _I, _P, _P, _P], None),
+    "round_half": ([_P, _I, _C, _P], None),
     "q8_k_to_q4_k_order": ([_P, _I, _I, _P], None),
-    "quant_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
-    "quant_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
+    "quant_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
+    "quant_matmul_pairs": ([_C, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _C, _C], None),
     "repack_x16": ([_C, _P, _I, _I, _P, _C], None),
     "packed_x16_bytes": ([_C], _I),
     "group_expert_pairs": ([_P, _I, _I, _I, _P, _P, _P, _P, _P], _I),
@@ -67,11 +69,26 @@ LIB = _load()
 
 QK_K = 256  # values per K-quant block (and per Q8_K activation block)
 QK_8_0 = 32  # values per Q8_0 block
+# Weight types with native products, by the rows they take (engine.ops.activations.act_format): Q8_K activations in
+# blocks of 256 (the K-quants, IQ4_XS and the grid-codebook IQ types of engine/native/iq_grid.c), the others in blocks
+# of 32 (Q8_0, Q8_1, or F16/BF16 values in chunks of 32).
 IQ_GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)  # iq_grid.c
-PRODUCT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0) + IQ_GRID_TYPES  # weight types with native products
+Q8_K_PRODUCTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_XS) + IQ_GRID_TYPES
+BLOCK32_PRODUCTS = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.MXFP4, QT.F16, QT.BF16)
+PRODUCT_TYPES = Q8_K_PRODUCTS + BLOCK32_PRODUCTS
 GROUP = 16  # rows interleaved in a packed weight
 PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kernels.h's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
 _CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = 1, 2, 4  # kernels.h's cpu_features() bits
+
+
+def product_cols(qtype: QT) -> int:
+    """The values a native product takes a weight row in: its rows must be a multiple of this."""
+    return QK_K if qtype in Q8_K_PRODUCTS else QK_8_0
+
+
+def binds(qtype: QT, n_cols: int) -> bool:
+    """Whether a weight of this type and row width runs in a native product."""
+    return qtype in PRODUCT_TYPES and n_cols % product_cols(qtype) == 0
 
 
 def available() -> bool:
@@ -108,6 +125,11 @@ def quantize_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
     LIB.quantize_q8_0(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr())  # type: ignore[union-attr]
 
 
+def quantize_q8_1(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> None:
+    """Rows x [M, K] float32 to Q8_1: Q8_0's quants q [M, K] and scales d [M, K/32], and s = fp16(d·Σq) [M, K/32]."""
+    LIB.quantize_q8_1(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), s.data_ptr())  # type: ignore[union-attr]
+
+
 def q4_k_order(q: torch.Tensor) -> torch.Tensor:
     """Q8_K quants [M, K] in the order Q4_K blocks hold their values (the AVX512 stored-order Q4_K product)."""
     out = torch.empty_like(q)
@@ -124,23 +146,25 @@ def repack(qtype: QT, raw: torch.Tensor, n_rows: int, n_blocks: int, out: torch.
     LIB.repack_x16(int(qtype), raw.data_ptr(), n_rows, n_blocks, out.data_ptr(), threads)  # type: ignore[union-attr]
 
 
-def matmul(code: int, w: torch.Tensor, n_out: int, q: torch.Tensor, d: torch.Tensor, bsums: torch.Tensor | None,
-           perm: torch.Tensor | None, k: int, out: torch.Tensor, threads: int, isa: int) -> None:
-    """out [M, n_out] = activation rows (q, d, bsums; perm: q in Q4_K order) × the weight bytes w of kernel type
-    `code` (a ggml type, or a PACKED_CODE)."""
-    LIB.quant_matmul(code, w.data_ptr(), w.numel() // n_out, n_out, q.data_ptr(), d.data_ptr(), _ptr(bsums),  # type: ignore[union-attr]
+def matmul(code: int, w: torch.Tensor, n_out: int, q: torch.Tensor, d: torch.Tensor | None,
+           bsums: torch.Tensor | None, s: torch.Tensor | None, perm: torch.Tensor | None, k: int, out: torch.Tensor,
+           threads: int, isa: int) -> None:
+    """out [M, n_out] = activation rows (q, d, bsums, s: engine.ops.activations.QuantRows; perm: q in Q4_K order) ×
+    the weight bytes w of kernel type `code` (a ggml type, or a PACKED_CODE)."""
+    LIB.quant_matmul(code, w.data_ptr(), w.numel() // n_out, n_out, q.data_ptr(), _ptr(d), _ptr(bsums), _ptr(s),  # type: ignore[union-attr]
                   _ptr(perm), k, q.shape[0], out.data_ptr(), n_out, threads, isa)
 
 
-def matmul_pairs(code: int, w: torch.Tensor, n_expert: int, rows: int, q: torch.Tensor, d: torch.Tensor,
-                 bsums: torch.Tensor | None, perm: torch.Tensor | None, k: int, xrow: torch.Tensor,
+def matmul_pairs(code: int, w: torch.Tensor, n_expert: int, rows: int, q: torch.Tensor, d: torch.Tensor | None,
+                 bsums: torch.Tensor | None, s: torch.Tensor | None, perm: torch.Tensor | None, k: int,
+                 xrow: torch.Tensor,
                  experts: torch.Tensor, starts: torch.Tensor, out: torch.Tensor, threads: int, isa: int) -> None:
     """Routed-expert products out [P, rows]: pair p (grouped by expert: group g = pairs starts[g]…starts[g+1] on
     expert experts[g]) multiplies activation row xrow[p] by that expert's matrix in the stack w (n_expert
     matrices of `rows` rows). Index tensors int64, contiguous."""
     expert_bytes = w.numel() // n_expert
     LIB.quant_matmul_pairs(code, w.data_ptr(), expert_bytes, expert_bytes // rows, rows, q.data_ptr(),  # type: ignore[union-attr]
-                        d.data_ptr(), _ptr(bsums), _ptr(perm), k, xrow.data_ptr(), experts.shape[0],
+                        _ptr(d), _ptr(bsums), _ptr(s), _ptr(perm), k, xrow.data_ptr(), experts.shape[0],
                         experts.data_ptr(), starts.data_ptr(), out.data_ptr(), threads, isa)
 
 

@@ -95,6 +95,17 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
 
 _K_ENCODERS = {T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
+# Byte offsets of the f16 scale fields per block, and the typical |value| per unit of the first one (random bytes:
+# uniform quants and sub-block scales), for random blocks of other types.
+F16_FIELDS: dict[T, tuple[int, ...]] = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
+    T.IQ1_S: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}
+_VALUE_PER_SCALE = {T.Q5_K: 300.0, T.Q4_0: 4.6, T.Q4_1: 4.6, T.Q5_0: 9.2, T.Q5_1: 9.2, T.Q2_K: 8.0, T.Q3_K: 40.0, T.IQ4_NL: 70.0,
+                    T.IQ4_XS: 1300.0}
+
 
 def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, std: float) -> np.ndarray:
     """Random but valid ggml blocks whose values have roughly zero mean and the given std.
@@ -120,6 +131,8 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, st
         raw = rng.integers(0, 256, (n, 210), dtype=np.uint8)
         raw[:, 192:208] = rng.integers(1, 128, (n, 16), dtype=np.uint8)  # positive int8 sub-block scales
         raw[:, 208:210] = np.full((n, 1), std / (64.0 * 18.5), np.float16).view(np.uint8).reshape(n, 2)
+    elif qtype in _VALUE_PER_SCALE or qtype in (T.MXFP4, T.F16, T.BF16):
+        return _random_other(shape, qtype, rng, std)
     else:
         raise ValueError(f"random_blocks: {qtype.name} not supported")
     return raw.reshape(*shape[:-1], -1)
@@ -150,3 +163,26 @@ def _set_iq_scale(raw: np.ndarray, qtype: T, d: np.float16) -> None:
             raw[:, 49 + 2 * k] = (raw[:, 49 + 2 * k] & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4)
     else:
         raw[:, 0], raw[:, 1] = bits & 0xFF, bits >> 8
+
+
+def _random_other(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, std: float) -> np.ndarray:
+    """Random bytes with every f16 scale field set per block to ±U[0.5, 1.5] of the size giving about `std`
+    (a minimum field likewise, so it takes both signs), MXFP4's E8M0 exponent around that size, F16/BF16 values drawn
+    as floats: every block finite and varied, its meaning ggml's (gguf.quants.dequantize)."""
+    if qtype in (T.F16, T.BF16):
+        import torch
+
+        w = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+        return (w.half() if qtype == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(*shape[:-1], -1)
+    bs, ts = gq.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape[:-1])) * (shape[-1] // bs)
+    raw = rng.integers(0, 256, (n, ts), dtype=np.uint8)
+    if qtype == T.MXFP4:  # values kvalue · 2^(e − 128), |kvalue| about 5
+        e = int(round(128 + np.log2(std / 5.0)))
+        raw[:, 0] = np.clip(e + rng.integers(-1, 2, n), 1, 254).astype(np.uint8)
+    else:
+        base = std / _VALUE_PER_SCALE[qtype]
+        for off in F16_FIELDS[qtype]:
+            f = rng.uniform(0.5, 1.5, n) * rng.choice([-1.0, 1.0], n) * base
+            raw[:, off:off + 2] = f.astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(*shape[:-1], -1)
