@@ -8,11 +8,11 @@ IQ1_S and IQ1_M are refused by llama.cpp without an importance matrix: they get 
 Per file, by the spec §8 rules (tests/test_parity.py's helpers): mean KL(llama.cpp ‖ ours) over a teacher-forced
 sequence < 0.02, top-1 agreement ≥ 0.98 counting a position where our choice is within 0.05 σ of llama.cpp's best
 (raw agreement ≥ 0.95; IQ3_S, the loosest, measured 0.984 at KL 5e-3; 0.99 is test_parity's bar for 4-bit and up).
-And greedy self-consistency on the default (native) backend, on one file per family of types (MTP_CASES):
+And greedy self-consistency on the default (native) backend, on every file (MTP_CASES):
 decoding with MTP (drafts accepted in windows of several lengths) gives the tokens of plain decoding, and each
-of those is the argmax of the engine's own logits over the whole sequence at once. These hold whichever product a type takes (dequantized
-tiles today for the types without native kernels, native products once they land): they are what a new kernel
-must keep passing. Measured on the dequant path: KL 1e-6 (F16) to 5e-3 (IQ3_S).
+of those is the argmax of the engine's own logits over the whole sequence at once. Every type runs a native product
+on the default backend (engine/native: kquant.c, kquant_more.c, legacy.c, half.c, iq_grid.c), so these are the
+check of those kernels against llama.cpp.
 """
 from __future__ import annotations
 
@@ -35,15 +35,11 @@ MAIN_TYPE = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q3_K_M": "Q3_K", "Q2_K": "Q2_K
              "IQ2_XS": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
 CASES = [(ft, None) for ft in FTYPES] + [("Q4_K_M", "ud")]
 IDS = [f"UD-{ft}" if tag else ft for ft, tag in CASES]
-# Q4_1 / Q5_1 miss the bar on the dequant path (measured: KL 0.023 / 0.013, near-tie top-1 0.979 / 0.990; Q4_0 and
-# Q5_0, the same blocks without the offset, give 6e-4 / 3e-3). llama.cpp multiplies them by Q8_1 activations and
-# takes the weights' offset term as m · s with s = fp16(d · Σq), d the unrounded amax/127, where the dequant path
-# has Σ q · fp16(d) exactly. Checked on a file with Q4_1 dense weights (experts Q4_0): adding m · (s − Σ q·fp16(d))
-# per block to DequantLinear's products moves KL from 0.071 to 3e-4. Strict: a product that matches llama.cpp's
-# (the native Q4_1 / Q5_1 kernels) turns these into failures until the mark goes.
-Q8_1_GAP = pytest.mark.xfail(strict=True, reason="Q4_1/Q5_1: the dequant path keeps the Q8_1 block sums exact; llama.cpp rounds them to fp16")
-LOGIT_CASES = [pytest.param(ft, tag, marks=Q8_1_GAP, id=i) if ft in ("Q4_1", "Q5_1") else pytest.param(ft, tag, id=i)
-               for (ft, tag), i in zip(CASES, IDS)]
+# Q4_1 / Q5_1 pass on the native products, which take the weights' offset term as llama.cpp does: m · s with Q8_1's
+# s = fp16(d · Σq), d the unrounded amax/127. The dequant path (the torch backend) keeps Σ q · fp16(d) exactly and
+# misses the bar (measured: KL 0.023 / 0.013, near-tie top-1 0.979 / 0.990); adding m · (s − Σ q·fp16(d)) per block
+# there moved KL from 0.071 to 3e-4 on a file with Q4_1 dense weights.
+LOGIT_CASES = [pytest.param(ft, tag, id=i) for (ft, tag), i in zip(CASES, IDS)]
 
 
 def _path(ftype: str, tag: str | None):  # type: ignore[no-untyped-def]
@@ -68,9 +64,8 @@ def test_llama_cpp_quantized_logits_match(ftype: str, tag: str | None) -> None:
     assert kl < 0.02 and near >= 0.98 and agree >= 0.95, (kl, near, agree)
 
 
-# One file per family of types: on the dequant path a decode step of an i-quant file costs ~0.5 s here, and the
-# whole file must stay within ~3 minutes on 2 cores.
-MTP_CASES = [("Q4_K_M", "ud"), ("MXFP4_MOE", None), ("IQ4_XS", None), ("IQ2_XXS", None), ("Q5_1", None), ("BF16", None)]
+# Every file: with every type on a native product a decode step of these fixtures costs milliseconds.
+MTP_CASES = CASES
 
 
 @pytest.mark.parametrize("ftype,tag", MTP_CASES, ids=[IDS[CASES.index(c)] for c in MTP_CASES])
