@@ -80,9 +80,9 @@ void rows_times_iq(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, i
                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
 
 /* A K-quant weight block unpacked for the portable products: unsigned values v[256] in natural order, the integer
- * scale of each group of 4 values (lane), the integer weights of the activations' sums of 16 taken off (corr), the
- * float factors, and whether dmin scales corr separately (a min term: Q4_K, Q5_K, Q2_K) or corr is an offset of the
- * values inside the integer sum (Q6_K, Q3_K, IQ4_XS: the values are stored q + offset). */
+ * scale of each group of 4 values (lane), the integer weights of the activations' sums of 16 taken off (corr), and
+ * the float factors. Per type (kquant.c K_TYPES), corr is either a min term scaled by dmin (Q4_K, Q5_K, Q2_K) or the
+ * offset the values are stored with, taken off inside the integer sum (Q6_K: q + 32, Q3_K: q + 4, IQ4_XS: + 128). */
 typedef struct {
     uint8_t v[QK_K];
     int32_t lane[QK_K / 4];
