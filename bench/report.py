@@ -353,7 +353,12 @@ def _scale(d: dict) -> list[str]:
            f"{d['machine']['ram_gib']:.0f} GiB RAM; peer {d['llama_cpp']}, its draft-mtp at n_max "
            f"{d['llama_draft_n_max']}; context {d['n_ctx']}). Random weights in the published shapes and mixes "
            "(bench/synthetic.py); one run per cell, each engine in its own process. cold: the file dropped from the "
-           "page cache first; warm: right after a run of the same engine; mtp: warm, ours at auto depth.", ""]
+           "page cache first; warm: right after a short run of the same engine and mode; mtp: warm, ours at auto "
+           "depth.", ""]
+    if "earlier_steps" in d:
+        e = d["earlier_steps"]
+        out[-1:-1] = [f"The {', '.join(e['kept'])} runs are from `{e['command']}` ({e['date']}, commit "
+                      f"{e['git']['commit'][:9]}); the others were re-measured by the command above."]
     for name, m in d["models"].items():
         out += [f"### {name} ({m['file_gib']:.1f} GiB file, {m['state_mib']:.0f} MiB KV/GDN state, "
                 f"{m['prompt_tokens']}-token prompt, {m['decode_tokens']} tokens)", "",

@@ -13,8 +13,9 @@ Each run is a process of its own, through bench/decode.py's child runners (`run_
 warm-up here, 2 threads), one `--prompt`-token random prompt and `--decode` greedy tokens with EOS ignored:
 * `cold`: the file's pages are dropped from the page cache first (posix_fadvise DONTNEED after an fsync; the share
   still resident is recorded), so opening and the first reply read the file from disk;
-* `warm`: right after another run of the same engine, the file in the page cache;
-* `mtp`: warm, ours with MTP at auto depth, llama.cpp with its draft-mtp at n_max 2.
+* `warm`: right after a short run of the same engine in the same mode, the file in the page cache;
+* `mtp`: warm (the MTP block's pages too), ours with MTP at auto depth, llama.cpp with its draft-mtp at n_max 2.
+`--steps mtp` re-measures only those runs and keeps the others from `--out` (recorded under `earlier_steps`).
 Engines alternate within each step. Recorded per run: load time (`engine.load` / `xllamacpp.Server(...)`), time to
 first token of the prompt (wall clock from the request), load + TTFT, prefill and decode tok/s, peak RSS
 (`ru_maxrss`, which counts the resident pages of the mapped file), the file's bytes in the page cache after the run
@@ -96,7 +97,7 @@ def one_run(engine: str, path: Path, prompt: list[int], n: int, threads: int, mt
     return out
 
 
-def measure(name: str, directory: Path, args: argparse.Namespace) -> dict:
+def measure(name: str, directory: Path, args: argparse.Namespace, previous: dict | None) -> dict:
     t = time.perf_counter()
     path = cached(name, directory)
     write_s = time.perf_counter() - t
@@ -105,11 +106,15 @@ def measure(name: str, directory: Path, args: argparse.Namespace) -> dict:
     prompt = rng.integers(256, shape.n_vocab - 3, args.prompt).tolist()
     file_b, state_b = path.stat().st_size, state_bytes(path, N_CTX)
     runs: dict[str, dict[str, dict]] = {"cold": {}, "warm": {}, "mtp": {}}
+    if previous is not None:  # --steps: the other steps' runs are kept from the earlier file
+        runs.update({k: v for k, v in previous["runs"].items() if k not in args.steps})
     order = ("ours", "llama")
     for step, mtp, cold in (("cold", False, True), ("warm", False, False), ("mtp", True, False)):
+        if step not in args.steps:
+            continue
         for eng in (order if step != "warm" else order[::-1]):
-            if step == "warm":  # warm: the same engine has just read the file
-                one_run(eng, path, prompt, 2, args.threads, False, False, args.child_timeout)
+            if not cold:  # warm: the same engine, in the same mode, has just read what it reads (the MTP block too)
+                one_run(eng, path, prompt, 2, args.threads, mtp, False, args.child_timeout)
             print(f"{name} {step} {eng} …", file=sys.stderr, flush=True)
             runs[step][eng] = one_run(eng, path, prompt, args.decode, args.threads, mtp, cold, args.child_timeout)
             print(f"   {json.dumps(runs[step][eng])}", file=sys.stderr, flush=True)
@@ -146,8 +151,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--child-timeout", type=float, default=1800.0)
+    ap.add_argument("--steps", default="cold,warm,mtp",
+                    help="which runs to make; the others are kept from --out (re-measuring one step)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/scale.json"))
     args = ap.parse_args()
+    args.steps = args.steps.split(",")
+    old = json.loads(Path(args.out).read_text()) if set(args.steps) != {"cold", "warm", "mtp"} else None
     import psutil
     import xllamacpp
 
@@ -156,8 +165,12 @@ def main() -> None:
                                                  "ram_gib": psutil.virtual_memory().total / 2**30},
            "llama_cpp": f"xllamacpp {xllamacpp.__version__}", "n_ctx": N_CTX, "llama_draft_n_max": LLAMA_DRAFT,
            "models": {}}
+    if old is not None:
+        out["models"] = old["models"]
+        out["earlier_steps"] = {"command": old["command"], "date": old["date"], "git": old["git"],
+                                "kept": [s for s in ("cold", "warm", "mtp") if s not in args.steps]}
     for name in args.models.split(","):
-        out["models"][name] = measure(name, Path(args.dir), args)
+        out["models"][name] = measure(name, Path(args.dir), args, old["models"].get(name) if old else None)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v["ratios_ours_over_llama"] for k, v in out["models"].items()}, indent=1))
 

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 from engine import ops
 from engine.models.build import load_model
 from engine.ops import native
-from engine.ops.experts import _pairs, route
+from engine.ops.experts import route
 from engine.ops.linear import NativeLinear
 from engine.storage.modelfile import open_model
 from engine.storage.qtensor import QTensor
@@ -166,22 +166,6 @@ def test_avx2_form_has_the_portable_bits(qt: T) -> None:
     x = _x(9, 2048, seed=5)
     avx2 = ops.linear(x, _bind(w, ops.backend_named("native-avx2")))
     assert torch.equal(ops.linear(x.clone(), _bind(w, ops.backend_named("native-portable"))), avx2)
-
-
-@pytest.mark.parametrize("backend", NATIVE)
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> None:
-    """Routed-expert pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
-    stored = _weight(qt, (6, 32, 512), seed=6)
-    stack = _bind(stored, backend)
-    x = _x(7, 512, seed=7)
-    experts, starts = torch.tensor([0, 3, 5]), torch.tensor([0, 2, 3, 8])
-    xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
-    out = _pairs(x, stack, xrow, experts, starts)
-    for g, e in enumerate(experts.tolist()):
-        one_expert = _bind(stored[e], backend)
-        for p in range(int(starts[g]), int(starts[g + 1])):
-            assert torch.equal(out[p], ops.linear(x[int(xrow[p])].unsqueeze(0).clone(), one_expert)[0]), (e, p)
 
 
 @pytest.mark.parametrize("backend", NATIVE)

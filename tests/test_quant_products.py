@@ -124,7 +124,7 @@ def test_q8_1_rows_are_q8_0_rows_with_their_sums() -> None:
 
 
 @pytest.mark.parametrize("backend", NATIVE)
-@pytest.mark.parametrize("qt", [T.Q5_K, T.IQ4_XS, T.Q4_1, T.MXFP4, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [T.Q5_K, T.IQ4_XS, T.Q4_1, T.MXFP4, T.BF16, *native.IQ_GRID_TYPES], ids=lambda t: t.name)
 def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> None:
     """Routed-expert pairs: pair p (grouped by expert) gets the bits of row xrow[p] times its expert alone."""
     stored = _weight(qt, (6, 32, 512), seed=6)

@@ -113,6 +113,8 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator, st
     For synthetic benchmark models far too large to draw as floats and encode (bytes are drawn
     directly; only the f16 scale fields are set so every value is finite and of the right size).
     """
+    if qtype in IQ_GRID_BLOCK_BYTES:
+        return random_iq_blocks(shape, qtype, rng, std)
     n = int(np.prod(shape[:-1])) * (shape[-1] // QK_K if qtype in _K_ENCODERS else shape[-1] // 32)
     if qtype == T.Q8_0:
         raw = rng.integers(0, 256, (n, 34), dtype=np.uint8)
