@@ -347,6 +347,23 @@ def _fuzz_gguf(d: dict) -> list[str]:
     return out
 
 
+def _products(d: dict) -> list[str]:
+    forms = sorted({r["backend"] for r in d["products"]})
+    rows = sorted({r["m"] for r in d["products"]})
+    out = ["## Native products per weight type (`bench/products.py`)", "",
+           f"`{d['command']}` ({d['date']}, {d['cpu']}): weight GB/s of one [{d['products'][0]['out']} × "
+           f"{d['products'][0]['in']}] product per type, one thread, best of the rounds.", "",
+           "| type | " + " | ".join(f"{f} {m} row{'s' if m > 1 else ''}" for f in forms for m in rows) + " |",
+           "|---|" + "---|" * (len(forms) * len(rows))]
+    by: dict[str, dict] = {}
+    for r in d["products"]:
+        by.setdefault(r["type"], {})[(r["backend"], r["m"])] = r["gb_s"]
+    for t, v in by.items():
+        out.append(f"| {t} | " + " | ".join(f"{v[(f, m)]:.2f}" if (f, m) in v else "–" for f in forms for m in rows)
+                   + " |")
+    return out + [""]
+
+
 def _scale(d: dict) -> list[str]:
     out = ["## Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes (`bench/scale.py`)", "",
            f"`{d['command']}` ({d['date']}, {d['machine'].get('cpu_model', '')}, {d['machine']['threads']} threads, "
@@ -385,7 +402,7 @@ def main() -> None:
     for name, fn in (("default_model", lambda d: ["## Embedded default model (`bench/default_model_eval.py`)", ""]
                       + default_model_figures(d, _load("mtp")) + [""]),
                      ("decode", _decode), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
-                     ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("scale", _scale)):
+                     ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
