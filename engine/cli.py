@@ -188,7 +188,7 @@ def _engine(args: argparse.Namespace, n_ctx: int):
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     for notice in eng.notices:
-        if getattr(args, "mtp", True) or "MTP" not in notice:  # the missing-MTP notice only matters when MTP was asked for
+        if getattr(args, "mtp", True) or notice != eng.no_mtp_notice:  # that one matters only when MTP was asked for
             print(f"note: {notice}", file=sys.stderr)
     return eng
 

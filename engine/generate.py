@@ -92,8 +92,9 @@ class Engine:
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
         # Things the user should know about this model (shown by the CLI and the app).
-        self.notices: list[str] = [] if self.drafter is not None else [
-            f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"]
+        self.no_mtp_notice = None if self.drafter is not None else \
+            f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"
+        self.notices: list[str] = [self.no_mtp_notice] if self.no_mtp_notice else []
         if self.memory.notice is not None:
             self.notices.append(self.memory.notice)
         # Weights whose type has no native product on this backend (engine.ops.coverage): slower, and said so.

@@ -89,3 +89,14 @@ def test_generate_json() -> None:
     assert cli("generate", str(fixture_path(TINY_MOE)), "--prompt", "x", "--draft", "9").returncode == 2
     r3 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--ctx", "2", "--json")
     assert r3.returncode == 1 and r3.stderr.startswith("error: ")
+
+
+def test_the_missing_mtp_notice_only_when_mtp_was_asked_for() -> None:
+    from dataclasses import replace
+
+    path = str(fixture_path(replace(TINY_MOE, mtp=False)))
+    common = ("generate", path, "--prompt", "hi", "--max-tokens", "2", "--json")
+    with_mtp, without = cli(*common), cli(*common, "--no-mtp")
+    assert with_mtp.returncode == 0 and without.returncode == 0, (with_mtp.stderr, without.stderr)
+    assert "note: " in with_mtp.stderr and "has no MTP block" in with_mtp.stderr
+    assert "has no MTP block" not in without.stderr
