@@ -6,8 +6,10 @@
  * workers' cores are taken (a browser, a build: a desktop's CPU is shared) it finishes the call alone at one
  * thread's speed instead of waiting a scheduler time slice for each worker at each op, which is what an OpenMP
  * region's barrier does (a decode step of the embedded model went from 8 ms to 25-30 ms with one busy process on
- * a 2-core machine). Between calls the workers spin for a short while (the next op of a step comes within tens of
- * microseconds), then sleep on a futex.
+ * a 2-core machine). Between calls the workers spin for half a millisecond (the next call of a step comes within
+ * that; measured in time, as a pause instruction's length differs several-fold between CPUs), then sleep on a
+ * futex: a worker woken by futex for each call of a small model's step made 2 threads slower than 1 (1.97 vs
+ * 1.54 ms per embedded-model step; 1.30 ms spinning through the step).
  *
  * Which thread runs an item never changes what the item computes: the kernels give every output to one item.
  */
@@ -18,6 +20,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -28,7 +31,7 @@
 #include "kernels.h"
 
 #define MAX_WORKERS 63
-#define SPIN_IDLE 5000  /* pauses a worker spins for before sleeping (tens of microseconds: the gap between a step's ops) */
+#define SPIN_IDLE_NS 500000  /* how long a worker spins before sleeping: longer than the gaps between a step's calls */
 #define SPIN_DONE 2000  /* pauses the caller spins waiting for claimed items, before yielding its core */
 
 typedef struct {
@@ -70,14 +73,31 @@ static int work(uint64_t s, int worker) {
     }
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int64_t cpu_ns(void) {  /* the calling thread's CPU time */
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static _Atomic int64_t SOLO_UNTIL, SOLO_NEXT;
+
 static void *worker_main(void *arg) {
     const int id = (int)(intptr_t)arg;
     uint32_t seen = (uint32_t)(atomic_load(&STATE) >> 32);
     for (;;) {
         uint64_t s = atomic_load_explicit(&STATE, memory_order_acquire);
-        for (int i = 0; (uint32_t)(s >> 32) == seen && i < SPIN_IDLE; i++) {
+        const int64_t t0 = now_ns();
+        for (int i = 1; (uint32_t)(s >> 32) == seen; i++) {
             PAUSE();
             s = atomic_load_explicit(&STATE, memory_order_acquire);
+            /* solo mode: the cores are wanted elsewhere, and a spinning worker would take the caller's */
+            if (i % 64 == 0 && (now_ns() - t0 > SPIN_IDLE_NS || SOLO_UNTIL)) break;
         }
         if ((uint32_t)(s >> 32) == seen) {  /* idle: sleep until a job is published */
             const uint32_t w = atomic_load(&WAKE);
@@ -109,7 +129,16 @@ static void start_workers(int n) {
     pthread_mutex_unlock(&START);
 }
 
+/* Solo mode: while SOLO_UNTIL is ahead, calls run on the caller alone. It starts when the caller, its own items
+ * done, waited for a worker's item far longer than an item takes (the worker was preempted mid-item: another
+ * process has the core), for SOLO_NS, doubled at each stall in a row up to SOLO_MAX_NS; a call without a stall
+ * resets it. A busy process then costs a step one core's speed instead of a scheduler slice per call. */
+#define SOLO_NS 20000000
+#define SOLO_MAX_NS 1000000000
+
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
+    if (n_threads > 1 && SOLO_UNTIL && now_ns() < SOLO_UNTIL) n_threads = 1;
+    if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
     if (n_threads <= 1 || n_items <= 1) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
         return;
@@ -126,11 +155,22 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
         atomic_fetch_add(&WAKE, 1);
         syscall(SYS_futex, &WAKE, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
     }
+    const int64_t t0 = now_ns(), c0 = cpu_ns();
     work(s, 0);
+    const int64_t t1 = now_ns();
     /* items other threads claimed may still run; one preempted mid-item may need this core back */
     for (int i = 0; atomic_load_explicit(&DONE, memory_order_acquire) < n_items; i++) {
         if (i < SPIN_DONE) PAUSE();
         else sched_yield();
+    }
+    const int64_t t2 = now_ns(), lost = (t2 - t0) - (cpu_ns() - c0);
+    /* a stall: a worker sat on a claimed item, or the caller lost its core for a good part of the call */
+    if (t2 - t1 > 2 * (t1 - t0) + 100000 || (lost > 50000 && 4 * lost > t2 - t0)) {
+        SOLO_UNTIL = t2 + SOLO_NEXT;
+        SOLO_NEXT = SOLO_NEXT * 2 < SOLO_MAX_NS ? SOLO_NEXT * 2 : SOLO_MAX_NS;
+    } else {
+        SOLO_UNTIL = 0;
+        SOLO_NEXT = SOLO_NS;
     }
     pthread_mutex_unlock(&CALL);
 }
