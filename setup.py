@@ -10,7 +10,7 @@ setup(ext_modules=[Extension(
     sources=["engine/native/cpu.c", "engine/native/act_quant.c", "engine/native/kquant.c",
              "engine/native/packed_x16.c", "engine/native/q8_0.c", "engine/native/gdn.c", "engine/native/group.c",
              "engine/native/attention.c", "engine/native/moe.c", "engine/native/pool.c",
-             "engine/native/norm.c", "engine/native/kquant_more.c", "engine/native/legacy.c",
+             "engine/native/norm.c", "engine/native/layer.c", "engine/native/kquant_more.c", "engine/native/legacy.c",
              "engine/native/half.c", "engine/native/iq_grid.c"],
     depends=["engine/native/kernels.h", "engine/native/iq_tables.h"],
     # No FP contraction: the GDN kernel fuses one token's update with the next token's decay and relies on

@@ -14,7 +14,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine import ops
 from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer
@@ -88,7 +87,7 @@ class GatedAttention:
         kv.v[pos:pos + n] = v
         out = ops.attention(q, kv.k, kv.v, pos, self.scale, self.backend)
         cb("attn_out", self.il, out)
-        out = out * torch.sigmoid(gate)
+        out = ops.sigmoid_gate(out, gate, self.backend)
         return ops.linear(out, self.w.o)
 
 
@@ -145,7 +144,7 @@ class GatedDeltaNet:
         cb("beta", il, beta)
         cb("gate", il, g)
         cb("attn_output", il, o)
-        o = ops.rms_norm(o, w.norm, hp.rms_eps, self.backend, gate=F.silu(z.view(n, Hv, dv)))
+        o = ops.rms_norm(o, w.norm, hp.rms_eps, self.backend, gate=ops.silu(z.view(n, Hv, dv), self.backend))
         return ops.linear(o.reshape(n, Hv * dv), w.out)
 
 
@@ -224,7 +223,7 @@ class MoE:
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None and not inside:
             sg, su = ops.linear_many(x, (w.shared_gate, w.shared_up))  # type: ignore[arg-type]
-            sh = F.silu(sg) * su
+            sh = ops.silu_mul(sg, su, w.shared_gate.backend)
             sh = ops.linear(sh, w.shared_down) * sgate  # type: ignore[arg-type,operator]
             cb("ffn_shexp", il, sh)
             y = y + sh
@@ -244,7 +243,7 @@ class DenseFFN:
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
         g, u = ops.linear_many(x, (self.w.gate, self.w.up))
-        h = F.silu(g) * u
+        h = ops.silu_mul(g, u, self.w.gate.backend)
         return ops.linear(h, self.w.down)
 
 
@@ -254,10 +253,38 @@ class DecoderLayer:
                  backend: ops.Backend):
         self.il, self.attn_norm, self.post_norm, self.mixer, self.ffn, self.eps = il, attn_norm, post_norm, mixer, ffn, eps
         self.device, self.backend = device, backend
+        self._fused: ops.FusedLayer | None | bool = False  # the layer in one call (False: not yet decided)
+
+    def spec(self) -> ops.LayerSpec:
+        """The layer's weights, for ops.fuse_layer."""
+        hp, m, f = self.mixer.hp, self.mixer, self.ffn
+        mixer: ops.GDNSpec | ops.AttentionSpec
+        if isinstance(m, GatedDeltaNet):
+            w = m.w
+            mixer = ops.GDNSpec(w.qkv, w.gate, w.beta, w.alpha, w.out, w.a, w.dt_bias, m.taps(), w.norm,
+                                hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
+        else:
+            a = m.w
+            mixer = ops.AttentionSpec(a.q, a.k, a.v, a.o, a.q_norm, a.k_norm, hp.n_head, hp.n_head_kv, hp.head_dim_k,
+                                      hp.head_dim_v, hp.n_rot, m.scale)
+        ffn = ops.MoESpec(f.w.router, f.w.experts, f.w.shared, hp.n_expert_used) if isinstance(f, MoE) \
+            else ops.DenseSpec(f.w.gate, f.w.up, f.w.down)
+        return ops.LayerSpec(self.attn_norm, self.post_norm, self.eps, mixer, ffn)
 
     def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor], cb: Hook,
                  capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
+        """out = h + ffn(norm(h)), h = x + mixer(norm(x)): below op by op, which is what hooks see; without a hook
+        in one native call where the backend runs the whole layer (ops.fuse_layer, the same bits)."""
         il = self.il
+        if cb is _noop and not chunked:
+            if self._fused is False:
+                self._fused = ops.fuse_layer(self.spec(), self.backend)
+            if self._fused is not None:
+                state = cache.gdn[il] if isinstance(self.mixer, GatedDeltaNet) else cache.kv[il]
+                out, idx = self._fused(x, state, pos, rope, capture, il)  # type: ignore[operator]
+                if idx is not None and isinstance(self.ffn, MoE) and self.ffn.stats is not None:
+                    self.ffn.stats.add(il, idx, self.ffn.hp.n_expert)
+                return out
         a = ops.rms_norm(x, self.attn_norm, self.eps, self.backend)
         cb("attn_norm", il, a)
         if isinstance(self.mixer, GatedDeltaNet):

@@ -44,6 +44,48 @@ static inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 void norm_rows(const float *x, int64_t n, int64_t d, const float *w, const float *gate, float eps, int l2,
                float post, float *y);
 
+/* moe.c: one projection's stack of experts as the products read them: bytes (stored blocks or packed), kernel type
+ * code (a ggml type or a T_*_PACKED), n_expert matrices of n_rows × k, expert_bytes apart (a dense projection is a
+ * stack of one); threads: the pool threads its products use. */
+typedef struct {
+    const uint8_t *w;
+    int64_t expert_bytes, n_rows, k;
+    int32_t code, threads;
+} ExpertStack;
+
+/* Activation rows in one weight type's format (act_format): Q8_K (with the Q4_K order of the quants where the
+ * AVX512 stored-order Q4_K product reads them), Q8_0, Q8_1 (and its sums s), or the values rounded to F16/BF16
+ * (16 bits each, in q). act_rows makes them for stack s's products (0, or -1 when out of memory); act_rows_free
+ * releases them either way. */
+typedef struct {
+    int8_t *q, *perm;
+    float *d, *s;
+    int16_t *bs;
+} QRows;
+int act_rows(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r);
+void act_rows_free(QRows *r);
+int moe_layer(const float *router, const float *shared_inp, const ExpertStack *sg, const ExpertStack *su,
+              const ExpertStack *sd, const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down,
+              const float *x, int64_t n, int64_t k_used, int64_t n_expert, float *logits, float *wts, int64_t *idx,
+              float *y, int isa);
+void silu_mul(float *g, const float *u, int64_t n);
+
+/* kquant.c: y [m, n_rows] (row stride ldy) = activation rows (act_rows' parts) × the weight rows w */
+void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
+                  const int16_t *xbs, const float *xs, const int8_t *xperm, int64_t k, int64_t m, float *y,
+                  int64_t ldy, int n_threads, int isa);
+
+/* gdn.c, attention.c, norm.c: the mixers' pieces (engine.ops.native documents each) */
+int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
+                   const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
+                   int64_t dv, int n_threads, int isa);
+void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, int64_t kk, const float *b,
+                const float *a, const float *A, const float *dt_bias, int64_t h, int64_t hk, int64_t dk, float eps,
+                float q_scale, float *u, float *q, float *k, float *beta, float *g);
+int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos,
+                     int64_t n_head, int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int isa);
+void rope_neox(float *x, int64_t n, int64_t h, int64_t d, int64_t n_rot, const float *cos_t, const float *sin_t);
+
 /* pool.c: fn(ctx, i) for i in [0, n_items) on up to n_threads threads (the caller's included), each item once;
  * returns when all are done. The caller works too and never waits for a thread that has not started an item. */
 typedef void (*pool_fn)(void *ctx, int64_t item);

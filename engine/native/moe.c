@@ -15,27 +15,11 @@ void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64
                         int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
                         float *out, int n_threads, int isa);
 
-/* One projection's stack of experts as the products read it: bytes (stored blocks or packed), kernel type code
- * (a ggml type or a T_*_PACKED), n_expert matrices of n_rows × k, expert_bytes apart. */
-typedef struct {
-    const uint8_t *w;
-    int64_t expert_bytes, n_rows, k;
-    int32_t code, threads;
-} ExpertStack;
-
-/* Activation rows in one weight type's format (kernels.h act_format): Q8_K (with the Q4_K order of the quants where
- * the AVX512 stored-order Q4_K product reads them), Q8_0, Q8_1 (and its sums s), or the values rounded to F16/BF16
- * (16 bits each, in q). Stacks of different types in one layer (Q4_K gate/up with a Q5_K down, a Q8_0 type beside a
- * K-quant) each get their own. */
-typedef struct {
-    int8_t *q, *perm;
-    float *d, *s;
-    int16_t *bs;
-} QRows;
-
 static int wants_perm(int code, int isa) { return code == T_Q4_K && isa_runs(isa, ISA_AVX512); }
 
-static int quantize_for(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
+/* x [m, s->k] as the rows s's products take (kernels.h act_format); 0, or -1 when out of memory (act_rows_free
+ * releases what was made either way). */
+int act_rows(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
     const int64_t k = s->k;
     const int fmt = act_format(s->code);
     *r = (QRows){0};
@@ -69,7 +53,7 @@ static int quantize_for(const ExpertStack *s, const float *x, int64_t m, int isa
     return 0;
 }
 
-static void release(QRows *r) {
+void act_rows_free(QRows *r) {
     free(r->q), free(r->d), free(r->s), free(r->bs), free(r->perm);
 }
 
@@ -105,14 +89,14 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
         rc = -2;
         goto done;
     }
-    if (quantize_for(gate, x, n, isa, &xg)) goto done;
+    if (act_rows(gate, x, n, isa, &xg)) goto done;
     /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
     const int same = act_format(up->code) == act_format(gate->code) && (xg.perm || !wants_perm(up->code, isa));
-    if (!same && quantize_for(up, x, n, isa, &xu)) goto done;
+    if (!same && act_rows(up, x, n, isa, &xu)) goto done;
     pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
     pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);
     silu_mul(g, u, p_n * f);
-    if (quantize_for(down, g, p_n, isa, &xh)) goto done;
+    if (act_rows(down, g, p_n, isa, &xh)) goto done;
     for (int64_t p = 0; p < p_n; p++) self[p] = p;
     pairs(down, &xh, self, n_groups, experts, starts, o, isa);
     /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
@@ -127,7 +111,7 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
     }
     rc = 0;
 done:
-    release(&xg), release(&xu), release(&xh);
+    act_rows_free(&xg), act_rows_free(&xu), act_rows_free(&xh);
     free(ints), free(g), free(u), free(o);
     return rc;
 }

@@ -92,24 +92,29 @@ def _native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     return native.gdn_recurrence(q, k, v, beta, decay, S, out, backend.n_threads(n * h * dk * dv), backend.level)
 
 
+def state_replay(start: torch.Tensor, live: torch.Tensor, ins: tuple[torch.Tensor, ...],
+                 backend: Backend) -> StateReplay:
+    """The states of a native pass that ran from `start` to `live` over the recurrence's inputs `ins` (q, k, v, β,
+    e^g, contiguous, kept): the ones in between re-run by the same kernel when asked for."""
+    def replay(count: int, s_in: torch.Tensor, s_out: torch.Tensor) -> None:
+        _native(*(t[:count] for t in ins), s_in, s_out, backend)  # type: ignore[misc]
+
+    return StateReplay(start, live, ins[0].shape[0], replay)
+
+
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                 st: GDNState, backend: Backend, capture: bool) -> tuple[torch.Tensor, StateReplay | torch.Tensor | None]:
     n = q.shape[0]
     S = st.ssm
     if backend.native and _floats(q, k, v, beta, g, S):
-        decay = pointwise(torch.exp, g)
+        decay = native.exp_rows(g.contiguous())  # layer.c's decays
         if not capture:
             return _native(q, k, v, beta, decay, S, S, backend), None
         start = S
         live = st.spare if st.spare is not None else torch.empty_like(S)
         o = _native(q, k, v, beta, decay, start, live, backend)
         st.ssm, st.spare = live, start
-        ins = tuple(t.contiguous() for t in (q, k, v, beta, decay))
-
-        def replay(count: int, s_in: torch.Tensor, s_out: torch.Tensor) -> None:
-            _native(*(t[:count] for t in ins), s_in, s_out, backend)  # type: ignore[misc]
-
-        return o, StateReplay(start, live, n, replay)
+        return o, state_replay(start, live, tuple(t.contiguous() for t in (q, k, v, beta, decay)), backend)
     q, k = tiled(q, k, v.shape[1])
     o = torch.empty_like(v).unsqueeze(2)  # [n, H, 1, d_v]
     states = torch.empty((n,) + tuple(S.shape), dtype=S.dtype, device=S.device) if capture else None

@@ -212,11 +212,8 @@ def linear_many(x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
     models; rows are independent, so the bits are those of separate products). The stack is made on first use
     and kept with the first weight (the set belongs to one layer, so it lives and dies with it); where the parts
     are views of the model file, their resident pages are dropped once copied."""
-    key = tuple(id(w) for w in ws[1:])
     first = ws[0]
-    if key not in first.stacks:
-        first.stacks[key] = _stack(ws)
-    stacked = first.stacks[key]
+    stacked = stack_of(ws)
     if stacked is None:
         return [linear(x, w) for w in ws]
     xf = x.float()
@@ -225,6 +222,16 @@ def linear_many(x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
     else:
         y = _observed(first, "linear_many", sum(w.nbytes for w in ws), x, lambda: stacked.product(xf))
     return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
+
+
+def stack_of(ws: tuple[Linear, ...]) -> Linear | None:
+    """The weights stacked into one product (made on first use, kept with the first), or None where linear_many runs
+    them apart."""
+    key = tuple(id(w) for w in ws[1:])
+    first = ws[0]
+    if key not in first.stacks:
+        first.stacks[key] = _stack(ws)
+    return first.stacks[key]
 
 
 def _stack(ws: tuple[Linear, ...]) -> Linear | None:

@@ -48,6 +48,10 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
                     _P], None),
     "rope_neox": ([_P, _I, _I, _I, _I, _P, _P], None),
     "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
+    "decoder_layer": ([_P, _P], _C),
+    "exp_rows": ([_P, _I, _P], None),
+    "silu_rows": ([_P, _I, _P], None),
+    "sigmoid_mul": ([_P, _P, _I], None),
 }
 
 
@@ -316,3 +320,66 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """g ← silu(g) · u in place (float32, contiguous, same shape), as moe.c's passes compute it; returns g."""
     LIB.silu_mul(g.data_ptr(), u.data_ptr(), g.numel())  # type: ignore[union-attr]
     return g
+
+
+def exp_rows(x: torch.Tensor) -> torch.Tensor:
+    """e^x element by element (float32, contiguous), as layer.c computes a GDN layer's decays: a new tensor."""
+    y = torch.empty_like(x)
+    LIB.exp_rows(x.data_ptr(), x.numel(), y.data_ptr())  # type: ignore[union-attr]
+    return y
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """silu(x) element by element (float32, contiguous; kernels.h silu_f): a new tensor."""
+    y = torch.empty_like(x)
+    LIB.silu_rows(x.data_ptr(), x.numel(), y.data_ptr())  # type: ignore[union-attr]
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x ← x · sigmoid(g) in place (float32, contiguous, same shape; kernels.h sigmoid_f); returns x."""
+    LIB.sigmoid_mul(x.data_ptr(), g.data_ptr(), x.numel())  # type: ignore[union-attr]
+    return x
+
+
+# engine/native/layer.c's structures: a decoder layer's weights (LayerW, made once) and one pass's operands
+class GdnW(ctypes.Structure):
+    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("taps", _P), ("A", _P), ("dt_bias", _P), ("norm", _P),
+                ("c", _I), ("kk", _I), ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I)]
+
+
+class AttnW(ctypes.Structure):
+    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("q_norm", _P), ("k_norm", _P), ("h", _I), ("h_kv", _I),
+                ("dk", _I), ("dv", _I), ("n_rot", _I), ("scale", ctypes.c_float)]
+
+
+class FfnW(ctypes.Structure):
+    _fields_ = [("router", _P), ("shared_inp", _P), ("sg", ExpertStack), ("su", ExpertStack), ("sd", ExpertStack),
+                ("gate", ExpertStack), ("up", ExpertStack), ("down", ExpertStack), ("k_used", _I), ("n_expert", _I),
+                ("dense", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class LayerW(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("post_norm", _P), ("d", _I), ("eps", ctypes.c_float), ("attention", ctypes.c_int32),
+                ("gdn", GdnW), ("attn", AttnW), ("ffn", FfnW)]
+
+
+class LayerPass(ctypes.Structure):
+    _fields_ = [("x", _P), ("n", _I), ("pos", _I), ("threads", ctypes.c_int32), ("isa", ctypes.c_int32),
+                ("conv", _P), ("window", _P), ("s_in", _P), ("s_out", _P), ("q", _P), ("k", _P), ("v", _P),
+                ("beta", _P), ("decay", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("logits", _P),
+                ("wts", _P), ("idx", _P)]
+
+
+_LAYER_ERRORS = {-1: (MemoryError, "no memory for the layer's pass"),
+                 -2: (ValueError, "an expert id is out of range"),
+                 -3: (ValueError, "more experts than the native router takes (1024)"),
+                 -4: (ValueError, "GDN value heads exceed the native kernel's limit")}
+
+
+def decoder_layer(w: LayerW, p: LayerPass) -> None:
+    """engine/native/layer.c decoder_layer: the layer w over the pass p (p.x replaced by the layer's output)."""
+    rc = LIB.decoder_layer(ctypes.byref(w), ctypes.byref(p))  # type: ignore[union-attr]
+    if rc != 0:
+        kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
+        raise kind(msg)

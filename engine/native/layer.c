@@ -1,0 +1,223 @@
+/* A whole decoder layer for the n tokens of a pass in one call (spec §3): RMSNorm, the mixer (Gated DeltaNet or
+ * gated attention, from the stacked input projection to the output projection), the residual, RMSNorm, the FFN
+ * (the MoE layer of moe.c, or a dense SwiGLU), the residual. A decode step of a small model was mostly the Python
+ * and tensor bookkeeping between some twenty kernel calls per layer (bench/step_profile.py); here the same kernels
+ * run back to back over scratch buffers, with the pool's threads warm between them.
+ *
+ * Bits: every piece is the kernel the op-by-op native path calls (engine.ops: the products with their activation
+ * rows, norm_rows, rope_neox, attention_causal, gdn_inputs, gdn_recurrence, moe_layer) or an element-wise step
+ * written once in kernels.h (silu_f, sigmoid_f, expf) that the op-by-op native path calls too (engine.ops.native
+ * silu, sigmoid_mul, exp_rows, silu_mul), in the same order; so a layer gives exactly the op-by-op path's bits
+ * (tests/test_layer.py), and, each piece being batch-invariant, a pass over n tokens gives each token the bits of a
+ * one-token pass. Threads change no bits: small products run on one thread (a pool call costs more than they do),
+ * the rest on `threads`, as engine.ops.backend.Backend.n_threads chooses.
+ */
+#include <stdlib.h>
+#include "kernels.h"
+
+/* The layer's weights, made once per layer (engine/ops/layer.py). Input projections are stacks of one (the parts
+ * the op-by-op path multiplies by in one stacked product, in its row order). */
+typedef struct {
+    ExpertStack in;  /* [C ; H_v·d_v (z) ; H_v (β) ; H_v (α)] × d */
+    ExpertStack out;  /* d × H_v·d_v */
+    const float *taps, *A, *dt_bias, *norm;  /* conv taps [K, C], ssm_a and dt bias [H_v], output norm [d_v] */
+    int64_t c, kk, hk, hv, dk, dv;
+} GdnW;
+
+typedef struct {
+    ExpertStack in;  /* [H·2D (per head: query rows, gate rows) ; H_kv·D (k) ; H_kv·D_v (v)] × d */
+    ExpertStack out;  /* d × H·D_v */
+    const float *q_norm, *k_norm;  /* [D] */
+    int64_t h, h_kv, dk, dv, n_rot;
+    float scale;
+} AttnW;
+
+typedef struct {
+    /* MoE (dense == 0): router [E, d] float32, shared expert gate input [d] (NULL: none) and its one-expert stacks
+     * sg, su, sd, the routed stacks. Dense FFN (dense == 1): su is the stacked [gate ; up] projection, sd down. */
+    const float *router, *shared_inp;
+    ExpertStack sg, su, sd, gate, up, down;
+    int64_t k_used, n_expert;
+    int32_t dense, pad;
+} FfnW;
+
+typedef struct {
+    const float *attn_norm, *post_norm;  /* [d] */
+    int64_t d;
+    float eps;
+    int32_t attention;  /* 0: Gated DeltaNet, 1: gated attention */
+    GdnW gdn;
+    AttnW attn;
+    FfnW ffn;
+} LayerW;
+
+/* One pass's operands (engine/ops/layer.py fills them per call). */
+typedef struct {
+    float *x;  /* [n, d]: the layer's input, replaced by its output */
+    int64_t n, pos;
+    int32_t threads, isa;
+    /* Gated DeltaNet: the conv state [K−1, C] on entry, the pass's window [K−1+n, C] (that state, then the n new
+     * inputs: the caller keeps views of it as the conv states), the recurrent state read from s_in and written to
+     * s_out (may be the same), and where the recurrence's inputs go when the caller keeps them (NULL: scratch). */
+    const float *conv;
+    float *window;
+    const float *s_in;
+    float *s_out;
+    float *q, *k, *v, *beta, *decay;
+    /* gated attention: the KV cache rows [n_ctx, H_kv, D] and [n_ctx, H_kv, D_v], the RoPE rows of the pass's
+     * positions [n, n_rot/2] */
+    float *kc, *vc;
+    const float *cos_t, *sin_t;
+    /* MoE outputs: router logits [n, E], top-k weights and ids [n, k_used] */
+    float *logits, *wts;
+    int64_t *idx;
+} LayerPass;
+
+static int threads_for(int64_t work, int threads) { return work >= (1 << 16) ? threads : 1; }
+
+/* out [m, p->n_rows] = x [m, p->k] through stack p's one matrix */
+static int project(ExpertStack p, const float *x, int64_t m, float *out, int threads, int isa) {
+    QRows r;
+    int rc = act_rows(&p, x, m, isa, &r);
+    if (rc == 0)
+        quant_matmul(p.code, p.w, p.expert_bytes / p.n_rows, p.n_rows, r.q, r.d, r.bs, r.s, r.perm, p.k, m, out,
+                     p.n_rows, threads_for(p.n_rows * p.k, threads), isa);
+    act_rows_free(&r);
+    return rc;
+}
+
+/* column block [c0, c0 + w) of the rows src [n, ld] into dst [n, w] */
+static void columns(const float *src, int64_t n, int64_t ld, int64_t c0, int64_t w, float *dst) {
+    for (int64_t t = 0; t < n; t++) memcpy(dst + t * w, src + t * ld + c0, (size_t)w * sizeof(float));
+}
+
+/* Gated DeltaNet: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedDeltaNet) */
+static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *a, float *y) {
+    const int64_t n = p->n, c = w->c, kk = w->kk, hv = w->hv, hk = w->hk, dk = w->dk, dv = w->dv;
+    const int64_t zw = hv * dv, ld = c + zw + 2 * hv, qk = hk * dk;
+    float *proj = malloc((size_t)(n * ld) * sizeof(float));
+    float *s = malloc((size_t)(n * (5 * hv + c + 3 * zw + 2 * qk)) * sizeof(float));
+    int rc = -1;
+    if (!proj || !s) goto done;
+    float *b = s, *al = b + n * hv, *g = al + n * hv, *u = g + n * hv, *o = u + n * c, *z = o + n * zw;
+    float *q = p->q ? p->q : z + n * zw, *k = p->k ? p->k : z + n * zw + n * qk;
+    float *v = p->v ? p->v : z + n * zw + 2 * n * qk, *beta = p->beta ? p->beta : z + 2 * n * zw + 2 * n * qk;
+    float *decay = p->decay ? p->decay : z + 2 * n * zw + 2 * n * qk + n * hv;
+    if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    memcpy(p->window, p->conv, (size_t)((kk - 1) * c) * sizeof(float));
+    columns(proj, n, ld, 0, c, p->window + (kk - 1) * c);
+    columns(proj, n, ld, c + zw, hv, b);
+    columns(proj, n, ld, c + zw + hv, hv, al);
+    gdn_inputs(p->window, w->taps, n, c, kk, b, al, w->A, w->dt_bias, hv, hk, dk, eps,
+               (float)(1.0 / sqrt((double)dk)), u, q, k, beta, g);
+    columns(u, n, c, 2 * qk, zw, v);
+    for (int64_t i = 0; i < n * hv; i++) decay[i] = expf(g[i]);
+    if (gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
+                       threads_for(n * hv * dk * dv, p->threads), p->isa)) {
+        rc = -4;
+        goto done;
+    }
+    columns(proj, n, ld, c, zw, z);
+    for (int64_t i = 0; i < n * zw; i++) z[i] = silu_f(z[i]);
+    norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
+    rc = project(w->out, o, n, y, p->threads, p->isa);
+done:
+    free(proj), free(s);
+    return rc;
+}
+
+/* Gated attention: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedAttention); writes the pass's keys and
+ * values into the cache rows pos … pos + n − 1 */
+static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float *a, float *y) {
+    const int64_t n = p->n, h = w->h, hkv = w->h_kv, dk = w->dk, dv = w->dv;
+    const int64_t ld = 2 * h * dk + hkv * dk + hkv * dv;
+    float *proj = malloc((size_t)(n * ld) * sizeof(float));
+    float *s = malloc((size_t)(n * (h * dk + hkv * dk + h * dv)) * sizeof(float));
+    int rc = -1;
+    if (!proj || !s) goto done;
+    float *q = s, *k = q + n * h * dk, *o = k + n * hkv * dk;
+    if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t hh = 0; hh < h; hh++)
+            memcpy(q + (t * h + hh) * dk, proj + t * ld + hh * 2 * dk, (size_t)dk * sizeof(float));
+    columns(proj, n, ld, 2 * h * dk, hkv * dk, k);
+    norm_rows(q, n * h, dk, w->q_norm, NULL, eps, 0, 1.f, q);
+    norm_rows(k, n * hkv, dk, w->k_norm, NULL, eps, 0, 1.f, k);
+    rope_neox(q, n, h, dk, w->n_rot, p->cos_t, p->sin_t);
+    rope_neox(k, n, hkv, dk, w->n_rot, p->cos_t, p->sin_t);
+    memcpy(p->kc + p->pos * hkv * dk, k, (size_t)(n * hkv * dk) * sizeof(float));
+    columns(proj, n, ld, 2 * h * dk + hkv * dk, hkv * dv, p->vc + p->pos * hkv * dv);
+    if (attention_causal(q, p->kc, p->vc, o, n, p->pos, h, hkv, dk, dv, w->scale,
+                         threads_for(n * h * (p->pos + n) * (dk + dv), p->threads), p->isa))
+        goto done;
+    for (int64_t t = 0; t < n; t++)  /* o ⊙ sigmoid(gate): the gate rows follow each head's query rows */
+        for (int64_t hh = 0; hh < h; hh++) {
+            float *oh = o + (t * h + hh) * dv;
+            const float *gh = proj + t * ld + hh * 2 * dk + dk;
+            for (int64_t j = 0; j < dv; j++) oh[j] = oh[j] * sigmoid_f(gh[j]);
+        }
+    rc = project(w->out, o, n, y, p->threads, p->isa);
+done:
+    free(proj), free(s);
+    return rc;
+}
+
+/* The FFN: f [n, d] → y [n, d]; a MoE layer also gives its routing (logits, weights, ids) */
+static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
+    const int64_t n = p->n;
+    if (w->dense) {
+        const int64_t ff = w->sd.k;
+        float *gu = malloc((size_t)(n * 2 * ff) * sizeof(float)), *hbuf = malloc((size_t)(n * ff) * sizeof(float));
+        int rc = -1;
+        if (gu && hbuf && project(w->su, f, n, gu, p->threads, p->isa) == 0) {
+            for (int64_t t = 0; t < n; t++) {
+                memcpy(hbuf + t * ff, gu + t * 2 * ff, (size_t)ff * sizeof(float));
+                silu_mul(hbuf + t * ff, gu + t * 2 * ff + ff, ff);
+            }
+            rc = project(w->sd, hbuf, n, y, p->threads, p->isa);
+        }
+        free(gu), free(hbuf);
+        return rc;
+    }
+    ExpertStack st[6] = {w->sg, w->su, w->sd, w->gate, w->up, w->down};
+    const int64_t e_bytes = w->gate.expert_bytes + w->up.expert_bytes + w->down.expert_bytes;
+    const int th = threads_for(n * w->k_used * e_bytes, p->threads);
+    for (int i = 0; i < 6; i++) st[i].threads = th;
+    const int shared = w->shared_inp != NULL;
+    return moe_layer(w->router, w->shared_inp, shared ? &st[0] : NULL, shared ? &st[1] : NULL,
+                     shared ? &st[2] : NULL, &st[3], &st[4], &st[5], f, n, w->k_used, w->n_expert, p->logits, p->wts,
+                     p->idx, y, p->isa);
+}
+
+/* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)). Returns 0; -1 when out of memory, -2 for an expert id
+ * out of range, -3 for more experts than the router takes, -4 for GDN value heads over the kernel's limit. */
+int decoder_layer(const LayerW *w, const LayerPass *p) {
+    const int64_t n = p->n, d = w->d;
+    float *buf = malloc((size_t)(3 * n * d) * sizeof(float));
+    if (!buf) return -1;
+    float *a = buf, *y = a + n * d, *h = y + n * d;
+    norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
+    int rc = w->attention ? attn_mixer(&w->attn, p, w->eps, a, y) : gdn_mixer(&w->gdn, p, w->eps, a, y);
+    if (rc == 0) {
+        for (int64_t i = 0; i < n * d; i++) h[i] = p->x[i] + y[i];
+        norm_rows(h, n, d, w->post_norm, NULL, w->eps, 0, 1.f, a);
+        rc = ffn(&w->ffn, p, a, y);
+    }
+    if (rc == 0)
+        for (int64_t i = 0; i < n * d; i++) p->x[i] = h[i] + y[i];
+    free(buf);
+    return rc;
+}
+
+/* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
+void exp_rows(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]);
+}
+
+void silu_rows(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = silu_f(x[i]);
+}
+
+void sigmoid_mul(float *x, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * sigmoid_f(g[i]);
+}

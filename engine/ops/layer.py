@@ -1,0 +1,221 @@
+"""A whole decoder layer in one native call (engine/native/layer.c), where the backend runs every piece of it.
+
+The model describes a layer's math op by op (engine.models.qwen35); `fuse_layer` looks at the weights that layer
+is built from (a LayerSpec) and, where every product is native, every small tensor float32 on the CPU and the MoE
+layer runs in moe.c's one call, binds them once into layer.c's structure. A pass then costs one call instead of
+some twenty, each of which carried Python and tensor bookkeeping (bench/step_profile.py). layer.c runs the same
+kernels and element-wise expressions as the op-by-op native path in the same order, so the two give the same bits
+(tests/test_layer.py); the torch backend stays the twin of both.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import CapturedStates, ConvSteps, GDNState, KVLayer
+from engine.ops import native
+from engine.ops.attention import _floats
+from engine.ops.backend import Backend, OpEvent
+from engine.ops.delta_rule import state_replay
+from engine.ops.experts import Experts, Shared
+from engine.ops.linear import Linear, NativeLinear, stack_of
+
+
+@dataclass(frozen=True)
+class GDNSpec:
+    qkv: Linear
+    gate: Linear  # z
+    beta: Linear
+    alpha: Linear
+    out: Linear
+    a: torch.Tensor  # [H_v]
+    dt_bias: torch.Tensor  # [H_v]
+    taps: torch.Tensor  # [K, C]
+    norm: torch.Tensor  # [d_v]
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    q: Linear  # per head [query rows ; gate rows]
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    h: int
+    h_kv: int
+    dk: int
+    dv: int
+    n_rot: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    router: Linear
+    experts: Experts
+    shared: Shared | None
+    k_used: int
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A decoder layer as the model holds it: its two norms, its mixer and its FFN."""
+
+    attn_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    mixer: GDNSpec | AttentionSpec
+    ffn: MoESpec | DenseSpec
+
+
+class FusedLayer:
+    """A layer bound to layer.c: call it with a pass's rows and the layer's state."""
+
+    def __init__(self, w: native.LayerW, keep: list, backend: Backend, spec: LayerSpec, nbytes: int):
+        self.w, self._keep, self.backend, self.spec, self.nbytes = w, keep, backend, spec, nbytes
+        self.p = native.LayerPass()
+
+    def __call__(self, x: torch.Tensor, state: GDNState | KVLayer, pos: int,
+                 rope: tuple[torch.Tensor, torch.Tensor], capture: CapturedStates | None,
+                 il: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output rows for x [n, d] (a new tensor) and, for a MoE layer, the pass's top-k ids [n, k]."""
+        obs = self.backend.observer
+        t0 = time.perf_counter() if obs is not None else 0.0
+        b, p, spec = self.backend, self.p, self.spec
+        n = x.shape[0]
+        out = x.to(torch.float32, copy=True).contiguous()
+        p.x, p.n, p.pos, p.isa = out.data_ptr(), n, pos, b.level
+        p.threads = b.threads if b.threads is not None else torch.get_num_threads()
+        m = spec.mixer
+        after = None
+        if isinstance(m, GDNSpec):
+            after = self._gdn_operands(m, state, n, capture, il)  # type: ignore[arg-type]
+        else:
+            kv: KVLayer = state  # type: ignore[assignment]
+            p.kc, p.vc = kv.k.data_ptr(), kv.v.data_ptr()
+            p.cos_t, p.sin_t = rope[0][pos].data_ptr(), rope[1][pos].data_ptr()
+        idx = None
+        if isinstance(spec.ffn, MoESpec):
+            e_n, k = spec.ffn.experts.n_expert, spec.ffn.k_used
+            logits, wts, idx = torch.empty(n, e_n), torch.empty(n, k), torch.empty(n, k, dtype=torch.long)
+            p.logits, p.wts, p.idx = logits.data_ptr(), wts.data_ptr(), idx.data_ptr()
+        native.decoder_layer(self.w, p)
+        if after is not None:
+            after()
+        if obs is not None:
+            nbytes, distinct = self.nbytes, 0
+            if idx is not None:
+                distinct = int(torch.unique(idx).numel())
+                nbytes += distinct * spec.ffn.experts.expert_bytes()  # type: ignore[union-attr]
+            obs(OpEvent("layer", nbytes, n, time.perf_counter() - t0, distinct))
+        return out, idx
+
+    def _gdn_operands(self, m: GDNSpec, st: GDNState, n: int, capture: CapturedStates | None, il: int):  # type: ignore[no-untyped-def]
+        p = self.p
+        kk, c = m.taps.shape
+        if not st.conv.is_contiguous():
+            st.conv = st.conv.contiguous()
+        window = torch.empty(kk - 1 + n, c)
+        p.conv, p.window = st.conv.data_ptr(), window.data_ptr()
+        S = st.ssm
+        if capture is None:
+            p.s_in = p.s_out = S.data_ptr()
+            p.q = p.k = p.v = p.beta = p.decay = None
+
+            def after() -> None:
+                st.conv = window[n:]
+            return after
+        live = st.spare if st.spare is not None else torch.empty_like(S)
+        ins = (torch.empty(n, m.hk, m.dk), torch.empty(n, m.hk, m.dk), torch.empty(n, m.hv, m.dv),
+               torch.empty(n, m.hv), torch.empty(n, m.hv))
+        p.s_in, p.s_out = S.data_ptr(), live.data_ptr()
+        p.q, p.k, p.v, p.beta, p.decay = (t.data_ptr() for t in ins)
+
+        def after_capture() -> None:
+            st.conv = window[n:]
+            st.ssm, st.spare = live, S
+            capture.conv[il] = ConvSteps(window, kk)
+            capture.ssm[il] = state_replay(S, live, ins, self.backend)
+        return after_capture
+
+
+def _stack(lin: Linear | None, keep: list) -> native.ExpertStack | None:
+    """One matrix as a stack of one expert, for layer.c's products (None unless its product is native)."""
+    if not isinstance(lin, NativeLinear):
+        return None
+    raw, code = lin.kernel_bytes()
+    keep.append(raw)
+    return native.expert_stack(code, raw, 1, lin.n_rows, lin.n_cols, 1)
+
+
+def _vec(t: torch.Tensor, keep: list) -> int:
+    c = t.detach().float().contiguous()
+    keep.append(c)
+    return c.data_ptr()
+
+
+def fuse_layer(spec: LayerSpec, backend: Backend) -> FusedLayer | None:
+    """The layer bound to layer.c, or None where some piece of it does not run natively."""
+    if not backend.native or not native.available():
+        return None
+    m, f = spec.mixer, spec.ffn
+    small = [spec.attn_norm, spec.post_norm] + ([m.a, m.dt_bias, m.taps, m.norm] if isinstance(m, GDNSpec)
+                                                else [m.q_norm, m.k_norm])
+    if not _floats(*small):
+        return None
+    keep: list = []
+    w = native.LayerW()
+    w.attn_norm, w.post_norm, w.d, w.eps = _vec(spec.attn_norm, keep), _vec(spec.post_norm, keep), \
+        spec.attn_norm.numel(), spec.eps
+    if isinstance(m, GDNSpec):
+        ins = _stack(stack_of((m.qkv, m.gate, m.beta, m.alpha)), keep)
+        out = _stack(m.out, keep)
+        if ins is None or out is None or m.hv % m.hk:
+            return None
+        kk, c = m.taps.shape
+        w.attention = 0
+        w.gdn = native.GdnW(ins, out, _vec(m.taps, keep), _vec(m.a, keep), _vec(m.dt_bias, keep),
+                            _vec(m.norm, keep), c, kk, m.hk, m.hv, m.dk, m.dv)
+        mixer_bytes = sum(lin.nbytes for lin in (m.qkv, m.gate, m.beta, m.alpha, m.out))
+    else:
+        ins = _stack(stack_of((m.q, m.k, m.v)), keep)
+        out = _stack(m.o, keep)
+        if ins is None or out is None or m.h % m.h_kv or m.dk != m.dv:
+            return None
+        w.attention = 1
+        w.attn = native.AttnW(ins, out, _vec(m.q_norm, keep), _vec(m.k_norm, keep), m.h, m.h_kv, m.dk, m.dv,
+                              m.n_rot, m.scale)
+        mixer_bytes = sum(lin.nbytes for lin in (m.q, m.k, m.v, m.o))
+    if isinstance(f, MoESpec):
+        one = f.experts.one_call(f.router, f.shared)
+        if one is None:
+            return None
+        keep.append(one)
+        empty = native.ExpertStack()
+        sg, su, sd = one.shared if one.shared else (empty, empty, empty)
+        w.ffn = native.FfnW(one.router.data_ptr(), one.shared_inp.data_ptr() if one.shared_inp is not None else None,
+                            sg, su, sd, *one.stacks, f.k_used, f.experts.n_expert, 0, 0)
+        ffn_bytes = one.nbytes
+    else:
+        gu, down = _stack(stack_of((f.gate, f.up)), keep), _stack(f.down, keep)
+        if gu is None or down is None:
+            return None
+        empty = native.ExpertStack()
+        w.ffn = native.FfnW(None, None, empty, gu, down, empty, empty, empty, 0, 0, 1, 0)
+        ffn_bytes = f.gate.nbytes + f.up.nbytes + f.down.nbytes
+    return FusedLayer(w, keep, backend, spec, mixer_bytes + ffn_bytes)
+

@@ -1,0 +1,85 @@
+"""The one-call native decoder layer (engine/native/layer.c through engine.ops.layer) against the op-by-op path.
+
+A forward pass with a hook runs every layer op by op (the hooks see each intermediate); without one, a layer whose
+every piece is native runs in one call. The two must give the same bits, pass for pass: prefill, decode steps, a
+captured verify pass, a commit that keeps part of it, and the MTP head's layer; on every native backend, with any
+thread count, on Q8_0, K-quant MoE (with a Q5_K down projection) and dense models.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import ops
+from engine.models.build import load_model
+from engine.storage.modelfile import default_model_path, open_model
+from tests.fixtures import KQUANT_DENSE, TINY_MOE, UD_Q4_K_M_MOE, fixture_path
+
+NATIVE = [b for b in ops.available_backends() if b.native]
+MODELS = {
+    "embedded-q8_0": lambda: default_model_path(),
+    "moe-q8_0": lambda: fixture_path(replace(TINY_MOE, qtype="Q8_0")),
+    "moe-ud-q4_k_m": lambda: fixture_path(UD_Q4_K_M_MOE),
+    "dense-q4_k": lambda: fixture_path(KQUANT_DENSE),
+}
+
+
+def _passes(path, backend: ops.Backend, hooked: bool) -> tuple[list[torch.Tensor], list[str], dict]:
+    """Logits and hidden rows of a fixed sequence of passes, the op names the backend's observer saw, and the
+    routing counts."""
+    seen: list[str] = []
+    model = load_model(open_model(path), n_ctx=128, backend=backend.with_observer(lambda e: seen.append(e.op)))
+    hook = (lambda name, il, t: None) if hooked else None
+    cache = model.new_cache(128)
+    outs = []
+
+    def keep(r) -> None:  # type: ignore[no-untyped-def]
+        outs.extend([r.hidden, r.logits])
+
+    keep(model.forward(list(range(5, 30)), cache, logit_rows="all", hook=hook))
+    for t in (40, 41, 42):
+        keep(model.forward([t], cache, logit_rows="all", hook=hook))
+    verify = model.forward([7, 8, 9, 10], cache, logit_rows="all", capture=True, hook=hook)
+    keep(verify)
+    cache.commit(verify.captured, 1)  # type: ignore[arg-type]
+    cache.truncate(cache.pos - 2)
+    keep(model.forward([3], cache, logit_rows="all", hook=hook))
+    if model.mtp is not None:
+        mc = model.mtp.new_cache(128)
+        h = outs[0]
+        keep(model.mtp.forward(list(range(5, 30)), h, mc, logit_rows="all", hook=hook))
+        keep(model.mtp.forward([40, 41], outs[-2][-2:], mc, logit_rows="all", hook=hook))
+    return outs, seen, {k: v.clone() for k, v in model.routing.counts.items()}
+
+
+@pytest.mark.parametrize("backend", NATIVE, ids=lambda b: b.name)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_one_call_layer_gives_the_op_by_op_bits(model: str, backend: ops.Backend) -> None:
+    path = MODELS[model]()
+    op_outs, op_seen, op_counts = _passes(path, replace(backend, threads=1), hooked=True)
+    one_outs, one_seen, one_counts = _passes(path, replace(backend, threads=2), hooked=False)
+    assert "layer" not in op_seen and "linear_many" in op_seen
+    assert "layer" in one_seen and "linear_many" not in one_seen  # every layer ran in one call
+    assert len(op_outs) == len(one_outs)
+    for i, (a, b) in enumerate(zip(op_outs, one_outs)):
+        assert torch.equal(a, b), f"output {i}: max difference {(a - b).abs().max().item()}"
+    assert op_counts.keys() == one_counts.keys()
+    for k in op_counts:
+        assert torch.equal(op_counts[k], one_counts[k])
+
+
+def test_layers_that_cannot_run_in_one_call_run_op_by_op() -> None:
+    """F32 matrices have no native product: such a model runs its layers op by op on a native backend, and the
+    torch backend never fuses."""
+    seen: list[str] = []
+    b = NATIVE[0].with_observer(lambda e: seen.append(e.op)) if NATIVE else ops.TORCH
+    model = load_model(open_model(fixture_path(TINY_MOE)), n_ctx=32, backend=b)
+    model.forward([1, 2, 3], model.new_cache(32))
+    assert "layer" not in seen
+    seen.clear()
+    model = load_model(open_model(default_model_path()), n_ctx=32,
+                       backend=ops.TORCH.with_observer(lambda e: seen.append(e.op)))
+    model.forward([1, 2, 3], model.new_cache(32))
+    assert "layer" not in seen and "linear_many" in seen
