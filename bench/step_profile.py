@@ -77,7 +77,8 @@ from tests.fixtures import restore, snapshot  # noqa: E402
 
 N_CTX = 1200
 CONTEXT = 64
-WEIGHT_OPS = ("linear", "linear_many", "moe_experts")
+# "layer": a whole decoder layer in one native call (ops.fuse_layer); its seconds include the recurrence/attention
+WEIGHT_OPS = ("linear", "linear_many", "moe_experts", "layer")
 MARK = "foretell_op_"
 STEP = "foretell_step_"
 FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -450,7 +451,8 @@ def main() -> None:
                             "spin-waiting OpenMP threads count as busy; runqueue_wait_share: the part of it the "
                             "threads spent runnable, waiting for a core (schedstat); sleeping_share: the rest",
             "bandwidth": "weight bytes per pass (observer) / plain median wall (per_pass_wall), / observed kernel "
-                         "seconds (per_kernel), / seconds of linear+linear_many+moe_experts (per_weight_ops); "
+                         "seconds (per_kernel), / seconds of linear+linear_many+moe_experts+layer (per_weight_ops; "
+                         "a fused layer's seconds include its recurrence or attention); "
                          "machine: torch.sum over a float32 buffer, best of reps, 1e9 B/s",
         },
         "models": results,

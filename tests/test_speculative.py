@@ -35,7 +35,10 @@ def test_mtp_head_matches_llama_cpp(spec: FixtureSpec) -> None:
     ours = out.logits.numpy()
     kl = kl_ref_ours(ref.mtp_logits, ours)
     agree = float((ref.mtp_logits.argmax(-1) == ours.argmax(-1)).mean())
-    assert kl < 0.01, kl
+    # Spec §8's bounds: 0.01 for Q8_0, 0.02 for Q4_K_M. The head on the Q4_K fixture moves with every rounding
+    # difference of the trunk below it (measured on one AVX512-VNNI host, all correct forms: KL 8e-4 AVX2, 1.9e-3
+    # AVX512 stored order, 6e-3 portable, 7e-3 torch float, 1.2e-2 VNNI packed), so it gets the Q4_K bound.
+    assert kl < (0.02 if spec.qtype.endswith("_K") else 0.01), kl
     packs = ops.default_backend().packs
     if spec.qtype.endswith("_K") or spec.qtype == "Q8_0" and packs:
         # Spec §8 near-tie rule, as for the trunk (tests/test_parity.py). The head's input is the trunk's
