@@ -131,7 +131,7 @@ static float dot_f32(const float *a, const float *b, int64_t n) {
 }
 
 /* One token's routing, as llama.cpp's build_moe_ffn (softmax gating, top-k, weights renormalised): logits =
- * router · x; softmax with the sum in double (ggml_soft_max); the k largest probabilities in descending order
+ * router · x (route_logits, first); softmax with the sum in double (ggml_soft_max); the k largest probabilities in descending order
  * (the lower expert id first on a tie); each divided by their sum. */
 typedef struct {
     const float *router, *x;
@@ -140,16 +140,25 @@ typedef struct {
     int64_t *idx;
 } Route;
 
+#define ROUTE_CHUNK 8  /* experts per item of the router's products */
+
+/* logits of token i / chunks for experts [ROUTE_CHUNK · (i % chunks), …): the router's rows split between threads
+ * (a 35B layer's router is 2 MiB of float32, read each step) */
+static void route_logits(void *ctx, int64_t i) {
+    const Route *r = ctx;
+    const int64_t chunks = (r->n_expert + ROUTE_CHUNK - 1) / ROUTE_CHUNK, t = i / chunks;
+    const int64_t e0 = (i % chunks) * ROUTE_CHUNK, e1 = e0 + ROUTE_CHUNK < r->n_expert ? e0 + ROUTE_CHUNK : r->n_expert;
+    for (int64_t e = e0; e < e1; e++) r->logits[t * r->n_expert + e] = dot_f32(r->router + e * r->d, r->x + t * r->d, r->d);
+}
+
 static void route_item(void *ctx, int64_t t) {
     const Route *r = ctx;
     const int64_t E = r->n_expert, k = r->k_used;
     float *l = r->logits + t * E, *w = r->wts + t * k;
     int64_t *id = r->idx + t * k;
     float mx = -INFINITY;
-    for (int64_t e = 0; e < E; e++) {
-        l[e] = dot_f32(r->router + e * r->d, r->x + t * r->d, r->d);
+    for (int64_t e = 0; e < E; e++)
         if (l[e] > mx) mx = l[e];
-    }
     float p[1024];  /* E ≤ 1024: checked by moe_layer */
     double sum = 0.0;
     for (int64_t e = 0; e < E; e++) sum += (double)(p[e] = expf(l[e] - mx));
@@ -178,6 +187,8 @@ int moe_route(const float *router, const float *shared_inp, const float *x, int6
               int64_t n_expert, float *logits, float *wts, int64_t *idx, float *sgate, int threads) {
     if (n_expert > 1024 || k_used > n_expert) return -3;
     Route r = {router, x, d, n_expert, k_used, logits, wts, idx};
+    const int64_t chunks = (n_expert + ROUTE_CHUNK - 1) / ROUTE_CHUNK;
+    pool_run(n * n_expert * d >= (1 << 16) ? threads : 1, n * chunks, route_logits, &r);
     pool_run(n > 1 ? threads : 1, n, route_item, &r);
     if (shared_inp)
         for (int64_t t = 0; t < n; t++) sgate[t] = sigmoid_f(dot_f32(shared_inp, x + t * d, d));

@@ -1,8 +1,8 @@
 /* The kernels' threads: one pool, kept warm across the ops of a step, that never waits for a thread that has not
  * shown up.
  *
- * A call splits its work into items; the caller and the workers claim items one at a time from a shared counter,
- * and the call returns once every item is done. The caller works too and claims whatever is left, so when the
+ * A call splits its work into items; the caller and the workers claim items one at a time (SEG below), and the
+ * call returns once every item is done. The caller works too and claims whatever is left, so when the
  * workers' cores are taken (a browser, a build: a desktop's CPU is shared) it finishes the call alone at one
  * thread's speed instead of waiting a scheduler time slice for each worker at each op, which is what an OpenMP
  * region's barrier does (a decode step of the embedded model went from 8 ms to 25-30 ms with one busy process on
@@ -41,10 +41,16 @@ typedef struct {
     int helpers;  /* workers allowed to join (the call's thread count − 1) */
 } Job;
 
-/* state: the job generation (high 32 bits) and the next item to claim (low 32); a claim is a CAS on both, so a
+/* A call's items are split into one contiguous segment per thread; each thread claims from its own segment first,
+ * in order, then from the others' (what is left of them), so each thread reads one run of weights front to back,
+ * which the hardware prefetchers follow, where claiming from one shared counter interleaved the threads' items
+ * (from DRAM, 2 threads: 33 vs 30 GB/s on a 4096x4096 Q4_K product, 26 vs 18 on streams of 1024x1024 ones).
+ * SEG[i]: the job generation (high 32 bits) and segment i's next item (low 32); a claim is a CAS on both, so a
  * worker that read an old job can never claim an item of a new one. Job slots alternate by generation: the caller
- * writes the next job's slot while the current one's is still read. */
+ * writes the next job's slot while the current one's is still read. STATE holds the current generation. */
+#define MAX_SEGMENTS (MAX_WORKERS + 1)
 static _Atomic uint64_t STATE;
+static _Atomic uint64_t SEG[MAX_SEGMENTS];
 static Job JOBS[2];
 static _Atomic int64_t DONE;
 static _Atomic uint32_t WAKE;  /* futex word, bumped when a job is published to sleeping workers */
@@ -53,24 +59,34 @@ static int N_WORKERS;
 static pthread_mutex_t START = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t CALL = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time: Python threads may call in */
 
-/* Claims and runs items of the generation in `s`'s job until none is left; returns whether any was run. */
-static int work(uint64_t s, int worker) {
-    const uint32_t gen = (uint32_t)(s >> 32);
+static int64_t seg_end(const Job *j, int i) { return j->n_items * (i + 1) / (j->helpers + 1); }
+
+/* Claims and runs items of generation `gen`'s job, its own segment first, until none is left; returns whether any
+ * was run. */
+static int work(uint32_t gen, int worker) {
     const Job *j = &JOBS[gen & 1];
     const pool_fn fn = j->fn;
     void *ctx = j->ctx;
-    const int64_t n = j->n_items;
-    if (worker > j->helpers) return 0;
+    const int segs = j->helpers + 1;
+    if (worker >= segs) return 0;
     int ran = 0;
-    for (;;) {
-        if ((uint32_t)(s >> 32) != gen || (int64_t)(s & 0xffffffffu) >= n) return ran;
-        if (atomic_compare_exchange_weak_explicit(&STATE, &s, s + 1, memory_order_acq_rel, memory_order_acquire)) {
-            fn(ctx, (int64_t)(s & 0xffffffffu));
-            atomic_fetch_add_explicit(&DONE, 1, memory_order_release);
-            ran = 1;
-            s = atomic_load_explicit(&STATE, memory_order_acquire);
+    for (int v = 0; v < segs; v++) {
+        const int i = (worker + v) % segs;
+        const int64_t end = seg_end(j, i);
+        uint64_t s = atomic_load_explicit(&SEG[i], memory_order_acquire);
+        for (;;) {
+            if ((uint32_t)(s >> 32) != gen) return ran;
+            if ((int64_t)(s & 0xffffffffu) >= end) break;
+            if (atomic_compare_exchange_weak_explicit(&SEG[i], &s, s + 1, memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                fn(ctx, (int64_t)(s & 0xffffffffu));
+                atomic_fetch_add_explicit(&DONE, 1, memory_order_release);
+                ran = 1;
+                s = atomic_load_explicit(&SEG[i], memory_order_acquire);
+            }
         }
     }
+    return ran;
 }
 
 static int64_t now_ns(void) {
@@ -108,7 +124,7 @@ static void *worker_main(void *arg) {
             continue;
         }
         seen = (uint32_t)(s >> 32);
-        work(s, id);
+        work(seen, id);
     }
     return NULL;
 }
@@ -149,14 +165,16 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     const uint32_t gen = (uint32_t)(old >> 32) + 1;
     JOBS[gen & 1] = (Job){fn, ctx, n_items, n_threads - 1};
     atomic_store_explicit(&DONE, 0, memory_order_relaxed);
-    const uint64_t s = (uint64_t)gen << 32;
-    atomic_store(&STATE, s);  /* sequentially consistent: ordered before the read of SLEEPING */
+    for (int i = 0; i < n_threads; i++)
+        atomic_store_explicit(&SEG[i], (uint64_t)gen << 32 | (uint64_t)(n_items * i / n_threads),
+                              memory_order_relaxed);
+    atomic_store(&STATE, (uint64_t)gen << 32);  /* sequentially consistent: after the segments, before SLEEPING */
     if (atomic_load(&SLEEPING) > 0) {
         atomic_fetch_add(&WAKE, 1);
         syscall(SYS_futex, &WAKE, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
     }
     const int64_t t0 = now_ns(), c0 = cpu_ns();
-    work(s, 0);
+    work(gen, 0);
     const int64_t t1 = now_ns();
     /* items other threads claimed may still run; one preempted mid-item may need this core back */
     for (int i = 0; atomic_load_explicit(&DONE, memory_order_acquire) < n_items; i++) {
