@@ -73,6 +73,7 @@ def _peak_rss_mib() -> float:
 
 
 def run_ours(spec: dict) -> dict:
+    import engine  # noqa: F401  (first, as the app and the CLI import it: it sets torch's OpenMP wait policy)
     import torch
 
     from engine import ops

@@ -62,13 +62,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import engine  # noqa: E402,F401  (before torch, as the app and the CLI: it sets torch's OpenMP wait policy)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from bench.decode import git_info  # noqa: E402
 from bench.synthetic import MID, cached  # noqa: E402
 from engine import ops  # noqa: E402
 from engine.models.build import load_model  # noqa: E402
@@ -385,6 +387,7 @@ def main() -> None:
     ap.add_argument("--bw-mib", type=int, default=1024, help="buffer of the read-bandwidth measurement (MiB)")
     ap.add_argument("--bw-reps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench/results/step_profile.json"))
+    ap.add_argument("--label", default=None, help="what build this is (docs/benchmarks.md shows it)")
     args = ap.parse_args()
     if args.bw_mib < 512:
         ap.error("--bw-mib must be at least 512")
@@ -431,6 +434,7 @@ def main() -> None:
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git": git_info(), "label": args.label,
         "run_s": time.perf_counter() - t_start,
         "threads": args.threads, "reps": args.reps, "prof_reps": args.prof_reps,
         "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()[0],
