@@ -73,6 +73,19 @@ typedef struct {
     int64_t *idx;
 } LayerPass;
 
+/* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
+void exp_rows(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]);
+}
+
+void silu_rows(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = silu_f(x[i]);
+}
+
+void sigmoid_mul(float *x, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * sigmoid_f(g[i]);
+}
+
 static int threads_for(int64_t work, int threads) { return work >= (1 << 16) ? threads : 1; }
 
 /* out [m, p->n_rows] = x [m, p->k] through stack p's one matrix */
@@ -111,14 +124,14 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     gdn_inputs(p->window, w->taps, n, c, kk, b, al, w->A, w->dt_bias, hv, hk, dk, eps,
                (float)(1.0 / sqrt((double)dk)), u, q, k, beta, g);
     columns(u, n, c, 2 * qk, zw, v);
-    for (int64_t i = 0; i < n * hv; i++) decay[i] = expf(g[i]);
+    exp_rows(g, n * hv, decay);
     if (gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
                        threads_for(n * hv * dk * dv, p->threads), p->isa)) {
         rc = -4;
         goto done;
     }
     columns(proj, n, ld, c, zw, z);
-    for (int64_t i = 0; i < n * zw; i++) z[i] = silu_f(z[i]);
+    silu_rows(z, n * zw, z);
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
     rc = project(w->out, o, n, y, p->threads, p->isa);
 done:
@@ -207,17 +220,4 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
         for (int64_t i = 0; i < n * d; i++) p->x[i] = h[i] + y[i];
     free(buf);
     return rc;
-}
-
-/* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
-void exp_rows(const float *x, int64_t n, float *y) {
-    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]);
-}
-
-void silu_rows(const float *x, int64_t n, float *y) {
-    for (int64_t i = 0; i < n; i++) y[i] = silu_f(x[i]);
-}
-
-void sigmoid_mul(float *x, const float *g, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = x[i] * sigmoid_f(g[i]);
 }
