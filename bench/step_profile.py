@@ -108,22 +108,30 @@ def cpu_info() -> dict:
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
-def read_bandwidth(threads: int, mib: int, reps: int) -> dict:
-    """GB/s of torch.sum over a `mib` MiB float32 buffer (pages touched before timing), best and median of reps."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    buf = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
-    buf.sum()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    torch.set_num_threads(prev)
-    nbytes = buf.numel() * 4
-    del buf
-    return {"threads": threads, "buffer_mib": mib, "reps": reps, "best_gb_s": nbytes / min(times) / 1e9,
-            "median_gb_s": nbytes / statistics.median(times) / 1e9}
+class ReadBandwidth:
+    """GB/s of torch.sum over a `mib` MiB float32 buffer (pages touched before timing), best and median of reps.
+    Random values: a buffer of ones, every page alike, read at 74 GB/s on a 2-core VM whose memory gives 45 (the
+    host merges identical pages). The same VM measured 45 and 63-75 GB/s on 2 threads minutes apart (where the
+    host places its two cores), so each case measures it again before and after its passes."""
+
+    def __init__(self, mib: int, reps: int):
+        self.mib, self.reps = mib, reps
+        self.buf = torch.empty(mib * (1 << 20) // 4, dtype=torch.float32).uniform_(
+            generator=torch.Generator().manual_seed(0))
+
+    def __call__(self, threads: int) -> dict:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        self.buf.sum()  # warm-up
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            times.append(time.perf_counter() - t0)
+        torch.set_num_threads(prev)
+        nbytes = self.buf.numel() * 4
+        return {"threads": threads, "buffer_mib": self.mib, "reps": self.reps, "best_gb_s": nbytes / min(times) / 1e9,
+                "median_gb_s": nbytes / statistics.median(times) / 1e9}
 
 
 # --- the observer ----------------------------------------------------------------------------------
@@ -181,7 +189,7 @@ class Runner:
     """A model, its cache at the context, and one pass of n tokens from it."""
 
     def __init__(self, path: Path, backend: ops.Backend, context: list[int], draft: list[int]):
-        self.model = load_model(open_model(path), n_ctx=N_CTX, backend=backend)
+        self.model, self.backend = load_model(open_model(path), n_ctx=N_CTX, backend=backend), backend
         self.cache = self.model.new_cache(N_CTX)
         self.model.forward(context, self.cache, logit_rows="none")
         self.snap, self.pos, self.draft = snapshot(self.cache), len(context), draft
@@ -324,8 +332,34 @@ def profiled(observed: Runner, rec: Recorder, n: int, reps: int) -> dict:
                        "python": (med["python_s"] + med["observer_unique_s"]) / med["wall_s"]}}
 
 
-def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.Namespace, bw: float) -> dict:
+def native_sections(plain: Runner, n: int, reps: int) -> dict | None:
+    """`reps` plain passes with layer.c's section clock on (engine.ops.native.trace_start): per pass, the time of
+    each section of the fused layers and the weight bytes it read; outside_layers: the rest of the pass (embedding,
+    output head, Python between the layer calls). None where the layers do not run natively."""
+    from engine.ops import native
+    if not native.available() or not plain.backend.native:
+        return None
+    walls = []
+    native.trace_start()
+    for _ in range(reps):
+        plain.reset()
+        t0 = time.perf_counter()
+        plain.run(n)
+        walls.append(time.perf_counter() - t0)
+    sec = native.trace_stop()
+    wall = sum(walls) / reps
+    out = {name: {"ms_per_pass": 1e3 * s.seconds / reps, "share_of_pass": s.seconds / reps / wall,
+                  "marks_per_pass": s.marks / reps, "weight_mb_per_pass": s.weight_bytes / reps / 1e6,
+                  "gb_s": s.weight_bytes / s.seconds / 1e9 if s.seconds else None} for name, s in sec.items()}
+    inside = sum(s.seconds for k, s in sec.items() if k != "pool_wait") / reps
+    return {"reps": reps, "mean_pass_ms": 1e3 * wall, "sections": out, "outside_layers_ms": 1e3 * (wall - inside)}
+
+
+def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.Namespace,
+         probe: ReadBandwidth) -> dict:
+    before = probe(args.threads)["best_gb_s"]
     r = plain_and_observed(plain, observed, rec, n, args.reps, args.threads)
+    r["native_sections"] = native_sections(plain, n, args.reps)
     r["profiled"] = prof = profiled(observed, rec, n, args.prof_reps)
     p, o = r["plain"]["median_s"], r["observed"]
     kernel = min(o["kernel_s"], p)
@@ -338,11 +372,13 @@ def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.
     r["split_uniform"] = {k: v * p for k, v in prof["shares"].items()}
     r["instrumentation_overhead"] = {"observer": o["median_s"] / p - 1,
                                      "observer_and_profiler": prof["median_pass"]["wall_s"] / p - 1}
+    after = probe(args.threads)["best_gb_s"]
+    bw = max(before, after)  # the better of the two: the share is not flattered by a slow moment
     nbytes = o["weight_bytes"]
     r["bandwidth"] = {"weight_bytes": nbytes, "per_pass_wall_gb_s": nbytes / p / 1e9,
                       "per_kernel_gb_s": nbytes / o["kernel_s"] / 1e9,
                       "per_weight_ops_gb_s": nbytes / o["weight_ops_s"] / 1e9,
-                      "machine_read_gb_s": bw, "pass_wall_share_of_machine": nbytes / p / 1e9 / bw,
+                      "machine_read_gb_s": bw, "machine_read_before_after_gb_s": [before, after], "pass_wall_share_of_machine": nbytes / p / 1e9 / bw,
                       "weight_ops_share_of_machine": nbytes / o["weight_ops_s"] / 1e9 / bw}
     return r
 
@@ -375,6 +411,17 @@ def table(results: dict) -> str:
             parts = ", ".join(f"{k} {1e3 * v['seconds']:.2f} ({v['calls']})" for k, v in
                               sorted(c["observed"]["ops"].items(), key=lambda kv: -kv[1]["seconds"]))
             lines.append(f"  {mname} N={n}: {parts}")
+    lines.append("")
+    lines.append("native layer sections (mean ms per pass, GB/s of the weight-reading ones):")
+    for mname, m in results.items():
+        for n, c in m["cases"].items():
+            ns = c.get("native_sections")
+            if not ns:
+                continue
+            parts = ", ".join(f"{k} {v['ms_per_pass']:.2f}" + (f" ({v['gb_s']:.1f} GB/s)" if v["gb_s"] else "")
+                              for k, v in ns["sections"].items() if v["ms_per_pass"] >= 0.005)
+            lines.append(f"  {mname} N={n} ({ns['mean_pass_ms']:.2f} ms): {parts}; outside the layers "
+                         f"{ns['outside_layers_ms']:.2f}")
     return "\n".join(lines)
 
 
@@ -399,9 +446,10 @@ def main() -> None:
               "wait for cores (see runqueue_wait_share)", flush=True)
     torch.set_num_threads(args.threads)
     backend = ops.default_backend()
-    bw = [read_bandwidth(args.threads, args.bw_mib, args.bw_reps)]
+    probe = ReadBandwidth(args.bw_mib, args.bw_reps)
+    bw = [probe(args.threads)]
     if args.threads != 1:
-        bw.append(read_bandwidth(1, args.bw_mib, args.bw_reps))
+        bw.append(probe(1))
     bw_t = bw[0]["best_gb_s"]
     print(f"read bandwidth: {bw_t:.1f} GB/s ({args.threads} threads)", flush=True)
 
@@ -423,7 +471,7 @@ def main() -> None:
         print(f"{spec}: {path.name} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         cases = {}
         for n in (1, 4):
-            cases[str(n)] = case(plain, observed, rec, n, args, bw_t)
+            cases[str(n)] = case(plain, observed, rec, n, args, probe)
             s = cases[str(n)]["split"]
             print(f"  N={n}: {1e3 * s['pass_s']:.2f} ms, kernel {100 * s['kernel_share']:.1f}%, torch "
                   f"{100 * s['torch_outside_share']:.1f}%, python {100 * s['python_share']:.1f}%, idle "
@@ -454,10 +502,14 @@ def main() -> None:
             "threads_idle": "threads × Σ wall − Σ process CPU time over the plain passes, / (threads × Σ wall); "
                             "spin-waiting OpenMP threads count as busy; runqueue_wait_share: the part of it the "
                             "threads spent runnable, waiting for a core (schedstat); sleeping_share: the rest",
+            "native_sections": "plain passes with engine/native/trace.c's section clock on: time between marks "
+                               "in layer.c and moe.c per section, weight bytes of the products; pool_wait (callers "
+                               "waiting for other threads' items) lies inside the other sections",
             "bandwidth": "weight bytes per pass (observer) / plain median wall (per_pass_wall), / observed kernel "
                          "seconds (per_kernel), / seconds of linear+linear_many+moe_experts+layer (per_weight_ops; "
                          "a fused layer's seconds include its recurrence or attention); "
-                         "machine: torch.sum over a float32 buffer, best of reps, 1e9 B/s",
+                         "machine: torch.sum over a float32 buffer of random values, best of reps, 1e9 B/s, "
+                         "measured before and after each case's passes, the better of the two",
         },
         "models": results,
     }

@@ -83,3 +83,40 @@ def test_layers_that_cannot_run_in_one_call_run_op_by_op() -> None:
                        backend=ops.TORCH.with_observer(lambda e: seen.append(e.op)))
     model.forward([1, 2, 3], model.new_cache(32))
     assert "layer" not in seen and "linear_many" in seen
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native backend")
+def test_the_section_clock_accounts_for_a_fused_pass() -> None:
+    """native.trace_start/stop (bench/step_profile.py's breakdown): a one-token pass of the UD-Q4_K_M MoE fixture
+    marks every section a GDN and an attention layer run, within the pass's wall time, with the weight bytes the
+    layers read: their dense projections', and per MoE layer its k routed experts' and the shared expert's."""
+    import time
+
+    from engine.ops import native
+
+    model = load_model(open_model(fixture_path(UD_Q4_K_M_MOE)), n_ctx=64, backend=NATIVE[0])
+    cache = model.new_cache(64)
+    model.forward(list(range(5, 20)), cache, logit_rows="none")
+    native.trace_start()
+    t0 = time.perf_counter()
+    model.forward([3], cache, logit_rows="none")
+    wall = time.perf_counter() - t0
+    sec = native.trace_stop()
+    assert set(sec) == set(native.TRACE_SECTIONS)
+    for name in ("norm", "act_quant", "projection", "gdn_inputs", "recurrence", "gated_norm", "attention", "router",
+                 "expert_products", "expert_misc"):
+        assert sec[name].marks > 0 and sec[name].seconds > 0, name
+    assert sum(s.seconds for k, s in sec.items() if k != "pool_wait") <= wall
+    proj = experts = 0
+    for layer in model.layers:  # the stacks each fused layer's products read, as layer.c binds them
+        w = layer._fused.w
+        mixer = w.attn if w.attention else w.gdn
+        proj += mixer.in_.expert_bytes + mixer.out.expert_bytes
+        f = w.ffn
+        experts += f.k_used * (f.gate.expert_bytes + f.up.expert_bytes + f.down.expert_bytes)
+        experts += f.sg.expert_bytes + f.su.expert_bytes + f.sd.expert_bytes  # zero without a shared expert
+    assert sec["projection"].weight_bytes == proj > 0
+    assert sec["expert_products"].weight_bytes == experts > 0
+    native.trace_start()
+    sec = native.trace_stop()
+    assert all(s.seconds == 0 and s.marks == 0 for s in sec.values())  # start zeroes, and off nothing is counted

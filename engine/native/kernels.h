@@ -21,6 +21,20 @@ enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_
 /* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
 enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 
+/* The weight bytes a thread reads next (its next work item: the following rows, or the next expert's matrix, which
+ * is elsewhere in memory), prefetched while it works through the current item: ahead_step(h, bytes) after
+ * consuming `bytes` of the current item asks for as many of the next. Prefetching a fixed distance past the current
+ * bytes fetched the neighbouring expert's rows, unused, at the end of every expert matrix and nothing of the next
+ * one. */
+typedef struct {
+    const char *p, *end;
+    int64_t credit;
+} Ahead;
+static inline void ahead_step(Ahead *h, int64_t bytes) {
+    h->credit += bytes;
+    for (; h->credit >= 64 && h->p < h->end; h->credit -= 64, h->p += 64) __builtin_prefetch(h->p, 0, 3);
+}
+
 /* q8_0.c: Q8_0 weight rows (stored blocks) times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
                    int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
@@ -91,6 +105,17 @@ void rope_neox(float *x, int64_t n, int64_t h, int64_t d, int64_t n_rot, const f
 typedef void (*pool_fn)(void *ctx, int64_t item);
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx);
 
+/* trace.c: the step's time by section while tracing is on (bench/step_profile.py); TRACE_POOL_WAIT is the pool's:
+ * a caller waiting for other threads' items, inside the other sections' time. */
+enum { TRACE_NORM, TRACE_ACT_QUANT, TRACE_PROJECTION, TRACE_GDN_INPUTS, TRACE_RECURRENCE, TRACE_GATED_NORM,
+       TRACE_ATTENTION, TRACE_ROUTER, TRACE_EXPERT_PRODUCTS, TRACE_EXPERT_MISC,
+       TRACE_POOL_WAIT, TRACE_N };
+int64_t clock_ns(void);
+int trace_on(void);
+void trace_mark(int sec, int64_t bytes);
+void trace_add(int sec, int64_t ns);
+void trace_restart(void);
+
 /* The activation rows a weight type's product takes (ggml-cpu's vec_dot_type): Q8_K for the K- and IQ-quants (and
  * any type not named here), Q8_0 for Q8_0 and the 32-value types without a minimum, Q8_1 (Q8_0's quants and scales
  * with s = fp16(d·Σq) per block) for Q4_1 and Q5_1, the values rounded to F16 / BF16 for half-precision weights. */
@@ -112,6 +137,24 @@ typedef struct {
     int64_t k;
     const float *s;  /* Q8_1: [rows, k/32], fp16(d·Σq) as a float */
 } Acts;
+
+/* kquant.c: one expert-pair product (quant_matmul_pairs's operands, pairs_job makes it); pairs_run runs several in
+ * one pool call */
+typedef struct {
+    int qtype, isa;
+    const uint8_t *w;
+    int64_t expert_bytes, row_bytes, n_rows, per;
+    Acts a;
+    const int8_t *xperm;
+    const int64_t *xrow, *experts, *starts;
+    float *out;
+    int64_t n_groups;
+} PairsJob;
+PairsJob pairs_job(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
+                   const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
+                   int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
+                   float *out, int isa);
+void pairs_run(const PairsJob *jobs, int n_jobs, int n_threads);
 
 /* iq_grid.c: the grid-codebook IQ types (ggml type ids) against Q8_K activation rows. rows_times_iq: weight rows
  * [r0, r1) (stored blocks, rows row_bytes apart) times activation rows xrow[0..m) (0..m when NULL) into
@@ -242,9 +285,10 @@ static inline __m256i dot8(const __m256i *v, const __m256i *s, const int8_t *x, 
 void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc);
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
-/* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL) */
+/* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),
+ * prefetching `ahead` as it goes */
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                    const int64_t *xrow, int64_t m, float *out, int64_t ldo);
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead);
 #endif
 
 #endif

@@ -373,7 +373,8 @@ static const KType *k_type(int qtype) {
  * weights (packed_x16.c), the K-quants here (Q4_K and Q6_K with AVX512 forms; the others run their AVX2 form there).
  * An unknown type leaves out untouched: native.PRODUCT_TYPES lists what binds. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                       const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
+                       const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa,
+                       Ahead *ahead) {
     if (iq_grid_type(qtype)) {
         rows_times_iq(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa);
         return;
@@ -384,7 +385,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
     }
 #if defined(__x86_64__)
     if (qtype >= T_Q8_0_PACKED) {  /* packed weights come only with VNNI */
-        rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
+        rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
         return;
     }
 #endif
@@ -453,7 +454,9 @@ typedef struct {
 static void matmul_item(void *ctx, int64_t c) {  /* one chunk of ROW_CHUNK weight rows */
     const Matmul *j = ctx;
     const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
-    rows_times(j->qtype, j->w, j->row_bytes, r0, r1, &j->a, j->xperm, NULL, j->m, j->y, j->ldy, j->isa);
+    const int64_t r2 = r1 + ROW_CHUNK < j->n_rows ? r1 + ROW_CHUNK : j->n_rows;  /* the next chunk */
+    Ahead next = {(const char *)j->w + r1 * j->row_bytes, (const char *)j->w + r2 * j->row_bytes, 0};
+    rows_times(j->qtype, j->w, j->row_bytes, r0, r1, &j->a, j->xperm, NULL, j->m, j->y, j->ldy, j->isa, &next);
 }
 
 void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int8_t *xq, const float *xd,
@@ -468,31 +471,63 @@ void quant_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows
  * experts[g]; pair p multiplies activation row xrow[p] by expert experts[g]'s matrix (n_rows rows in the
  * stack W [E, n_rows, k], expert_bytes apart). out [P, n_rows]. Items are (group, chunk of rows), claimed in
  * order by whichever thread is free: an expert with more pairs weighs more, and the claiming evens it out. */
+PairsJob pairs_job(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
+                   const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
+                   int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
+                   float *out, int isa) {
+    return (PairsJob){qtype, isa, w, expert_bytes, row_bytes, n_rows, (n_rows + ROW_CHUNK - 1) / ROW_CHUNK,
+                      {xq, xd, xbs, k, xs}, xperm, xrow, experts, starts, out, n_groups};
+}
+
 typedef struct {
-    int qtype, isa;
-    const uint8_t *w;
-    int64_t expert_bytes, row_bytes, n_rows, per;
-    Acts a;
-    const int8_t *xperm;
-    const int64_t *xrow, *experts, *starts;
-    float *out;
-} Pairs;
+    const PairsJob *jobs;
+    int n;
+} Jobs;
+
+/* item's job (js's items one job after another) and its item within it; NULL past the last */
+static const PairsJob *job_of(const Jobs *js, int64_t *item) {
+    const PairsJob *j = js->jobs;
+    for (int i = 0; i < js->n; i++, j++) {
+        if (*item < j->n_groups * j->per) return j;
+        *item -= j->n_groups * j->per;
+    }
+    return NULL;
+}
+
+/* the weight bytes of item (group, row chunk) of job j */
+static Ahead item_bytes(const PairsJob *j, int64_t item) {
+    const int64_t g = item / j->per, c = item % j->per, r0 = c * ROW_CHUNK;
+    const int64_t r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
+    const char *w = (const char *)j->w + j->experts[g] * j->expert_bytes;
+    return (Ahead){w + r0 * j->row_bytes, w + r1 * j->row_bytes, 0};
+}
 
 static void pairs_item(void *ctx, int64_t item) {
-    const Pairs *j = ctx;
+    const Jobs *js = ctx;
+    int64_t next_item = item + 1;
+    const PairsJob *j = job_of(js, &item), *jn = job_of(js, &next_item);
     const int64_t g = item / j->per, c = item % j->per, p0 = j->starts[g], p1 = j->starts[g + 1];
     const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
+    Ahead next = jn ? item_bytes(jn, next_item) : (Ahead){0};
     rows_times(j->qtype, j->w + j->experts[g] * j->expert_bytes, j->row_bytes, r0, r1, &j->a, j->xperm,
-               j->xrow + p0, p1 - p0, j->out + p0 * j->n_rows, j->n_rows, j->isa);
+               j->xrow + p0, p1 - p0, j->out + p0 * j->n_rows, j->n_rows, j->isa, &next);
+}
+
+/* Several pair products in one pool call, their items one after the other (the MoE layer's gate and up products of
+ * its routed and shared experts, then the down products): one wait for the threads instead of one per product. */
+void pairs_run(const PairsJob *jobs, int n_jobs, int n_threads) {
+    Jobs js = {jobs, n_jobs};
+    int64_t items = 0;
+    for (int i = 0; i < n_jobs; i++) items += jobs[i].n_groups * jobs[i].per;
+    cpu_features();
+    pool_run(n_threads, items, pairs_item, &js);
 }
 
 void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
                      const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
                      int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
                      float *out, int n_threads, int isa) {
-    const int64_t per = (n_rows + ROW_CHUNK - 1) / ROW_CHUNK;
-    Pairs j = {qtype, isa, w, expert_bytes, row_bytes, n_rows, per, {xq, xd, xbs, k, xs}, xperm, xrow, experts,
-               starts, out};
-    cpu_features();
-    pool_run(n_threads, n_groups * per, pairs_item, &j);
+    const PairsJob j = pairs_job(qtype, w, expert_bytes, row_bytes, n_rows, xq, xd, xbs, xs, xperm, k, xrow, n_groups,
+                                 experts, starts, out, isa);
+    pairs_run(&j, 1, n_threads);
 }

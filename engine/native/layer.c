@@ -92,9 +92,11 @@ static int threads_for(int64_t work, int threads) { return work >= (1 << 16) ? t
 static int project(ExpertStack p, const float *x, int64_t m, float *out, int threads, int isa) {
     QRows r;
     int rc = act_rows(&p, x, m, isa, &r);
+    trace_mark(TRACE_ACT_QUANT, 0);
     if (rc == 0)
         quant_matmul(p.code, p.w, p.expert_bytes / p.n_rows, p.n_rows, r.q, r.d, r.bs, r.s, r.perm, p.k, m, out,
                      p.n_rows, threads_for(p.n_rows * p.k, threads), isa);
+    trace_mark(TRACE_PROJECTION, p.expert_bytes);
     act_rows_free(&r);
     return rc;
 }
@@ -125,14 +127,17 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
                (float)(1.0 / sqrt((double)dk)), u, q, k, beta, g);
     columns(u, n, c, 2 * qk, zw, v);
     exp_rows(g, n * hv, decay);
+    trace_mark(TRACE_GDN_INPUTS, 0);
     if (gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
                        threads_for(n * hv * dk * dv, p->threads), p->isa)) {
         rc = -4;
         goto done;
     }
+    trace_mark(TRACE_RECURRENCE, 0);
     columns(proj, n, ld, c, zw, z);
     silu_rows(z, n * zw, z);
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
+    trace_mark(TRACE_GATED_NORM, 0);
     rc = project(w->out, o, n, y, p->threads, p->isa);
 done:
     free(proj), free(s);
@@ -169,6 +174,7 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
             const float *gh = proj + t * ld + hh * 2 * dk + dk;
             for (int64_t j = 0; j < dv; j++) oh[j] = oh[j] * sigmoid_f(gh[j]);
         }
+    trace_mark(TRACE_ATTENTION, 0);
     rc = project(w->out, o, n, y, p->threads, p->isa);
 done:
     free(proj), free(s);
@@ -187,6 +193,7 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
                 memcpy(hbuf + t * ff, gu + t * 2 * ff, (size_t)ff * sizeof(float));
                 silu_mul(hbuf + t * ff, gu + t * 2 * ff + ff, ff);
             }
+            trace_mark(TRACE_EXPERT_MISC, 0);
             rc = project(w->sd, hbuf, n, y, p->threads, p->isa);
         }
         free(gu), free(hbuf);
@@ -209,15 +216,19 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     float *buf = malloc((size_t)(3 * n * d) * sizeof(float));
     if (!buf) return -1;
     float *a = buf, *y = a + n * d, *h = y + n * d;
+    trace_restart();
     norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
+    trace_mark(TRACE_NORM, 0);
     int rc = w->attention ? attn_mixer(&w->attn, p, w->eps, a, y) : gdn_mixer(&w->gdn, p, w->eps, a, y);
     if (rc == 0) {
         for (int64_t i = 0; i < n * d; i++) h[i] = p->x[i] + y[i];
         norm_rows(h, n, d, w->post_norm, NULL, w->eps, 0, 1.f, a);
+        trace_mark(TRACE_NORM, 0);
         rc = ffn(&w->ffn, p, a, y);
     }
     if (rc == 0)
         for (int64_t i = 0; i < n * d; i++) p->x[i] = h[i] + y[i];
+    trace_mark(TRACE_NORM, 0);
     free(buf);
     return rc;
 }

@@ -10,10 +10,6 @@
 
 int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_expert, int64_t *order,
                            int64_t *tokens, int64_t *experts, int64_t *counts, int64_t *starts);
-void quant_matmul_pairs(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t row_bytes, int64_t n_rows,
-                        const int8_t *xq, const float *xd, const int16_t *xbs, const float *xs, const int8_t *xperm,
-                        int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
-                        float *out, int n_threads, int isa);
 
 static int wants_perm(int code, int isa) { return code == T_Q4_K && isa_runs(isa, ISA_AVX512); }
 
@@ -57,63 +53,114 @@ void act_rows_free(QRows *r) {
     free(r->q), free(r->d), free(r->s), free(r->bs), free(r->perm);
 }
 
-static void pairs(const ExpertStack *s, const QRows *x, const int64_t *xrow, int64_t n_groups,
-                  const int64_t *experts, const int64_t *starts, float *out, int isa) {
-    const int64_t row_bytes = s->expert_bytes / s->n_rows;
-    quant_matmul_pairs(s->code, s->w, s->expert_bytes, row_bytes, s->n_rows, x->q, x->d, x->bs, x->s, x->perm, s->k,
-                       xrow, n_groups, experts, starts, out, s->threads, isa);
-}
-
 /* g ← silu(g) · u, element by element; exported so the grouped Python driver (an expert cache's passes) computes
  * the bits this file's passes compute. */
 void silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = silu_f(g[i]) * u[i];
 }
 
-/* x [n, d]; idx [n, k_used] expert ids in [0, n_expert), wts [n, k_used] their weights; y [n, d]:
- * y[t] = Σ_s wts[t, s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t, s], summed in slot order from 0.
- * Returns 0, -1 when out of memory, -2 for an expert id out of range. */
-int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down, const float *x, int64_t n,
-               const int64_t *idx, const float *wts, int64_t k_used, int64_t n_expert, float *y, int isa) {
-    const int64_t p_n = n * k_used, f = gate->n_rows, d = down->n_rows;
-    int64_t *ints = malloc((size_t)(3 * p_n + 3 * n_expert + 1) * sizeof(int64_t));
-    float *g = malloc((size_t)(p_n * f) * sizeof(float)), *u = malloc((size_t)(p_n * f) * sizeof(float));
-    float *o = malloc((size_t)(p_n * d) * sizeof(float));
-    QRows xg = {0}, xu = {0}, xh = {0};
-    int rc = -1;
-    if (!ints || !g || !u || !o) goto done;
-    int64_t *order = ints, *tokens = order + p_n, *self = tokens + p_n, *experts = self + p_n,
-            *counts = experts + n_expert, *starts = counts + n_expert;
-    const int64_t n_groups = group_expert_pairs(idx, n, k_used, n_expert, order, tokens, experts, counts, starts);
-    if (n_groups < 0) {
-        rc = -2;
-        goto done;
-    }
-    if (act_rows(gate, x, n, isa, &xg)) goto done;
+/* One set of experts a pass runs: the routed experts (idx [n, k_used] ids in [0, n_expert), wts their weights), or
+ * the shared expert (a set of one expert that every token takes, weighted by its gate). Into y [n, d]:
+ * y[t] = Σ_s wts[t, s] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = idx[t, s], summed in slot order from 0. */
+typedef struct {
+    const ExpertStack *gate, *up, *down;
+    const int64_t *idx;
+    const float *wts;
+    int64_t k_used, n_expert;
+    float *y;
+    /* the pass's scratch (set_begin) */
+    int64_t p_n, n_groups, *ints, *order, *tokens, *self, *experts, *counts, *starts;
+    float *g, *u, *o;
+    QRows xg, xu, xh;
+    int same;
+} ExpertSet;
+
+/* groups the set's pairs by expert and quantizes x for its gate and up products: 0, -1 out of memory, -2 an expert
+ * id out of range */
+static int set_begin(ExpertSet *s, const float *x, int64_t n, int isa) {
+    const int64_t p_n = s->p_n = n * s->k_used, f = s->gate->n_rows, d = s->down->n_rows, ne = s->n_expert;
+    s->ints = malloc((size_t)(3 * p_n + 3 * ne + 1) * sizeof(int64_t));
+    s->g = malloc((size_t)(p_n * f) * sizeof(float)), s->u = malloc((size_t)(p_n * f) * sizeof(float));
+    s->o = malloc((size_t)(p_n * d) * sizeof(float));
+    if (!s->ints || !s->g || !s->u || !s->o) return -1;
+    s->order = s->ints, s->tokens = s->order + p_n, s->self = s->tokens + p_n, s->experts = s->self + p_n;
+    s->counts = s->experts + ne, s->starts = s->counts + ne;
+    s->n_groups = group_expert_pairs(s->idx, n, s->k_used, ne, s->order, s->tokens, s->experts, s->counts, s->starts);
+    if (s->n_groups < 0) return -2;
+    if (act_rows(s->gate, x, n, isa, &s->xg)) return -1;
     /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
-    const int same = act_format(up->code) == act_format(gate->code) && (xg.perm || !wants_perm(up->code, isa));
-    if (!same && act_rows(up, x, n, isa, &xu)) goto done;
-    pairs(gate, &xg, tokens, n_groups, experts, starts, g, isa);
-    pairs(up, same ? &xg : &xu, tokens, n_groups, experts, starts, u, isa);
-    silu_mul(g, u, p_n * f);
-    if (act_rows(down, g, p_n, isa, &xh)) goto done;
-    for (int64_t p = 0; p < p_n; p++) self[p] = p;
-    pairs(down, &xh, self, n_groups, experts, starts, o, isa);
-    /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
-    for (int64_t p = 0; p < p_n; p++) tokens[order[p]] = p;
-    for (int64_t t = 0; t < n; t++) {
-        float *yt = y + t * d;
-        for (int64_t j = 0; j < d; j++) yt[j] = 0.f;
-        for (int64_t s = 0; s < k_used; s++) {
-            const float ws = wts[t * k_used + s], *os = o + tokens[t * k_used + s] * d;
-            for (int64_t j = 0; j < d; j++) yt[j] += ws * os[j];
+    s->same = act_format(s->up->code) == act_format(s->gate->code) && (s->xg.perm || !wants_perm(s->up->code, isa));
+    return !s->same && act_rows(s->up, x, n, isa, &s->xu) ? -1 : 0;
+}
+
+static PairsJob job(const ExpertStack *st, const QRows *x, const int64_t *xrow, const ExpertSet *s, float *out,
+                    int isa) {
+    return pairs_job(st->code, st->w, st->expert_bytes, st->expert_bytes / st->n_rows, st->n_rows, x->q, x->d, x->bs,
+                     x->s, x->perm, st->k, xrow, s->n_groups, s->experts, s->starts, out, isa);
+}
+
+static void set_free(ExpertSet *s) {
+    act_rows_free(&s->xg), act_rows_free(&s->xu), act_rows_free(&s->xh);
+    free(s->ints), free(s->g), free(s->u), free(s->o);
+}
+
+/* Up to two sets of experts over the same rows x [n, d]: every gate and up product in one pool call, every down
+ * product in one more. Each expert's blocks are read once per pass whatever n is. Returns 0, -1 when out of memory,
+ * -2 for an expert id out of range. */
+static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int isa) {
+    PairsJob jobs[4];
+    int64_t bytes = 0;
+    int rc = 0;
+    const int threads = sets[0].gate->threads;
+    for (int i = 0; i < n_sets && rc == 0; i++) rc = set_begin(&sets[i], x, n, isa);
+    if (rc) goto done;
+    trace_mark(TRACE_ACT_QUANT, 0);
+    for (int i = 0; i < n_sets; i++) {
+        ExpertSet *s = &sets[i];
+        jobs[2 * i] = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
+        jobs[2 * i + 1] = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
+        bytes += s->n_groups * (s->gate->expert_bytes + s->up->expert_bytes);
+    }
+    pairs_run(jobs, 2 * n_sets, threads);
+    trace_mark(TRACE_EXPERT_PRODUCTS, bytes);
+    bytes = 0;
+    for (int i = 0; i < n_sets && rc == 0; i++) {
+        ExpertSet *s = &sets[i];
+        silu_mul(s->g, s->u, s->p_n * s->gate->n_rows);
+        if (act_rows(s->down, s->g, s->p_n, isa, &s->xh)) rc = -1;
+        for (int64_t p = 0; p < s->p_n; p++) s->self[p] = p;
+        jobs[i] = job(s->down, &s->xh, s->self, s, s->o, isa);
+        bytes += s->n_groups * s->down->expert_bytes;
+    }
+    if (rc) goto done;
+    trace_mark(TRACE_EXPERT_MISC, 0);
+    pairs_run(jobs, n_sets, threads);
+    trace_mark(TRACE_EXPERT_PRODUCTS, bytes);
+    for (int i = 0; i < n_sets; i++) {
+        /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
+        const ExpertSet *s = &sets[i];
+        const int64_t d = s->down->n_rows, k = s->k_used;
+        for (int64_t p = 0; p < s->p_n; p++) s->tokens[s->order[p]] = p;
+        for (int64_t t = 0; t < n; t++) {
+            float *yt = s->y + t * d;
+            for (int64_t j = 0; j < d; j++) yt[j] = 0.f;
+            for (int64_t sl = 0; sl < k; sl++) {
+                const float ws = s->wts[t * k + sl], *os = s->o + s->tokens[t * k + sl] * d;
+                for (int64_t j = 0; j < d; j++) yt[j] += ws * os[j];
+            }
         }
     }
-    rc = 0;
+    trace_mark(TRACE_EXPERT_MISC, 0);
 done:
-    act_rows_free(&xg), act_rows_free(&xu), act_rows_free(&xh);
-    free(ints), free(g), free(u), free(o);
+    for (int i = 0; i < n_sets; i++) set_free(&sets[i]);
     return rc;
+}
+
+/* The routed experts alone (the grouped Python driver's call): as run_sets with one set. */
+int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down, const float *x, int64_t n,
+               const int64_t *idx, const float *wts, int64_t k_used, int64_t n_expert, float *y, int isa) {
+    ExpertSet s = {gate, up, down, idx, wts, k_used, n_expert, y};
+    return run_sets(&s, 1, x, n, isa);
 }
 
 /* ---- the whole layer: router, top-k, routed experts, shared expert ------------------------------------------- */
@@ -192,35 +239,32 @@ int moe_route(const float *router, const float *shared_inp, const float *x, int6
     pool_run(n > 1 ? threads : 1, n, route_item, &r);
     if (shared_inp)
         for (int64_t t = 0; t < n; t++) sgate[t] = sigmoid_f(dot_f32(shared_inp, x + t * d, d));
+    trace_mark(TRACE_ROUTER, n_expert * d * (int64_t)sizeof(float));
     return 0;
 }
 
-/* A MoE layer for the n tokens of a pass in one call: routing (router [n_expert, d] float32), the routed experts
- * (moe_routed), and the shared expert (stacks sg, su, sd with one expert each; NULL when the layer has none) weighted
- * by sigmoid(shared_inp · x) and added after the routed sum. Outputs y [n, d], and the router's logits [n, n_expert],
- * weights and ids [n, k_used] (the model's hooks and routing statistics read them). Returns as moe_routed; -3 for
- * more than 1024 experts. */
+/* A MoE layer for the n tokens of a pass in one call: routing (router [n_expert, d] float32), the routed experts,
+ * and the shared expert (stacks sg, su, sd with one expert each; NULL when the layer has none) weighted by
+ * sigmoid(shared_inp · x) and added after the routed sum; the two sets' products run in the same pool calls
+ * (run_sets). Outputs y [n, d], and the router's logits [n, n_expert], weights and ids [n, k_used] (the model's hooks
+ * and routing statistics read them). Returns as moe_routed; -3 for more than 1024 experts. */
 int moe_layer(const float *router, const float *shared_inp, const ExpertStack *sg, const ExpertStack *su,
               const ExpertStack *sd, const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down,
               const float *x, int64_t n, int64_t k_used, int64_t n_expert, float *logits, float *wts, int64_t *idx,
               float *y, int isa) {
     const int64_t d = down->n_rows;
-    float *sw = malloc((size_t)n * sizeof(float));
-    if (!sw) return -1;
-    int rc = moe_route(router, shared_inp, x, n, gate->k, k_used, n_expert, logits, wts, idx, sw, gate->threads);
-    if (rc == 0) rc = moe_routed(gate, up, down, x, n, idx, wts, k_used, n_expert, y, isa);
-    if (rc || !sg) {
-        free(sw);
-        return rc;
-    }
-    float *ys = malloc((size_t)(n * d) * sizeof(float));
-    int64_t *zero = calloc((size_t)n, sizeof(int64_t));
-    rc = -1;
-    if (ys && zero) {
-        rc = moe_routed(sg, su, sd, x, n, zero, sw, 1, 1, ys, isa);  /* ys[t] = sw[t] · shared(x_t) */
-        if (rc == 0)
-            for (int64_t i = 0; i < n * d; i++) y[i] += ys[i];
-    }
+    float *sw = malloc((size_t)n * sizeof(float)), *ys = sg ? malloc((size_t)(n * d) * sizeof(float)) : NULL;
+    int64_t *zero = sg ? calloc((size_t)n, sizeof(int64_t)) : NULL;
+    int rc = -1;
+    if (!sw || (sg && (!ys || !zero))) goto done;
+    rc = moe_route(router, shared_inp, x, n, gate->k, k_used, n_expert, logits, wts, idx, sw, gate->threads);
+    if (rc) goto done;
+    ExpertSet sets[2] = {{gate, up, down, idx, wts, k_used, n_expert, y},
+                         {sg, su, sd, zero, sw, 1, 1, ys}};  /* ys[t] = sw[t] · shared(x_t) */
+    rc = run_sets(sets, sg ? 2 : 1, x, n, isa);
+    if (rc == 0 && sg)
+        for (int64_t i = 0; i < n * d; i++) y[i] += ys[i];
+done:
     free(sw), free(ys), free(zero);
     return rc;
 }

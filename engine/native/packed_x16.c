@@ -33,9 +33,6 @@ _Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed grou
 #define Q6K_GROUP_BYTES 3392
 /* where the bytes of values 32u … 32u+31 start in a packed Q6_K group block: pairs of them (832 bytes, whole lines) */
 #define Q6K_UNIT(u) (832 * ((u) / 2) + 256 * ((u) & 1))
-#ifndef X16_PREFETCH
-#define X16_PREFETCH 16384
-#endif
 #define X16_TILE 4  /* activation rows per pass over a group block (their sums stay in registers) */
 
 /* The 16 bytes (as two words) of a packed nibble vector row: for t < 16, nibble `shift` of q[t] | of q[16 + t] << 4
@@ -131,14 +128,6 @@ void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8
     }
 }
 
-/* Part s of 8 of the group block PREFETCH_BYTES ahead of blk (bytes long): spread over the block's eight steps,
- * as a burst of all its lines at the block's start stalled on the core's outstanding misses. */
-static inline void x16_prefetch(const uint8_t *blk, int64_t bytes, int s) {
-    const int64_t lines = (bytes + 63) / 64;
-    for (int64_t c = s * lines / 8; c < (s + 1) * lines / 8; c++)
-        _mm_prefetch((const char *)blk + X16_PREFETCH + 64 * c, _MM_HINT_T0);
-}
-
 /* 4 activation quants broadcast to every lane */
 #define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
 
@@ -155,7 +144,8 @@ static inline __m512i dot16_x16(const __m512i *v, const int8_t *x) {
 
 /* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows: o[i · ldo + l]. */
 __attribute__((target(VNNI_TARGET), always_inline))
-static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                            Ahead *ah) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f),
                   m03 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
     __m512 acc[X16_TILE];
@@ -174,7 +164,7 @@ static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
         __m512i isum[X16_TILE];
         for (int i = 0; i < T; i++) isum[i] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
-            x16_prefetch(blk, GROUP * 144, j);
+            ahead_step(ah, GROUP * 144 / 8);
             const uint8_t *qv = blk + 256 + 256 * j;
             __m512i v[8];
             for (int p = 0; p < 4; p++) {
@@ -215,7 +205,8 @@ static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
  * sub-blocks' sums of 16 quants times their scales: Σ_j sc_j dot_j − 32 Σ_j sc_j bsum_j, the integer of the stored
  * layout's products. */
 __attribute__((target(VNNI_TARGET), always_inline))
-static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                            Ahead *ah) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[X16_TILE];
     for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
@@ -224,7 +215,7 @@ static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
         __m512i isum[X16_TILE], ssum[X16_TILE];
         for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm512_setzero_si512();
         for (int u = 0; u < 8; u++) {
-            x16_prefetch(blk, Q6K_GROUP_BYTES, u);
+            ahead_step(ah, Q6K_GROUP_BYTES / 8);
             const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1), *scb8 = lo + 768 - 224 * (u & 1);
             const __m512i h0 = _mm512_loadu_si512(hb), h1 = _mm512_loadu_si512(hb + 64);
             __m512i v[8];
@@ -264,13 +255,15 @@ static inline void q6_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
 
 /* The same for a packed Q8_0 group (blocks of 32; rows[i].d: the activation row's Q8_0 scales). */
 __attribute__((target(VNNI_TARGET), always_inline))
-static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T) {
+static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                            Ahead *ah) {
     const uint8_t *qv = g + 2 * GROUP * nb;
     const __m256i ones = _mm256_set1_epi8(1);
     __m512 acc[X16_TILE];
     for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[8];
+        ahead_step(ah, 512 + 2 * GROUP);
         for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512(qv + 512 * b + 64 * v);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * GROUP * b)));
         for (int i = 0; i < T; i++) {
@@ -289,16 +282,16 @@ static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float
 
 #define X16_CASES(FN)                                                                                             \
     switch (tn) {                                                                                                 \
-    case 1: FN(g, nb, rows, o, ldo, 1); break;                                                                    \
-    case 2: FN(g, nb, rows, o, ldo, 2); break;                                                                    \
-    case 3: FN(g, nb, rows, o, ldo, 3); break;                                                                    \
-    default: FN(g, nb, rows, o, ldo, 4); break;                                                                   \
+    case 1: FN(g, nb, rows, o, ldo, 1, ahead); break;                                                                    \
+    case 2: FN(g, nb, rows, o, ldo, 2, ahead); break;                                                                    \
+    case 3: FN(g, nb, rows, o, ldo, 3, ahead); break;                                                                    \
+    default: FN(g, nb, rows, o, ldo, 4, ahead); break;                                                                   \
     }
 
 /* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL). */
 __attribute__((target(VNNI_TARGET)))
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                    const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead) {
     const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK_K);
     Row rows[X16_TILE];
     for (int64_t rc = r0; rc < r1; rc += GROUP) {

@@ -97,12 +97,6 @@ static int64_t work(uint32_t gen, int worker) {
     return ran;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static int64_t cpu_ns(void) {  /* the calling thread's CPU time */
     struct timespec t;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -116,12 +110,12 @@ static void *worker_main(void *arg) {
     uint32_t seen = (uint32_t)(atomic_load(&STATE) >> 32);
     for (;;) {
         uint64_t s = atomic_load_explicit(&STATE, memory_order_acquire);
-        const int64_t t0 = now_ns();
+        const int64_t t0 = clock_ns();
         for (int i = 1; (uint32_t)(s >> 32) == seen; i++) {
             PAUSE();
             s = atomic_load_explicit(&STATE, memory_order_acquire);
             /* solo mode: the cores are wanted elsewhere, and a spinning worker would take the caller's */
-            if (i % 64 == 0 && (now_ns() - t0 > SPIN_IDLE_NS || SOLO_UNTIL)) break;
+            if (i % 64 == 0 && (clock_ns() - t0 > SPIN_IDLE_NS || SOLO_UNTIL)) break;
         }
         if ((uint32_t)(s >> 32) == seen) {  /* idle: sleep until a job is published */
             const uint32_t w = atomic_load(&WAKE);
@@ -161,7 +155,7 @@ static void start_workers(int n) {
 #define SOLO_MAX_NS 1000000000
 
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
-    if (n_threads > 1 && SOLO_UNTIL && now_ns() < SOLO_UNTIL) n_threads = 1;
+    if (n_threads > 1 && SOLO_UNTIL && clock_ns() < SOLO_UNTIL) n_threads = 1;
     if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
     if (n_threads <= 1 || n_items <= 1) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
@@ -181,15 +175,16 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
         atomic_fetch_add(&WAKE, 1);
         syscall(SYS_futex, &WAKE, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
     }
-    const int64_t t0 = now_ns(), c0 = cpu_ns();
+    const int64_t t0 = clock_ns(), c0 = cpu_ns();
     work(gen, 0);
-    const int64_t t1 = now_ns();
+    const int64_t t1 = clock_ns();
     /* items other threads claimed may still run; one preempted mid-item may need this core back */
     for (int i = 0; atomic_load_explicit(&DONE, memory_order_acquire) < n_items; i++) {
         if (i < SPIN_DONE) PAUSE();
         else sched_yield();
     }
-    const int64_t t2 = now_ns(), lost = (t2 - t0) - (cpu_ns() - c0);
+    const int64_t t2 = clock_ns(), lost = (t2 - t0) - (cpu_ns() - c0);
+    trace_add(TRACE_POOL_WAIT, t2 - t1);
     /* a stall: a worker sat on a claimed item, or the caller lost its core for a good part of the call */
     if (t2 - t1 > 2 * (t1 - t0) + 100000 || (lost > 50000 && 4 * lost > t2 - t0)) {
         SOLO_UNTIL = t2 + SOLO_NEXT;

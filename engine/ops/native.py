@@ -52,6 +52,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
+    "trace_enable": ([_C], None),
+    "trace_read": ([_P], _C),
 }
 
 
@@ -383,3 +385,31 @@ def decoder_layer(w: LayerW, p: LayerPass) -> None:
     if rc != 0:
         kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
         raise kind(msg)
+
+
+# engine/native/trace.c's sections, in kernels.h's TRACE_* order
+TRACE_SECTIONS = ("norm", "act_quant", "projection", "gdn_inputs", "recurrence", "gated_norm", "attention", "router",
+                  "expert_products", "expert_misc", "pool_wait")
+
+
+@dataclass(frozen=True)
+class TraceSection:
+    seconds: float
+    marks: int
+    weight_bytes: int
+
+
+def trace_start() -> None:
+    """Zero the native layer's section clock and start it (bench/step_profile.py: where a fused step's time goes)."""
+    LIB.trace_enable(1)  # type: ignore[union-attr]
+
+
+def trace_stop() -> dict[str, TraceSection]:
+    """Stop the section clock; per section the seconds, marks and weight bytes summed since trace_start. pool_wait
+    (callers waiting for other threads' items) lies inside the other sections' time."""
+    LIB.trace_enable(0)  # type: ignore[union-attr]
+    n = len(TRACE_SECTIONS)
+    out = (ctypes.c_int64 * (3 * n))()
+    if LIB.trace_read(out) != n:  # type: ignore[union-attr]
+        raise RuntimeError("native library and engine.ops.native disagree on the trace sections")
+    return {name: TraceSection(out[i] / 1e9, out[n + i], out[2 * n + i]) for i, name in enumerate(TRACE_SECTIONS)}
