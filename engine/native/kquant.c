@@ -391,7 +391,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
 #endif
     const int fmt = act_format(qtype);
     if (fmt == ACT_Q8_0 || fmt == ACT_Q8_1) {
-        rows_times_legacy(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa);
+        rows_times_legacy(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, isa, ahead);
         return;
     }
     if (fmt == ACT_F16 || fmt == ACT_BF16) {

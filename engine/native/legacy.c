@@ -139,7 +139,9 @@ static inline __m256i block_dot(const int has_min, __m256i v, __m256i x) {
  * (and m_w·s_x into its own float sum), then hsum8 plus that sum. */
 __attribute__((target(AVX2_TARGET), always_inline))
 static inline void rows_times_type(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                                   const Acts *a, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+                                   const Acts *a, const int64_t *xrow, int64_t m, float *out, int64_t ldo,
+                                   const Ahead *next) {
+    const char *end = (const char *)w + r1 * row_bytes;  /* prefetched 8 rows ahead, into the next item's rows */
     const int has_min = qtype == T_Q4_1 || qtype == T_Q5_1;
     const int64_t k = a->k, nb = k / QK8_0, bytes = block_bytes(qtype);
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
@@ -151,6 +153,7 @@ static inline void rows_times_type(const int qtype, const uint8_t *w, int64_t ro
         const float *xd = a->d + xr * nb, *xs = has_min ? a->s + xr * nb : NULL;
         for (int64_t r = r0; r < r1; r += 4) {
             const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+            prefetch_at((const char *)w + r * row_bytes, 4 * row_bytes, 8 * row_bytes, end, next);
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             float accm[4] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; b++) {
@@ -180,6 +183,7 @@ static inline void rows_times_type(const int qtype, const uint8_t *w, int64_t ro
         }
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = w + r * row_bytes;
+            prefetch_at((const char *)row, row_bytes, 8 * row_bytes, end, next);
             for (int64_t i = 0; i < tn; i++) acc[i] = _mm256_setzero_ps(), accm[i] = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 const __m256i v = decode_avx2(qtype, row + b * bytes, table, &dw, &mw);
@@ -196,23 +200,23 @@ static inline void rows_times_type(const int qtype, const uint8_t *w, int64_t ro
 
 __attribute__((target(AVX2_TARGET), optimize("no-tree-loop-distribute-patterns")))
 static void rows_times_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                            const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
+                            const int64_t *xrow, int64_t m, float *out, int64_t ldo, const Ahead *next) {
     switch (qtype) {  /* one copy of the loop per type, its decoding inlined */
-    case T_Q4_0: rows_times_type(T_Q4_0, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
-    case T_Q4_1: rows_times_type(T_Q4_1, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
-    case T_Q5_0: rows_times_type(T_Q5_0, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
-    case T_Q5_1: rows_times_type(T_Q5_1, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
-    case T_IQ4_NL: rows_times_type(T_IQ4_NL, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
-    default: rows_times_type(T_MXFP4, w, row_bytes, r0, r1, a, xrow, m, out, ldo); break;
+    case T_Q4_0: rows_times_type(T_Q4_0, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
+    case T_Q4_1: rows_times_type(T_Q4_1, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
+    case T_Q5_0: rows_times_type(T_Q5_0, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
+    case T_Q5_1: rows_times_type(T_Q5_1, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
+    case T_IQ4_NL: rows_times_type(T_IQ4_NL, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
+    default: rows_times_type(T_MXFP4, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next); break;
     }
 }
 #endif
 
 void rows_times_legacy(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                       const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa) {
+                       const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa, const Ahead *next) {
 #if defined(__x86_64__)
     if (isa_runs(isa, ISA_AVX2)) {
-        rows_times_avx2(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo);
+        rows_times_avx2(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, next);
         return;
     }
 #endif
