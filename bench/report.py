@@ -410,10 +410,13 @@ def _step_profile(d: dict) -> list[str]:
         runs.insert(0, (f"before ({before.get('label', before['date'])})", before))
     out = ["## One decode step, split (`bench/step_profile.py`)", "",
            f"Command: `{d['command']}` ({d['date']}). Read bandwidth of this machine (torch.sum over a float32 buffer, "
-           f"{d['threads']} threads, {d['backend']}): {_read_bw(d):.1f} GB/s. Shares are of the plain "
-           "median pass; idle: the threads' idle share; GB/s: weight bytes read per pass / the pass's wall time.", "",
-           "| build | model | N | best ms | median ms | kernel | torch | python | idle | weight MB | GB/s | of machine |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"{d['threads']} threads, {d['backend']}): {_read_bw(d):.1f} GB/s at the start; where a case measured it "
+           "before and after its passes, its share is of the better of those two (machine GB/s). Shares are of the "
+           "plain median pass; idle: the threads' idle share; GB/s: weight bytes read per pass / the pass's wall "
+           "time.", "",
+           "| build | model | N | best ms | median ms | kernel | torch | python | idle | weight MB | GB/s | machine GB/s "
+           "| of machine |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in runs:
         for mname, m in r["models"].items():
             for n, c in m["cases"].items():
@@ -422,7 +425,22 @@ def _step_profile(d: dict) -> list[str]:
                            f"{1e3 * c['plain']['median_s']:.2f} | {100 * s['kernel_share']:.0f}% | "
                            f"{100 * s['torch_outside_share']:.0f}% | {100 * s['python_share']:.0f}% | "
                            f"{100 * s['threads_idle_share']:.0f}% | {b['weight_bytes'] / 1e6:.1f} | "
-                           f"{b['per_pass_wall_gb_s']:.1f} | {100 * b['pass_wall_share_of_machine']:.0f}% |")
+                           f"{b['per_pass_wall_gb_s']:.1f} | {b['machine_read_gb_s']:.1f} | "
+                           f"{100 * b['pass_wall_share_of_machine']:.0f}% |")
+    sections = [(mname, n, c["native_sections"]) for mname, m in d["models"].items() for n, c in m["cases"].items()
+                if c.get("native_sections")]
+    if sections:
+        names = list(sections[0][2]["sections"])
+        out += ["", "Inside the fused layers, this build (`engine/native/trace.c`'s section clock; mean ms per pass, "
+                "GB/s where a section reads weights; pool_wait lies inside the other sections; outside: embedding, "
+                "output head and the Python between layer calls):", "",
+                "| model | N | pass ms | " + " | ".join(names) + " | outside |",
+                "|---|---|---|" + "---|" * (len(names) + 1)]
+        for mname, n, ns in sections:
+            cells = [f"{v['ms_per_pass']:.2f}" + (f" ({v['gb_s']:.0f} GB/s)" if v["gb_s"] else "")
+                     for v in ns["sections"].values()]
+            out.append(f"| {mname} | {n} | {ns['mean_pass_ms']:.2f} | " + " | ".join(cells)
+                       + f" | {ns['outside_layers_ms']:.2f} |")
     out.append("")
     return out
 
