@@ -432,13 +432,15 @@ def _step_profile(d: dict) -> list[str]:
     if sections:
         names = list(sections[0][2]["sections"])
         out += ["", "Inside the fused layers, this build (`engine/native/trace.c`'s section clock; mean ms per pass, "
-                "GB/s where a section reads weights; pool_wait lies inside the other sections; outside: embedding, "
+                "GB/s where a section reads weights; pool_wait lies inside the other sections; prefetch: the ranges handed "
+                "to the pool's workers between products, per pass; outside: embedding, "
                 "output head and the Python between layer calls):", "",
                 "| model | N | pass ms | " + " | ".join(names) + " | outside |",
                 "|---|---|---|" + "---|" * (len(names) + 1)]
         for mname, n, ns in sections:
-            cells = [f"{v['ms_per_pass']:.2f}" + (f" ({v['gb_s']:.0f} GB/s)" if v["gb_s"] else "")
-                     for v in ns["sections"].values()]
+            cells = [f"{v['marks_per_pass']:.0f} jobs, {v['weight_mb_per_pass']:.1f} MB" if k == "prefetch" else
+                     f"{v['ms_per_pass']:.2f}" + (f" ({v['gb_s']:.0f} GB/s)" if v["gb_s"] else "")
+                     for k, v in ns["sections"].items()]
             out.append(f"| {mname} | {n} | {ns['mean_pass_ms']:.2f} | " + " | ".join(cells)
                        + f" | {ns['outside_layers_ms']:.2f} |")
     out.append("")

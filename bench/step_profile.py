@@ -351,7 +351,7 @@ def native_sections(plain: Runner, n: int, reps: int) -> dict | None:
     out = {name: {"ms_per_pass": 1e3 * s.seconds / reps, "share_of_pass": s.seconds / reps / wall,
                   "marks_per_pass": s.marks / reps, "weight_mb_per_pass": s.weight_bytes / reps / 1e6,
                   "gb_s": s.weight_bytes / s.seconds / 1e9 if s.seconds else None} for name, s in sec.items()}
-    inside = sum(s.seconds for k, s in sec.items() if k != "pool_wait") / reps
+    inside = sum(s.seconds for k, s in sec.items() if k not in ("pool_wait", "prefetch")) / reps
     return {"reps": reps, "mean_pass_ms": 1e3 * wall, "sections": out, "outside_layers_ms": 1e3 * (wall - inside)}
 
 
@@ -420,6 +420,9 @@ def table(results: dict) -> str:
                 continue
             parts = ", ".join(f"{k} {v['ms_per_pass']:.2f}" + (f" ({v['gb_s']:.1f} GB/s)" if v["gb_s"] else "")
                               for k, v in ns["sections"].items() if v["ms_per_pass"] >= 0.005)
+            pf = ns["sections"].get("prefetch")
+            if pf:
+                parts += f"; prefetch jobs {pf['marks_per_pass']:.0f} ({pf['weight_mb_per_pass']:.1f} MB handed out)"
             lines.append(f"  {mname} N={n} ({ns['mean_pass_ms']:.2f} ms): {parts}; outside the layers "
                          f"{ns['outside_layers_ms']:.2f}")
     return "\n".join(lines)
@@ -504,7 +507,8 @@ def main() -> None:
                             "threads spent runnable, waiting for a core (schedstat); sleeping_share: the rest",
             "native_sections": "plain passes with engine/native/trace.c's section clock on: time between marks "
                                "in layer.c and moe.c per section, weight bytes of the products; pool_wait (callers "
-                               "waiting for other threads' items) lies inside the other sections",
+                               "waiting for other threads' items) lies inside the other sections; prefetch: the "
+                               "ranges handed to the workers between products (pool_prefetch), jobs and MB, no time",
             "bandwidth": "weight bytes per pass (observer) / plain median wall (per_pass_wall), / observed kernel "
                          "seconds (per_kernel), / seconds of linear+linear_many+moe_experts+layer (per_weight_ops; "
                          "a fused layer's seconds include its recurrence or attention); "

@@ -7,6 +7,7 @@ thread count, on Q8_0, K-quant MoE (with a Q5_K down projection) and dense model
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -104,9 +105,9 @@ def test_the_section_clock_accounts_for_a_fused_pass() -> None:
     sec = native.trace_stop()
     assert set(sec) == set(native.TRACE_SECTIONS)
     for name in ("norm", "act_quant", "projection", "gdn_inputs", "recurrence", "gated_norm", "attention", "router",
-                 "expert_products", "expert_misc"):
+                 "expert_products", "expert_misc"):  # (pool_wait and prefetch: only with a second thread)
         assert sec[name].marks > 0 and sec[name].seconds > 0, name
-    assert sum(s.seconds for k, s in sec.items() if k != "pool_wait") <= wall
+    assert sum(s.seconds for k, s in sec.items() if k not in ("pool_wait", "prefetch")) <= wall
     proj = experts = 0
     for layer in model.layers:  # the stacks each fused layer's products read, as layer.c binds them
         w = layer._fused.w
@@ -120,3 +121,32 @@ def test_the_section_clock_accounts_for_a_fused_pass() -> None:
     native.trace_start()
     sec = native.trace_stop()
     assert all(s.seconds == 0 and s.marks == 0 for s in sec.values())  # start zeroes, and off nothing is counted
+
+
+@pytest.mark.parametrize("backend", NATIVE[:1], ids=lambda b: b.name)
+def test_prefetching_workers_never_disturb_a_call(backend: ops.Backend) -> None:
+    """The fused layers hand the pool's workers ranges to prefetch between their products (pool.c pool_prefetch: a
+    job nobody waits for, whose items are not counted done). Decode steps on 2, 3 and 5 threads (more than the cores:
+    workers preempted mid-prefetch, until the pool runs calls alone) give the one-thread bits, step after step. The embedded model: big enough for
+    its products to take the pool's threads (the test fixtures' run on one)."""
+    path = default_model_path()
+
+    def steps(threads: int) -> list[torch.Tensor]:
+        model = load_model(open_model(path), n_ctx=96, backend=replace(backend, threads=threads))
+        cache = model.new_cache(96)
+        out = [model.forward(list(range(5, 20)), cache, logit_rows="all").logits]
+        for t in range(40):
+            out.append(model.forward([(7 * t) % 50 + 1], cache, logit_rows="all").logits)
+        return out
+
+    from engine.ops import native
+
+    ref = steps(1)
+    for threads in (2, 3, 5):
+        native.trace_start()
+        got = steps(threads)
+        handed = native.trace_stop()["prefetch"].marks
+        # the workers were handed ranges (with more threads than cores the pool soon runs calls alone: solo mode)
+        assert handed > 0 or threads > (os.cpu_count() or 1)
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.equal(a, b), (threads, i)

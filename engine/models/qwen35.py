@@ -255,6 +255,14 @@ class DecoderLayer:
         self.device, self.backend = device, backend
         self._fused: ops.FusedLayer | None | bool = False  # the layer in one call (False: not yet decided)
 
+    @property
+    def fusion_decided(self) -> bool:
+        return self._fused is not False
+
+    @property
+    def fused(self) -> ops.FusedLayer | None:
+        return self._fused if isinstance(self._fused, ops.FusedLayer) else None
+
     def spec(self) -> ops.LayerSpec:
         """The layer's weights, for ops.fuse_layer."""
         hp, m, f = self.mixer.hp, self.mixer, self.ffn
@@ -318,6 +326,7 @@ class Qwen35Model:
                  routing: RoutingStats, expert_caches: dict[int, ExpertCache]):
         self.hp = hp
         self.layers = layers
+        self._linked = False  # the fused layers told what follows each (ops.link_layers)
         self.layer_devices = [layer.device for layer in layers]
         self.tok_embd = tok_embd  # row lookups: stays where the file is
         self.output = output
@@ -372,6 +381,8 @@ class Qwen35Model:
             if x.device != layer.device:
                 x = x.to(layer.device)
             x = layer(x, cache, pos, self.rope(layer.device), cb, cap, chunked)
+        if not self._linked and all(layer.fusion_decided for layer in self.layers):
+            self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
         cache.pos = pos + n
         h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)

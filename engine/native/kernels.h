@@ -114,16 +114,19 @@ void rope_neox(float *x, int64_t n, int64_t h, int64_t d, int64_t n_rot, const f
  * returns when all are done. The caller works too and never waits for a thread that has not started an item. */
 typedef void (*pool_fn)(void *ctx, int64_t item);
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx);
+/* the workers prefetch these byte ranges while the caller goes on (pool.c: the serial gaps between products) */
+void pool_prefetch(int n_threads, const Ahead *ranges, int n);
 
-/* trace.c: the step's time by section while tracing is on (bench/step_profile.py); TRACE_POOL_WAIT is the pool's:
- * a caller waiting for other threads' items, inside the other sections' time. */
+/* trace.c: the step's time by section while tracing is on (bench/step_profile.py); TRACE_POOL_WAIT and
+ * TRACE_PREFETCH are the pool's: a caller waiting for other threads' items (inside the other sections' time), and
+ * the prefetch jobs handed to the workers (marks and bytes, no time). */
 enum { TRACE_NORM, TRACE_ACT_QUANT, TRACE_PROJECTION, TRACE_GDN_INPUTS, TRACE_RECURRENCE, TRACE_GATED_NORM,
        TRACE_ATTENTION, TRACE_ROUTER, TRACE_EXPERT_PRODUCTS, TRACE_EXPERT_MISC,
-       TRACE_POOL_WAIT, TRACE_N };
+       TRACE_POOL_WAIT, TRACE_PREFETCH, TRACE_N };
 int64_t clock_ns(void);
 int trace_on(void);
 void trace_mark(int sec, int64_t bytes);
-void trace_add(int sec, int64_t ns);
+void trace_add(int sec, int64_t ns, int64_t bytes);
 void trace_restart(void);
 
 /* The activation rows a weight type's product takes (ggml-cpu's vec_dot_type): Q8_K for the K- and IQ-quants (and

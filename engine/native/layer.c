@@ -49,6 +49,8 @@ typedef struct {
     GdnW gdn;
     AttnW attn;
     FfnW ffn;
+    Ahead next;  /* what the pass reads after this layer (the next layer's input projection, the output head), fetched
+                  * by the workers over the gap between the layers; empty: nothing (engine/ops/layer.py link_layers) */
 } LayerW;
 
 /* One pass's operands (engine/ops/layer.py fills them per call). */
@@ -101,6 +103,11 @@ static int project(ExpertStack p, const float *x, int64_t m, float *out, int thr
     return rc;
 }
 
+/* stack p's bytes, for pool_prefetch */
+static Ahead bytes_of(const ExpertStack *p) {
+    return (Ahead){(const char *)p->w, (const char *)p->w + p->expert_bytes, 0};
+}
+
 /* column block [c0, c0 + w) of the rows src [n, ld] into dst [n, w] */
 static void columns(const float *src, int64_t n, int64_t ld, int64_t c0, int64_t w, float *dst) {
     for (int64_t t = 0; t < n; t++) memcpy(dst + t * w, src + t * ld + c0, (size_t)w * sizeof(float));
@@ -119,6 +126,9 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     float *v = p->v ? p->v : z + n * zw + 2 * n * qk, *beta = p->beta ? p->beta : z + 2 * n * zw + 2 * n * qk;
     float *decay = p->decay ? p->decay : z + 2 * n * zw + 2 * n * qk + n * hv;
     if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    /* the recurrence reads the state next: the workers fetch it while this thread makes the recurrence's inputs */
+    const Ahead state = {(const char *)p->s_in, (const char *)(p->s_in + hv * dk * dv), 0};
+    pool_prefetch(p->threads, &state, 1);
     memcpy(p->window, p->conv, (size_t)((kk - 1) * c) * sizeof(float));
     columns(proj, n, ld, 0, c, p->window + (kk - 1) * c);
     columns(proj, n, ld, c + zw, hv, b);
@@ -134,6 +144,8 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
         goto done;
     }
     trace_mark(TRACE_RECURRENCE, 0);
+    const Ahead out = bytes_of(&w->out);  /* and the output projection while this thread gates and norms */
+    pool_prefetch(p->threads, &out, 1);
     columns(proj, n, ld, c, zw, z);
     silu_rows(z, n * zw, z);
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
@@ -155,6 +167,8 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
     if (!proj || !s) goto done;
     float *q = s, *k = q + n * h * dk, *o = k + n * hkv * dk;
     if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    const Ahead out = bytes_of(&w->out);  /* the workers fetch the output projection meanwhile */
+    pool_prefetch(p->threads, &out, 1);
     for (int64_t t = 0; t < n; t++)
         for (int64_t hh = 0; hh < h; hh++)
             memcpy(q + (t * h + hh) * dk, proj + t * ld + hh * 2 * dk, (size_t)dk * sizeof(float));
@@ -226,6 +240,7 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
         trace_mark(TRACE_NORM, 0);
         rc = ffn(&w->ffn, p, a, y);
     }
+    pool_prefetch(p->threads, &w->next, 1);
     if (rc == 0)
         for (int64_t i = 0; i < n * d; i++) p->x[i] = h[i] + y[i];
     trace_mark(TRACE_NORM, 0);

@@ -124,6 +124,16 @@ static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int 
     pairs_run(jobs, 2 * n_sets, threads);
     trace_mark(TRACE_EXPERT_PRODUCTS, bytes);
     bytes = 0;
+    /* the down matrices, in the order of the next call's items, fetched by the workers while this thread runs silu
+     * and quantizes */
+    Ahead down[16];
+    int nd = 0;
+    for (int i = 0; i < n_sets; i++)
+        for (int64_t g = 0; g < sets[i].n_groups && nd < 16; g++) {
+            const char *e = (const char *)sets[i].down->w + sets[i].experts[g] * sets[i].down->expert_bytes;
+            down[nd++] = (Ahead){e, e + sets[i].down->expert_bytes, 0};
+        }
+    pool_prefetch(threads, down, nd);
     for (int i = 0; i < n_sets && rc == 0; i++) {
         ExpertSet *s = &sets[i];
         silu_mul(s->g, s->u, s->p_n * s->gate->n_rows);

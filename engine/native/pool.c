@@ -39,6 +39,7 @@ typedef struct {
     void *ctx;
     int64_t n_items;
     int helpers;  /* workers allowed to join (the call's thread count − 1) */
+    int background;  /* pool_prefetch's: nobody waits for it and its items are not counted done */
 } Job;
 
 /* A call's items are split into one contiguous segment per thread; each thread claims from its own segment first,
@@ -76,6 +77,7 @@ static int64_t seg_end(const Job *j, int i) { return j->n_items * (i + 1) / (j->
 static int64_t work(uint32_t gen, int worker) {
     const Job *j = &JOBS[gen & 1];
     const pool_fn fn = j->fn;
+    const int background = j->background;
     void *ctx = j->ctx;
     const int segs = j->helpers + 1;
     if (worker >= segs) return 0;
@@ -93,7 +95,7 @@ static int64_t work(uint32_t gen, int worker) {
             }
         if ((uint32_t)(s >> 32) != gen) break;
     }
-    if (ran) atomic_fetch_add_explicit(&DONE, ran, memory_order_release);
+    if (ran && !background) atomic_fetch_add_explicit(&DONE, ran, memory_order_release);
     return ran;
 }
 
@@ -165,7 +167,7 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     pthread_mutex_lock(&CALL);
     const uint64_t old = atomic_load(&STATE);
     const uint32_t gen = (uint32_t)(old >> 32) + 1;
-    JOBS[gen & 1] = (Job){fn, ctx, n_items, n_threads - 1};
+    JOBS[gen & 1] = (Job){fn, ctx, n_items, n_threads - 1, 0};
     atomic_store_explicit(&DONE, 0, memory_order_relaxed);
     for (int i = 0; i < n_threads; i++)
         atomic_store_explicit(&SEG(i), (uint64_t)gen << 32 | (uint64_t)(n_items * i / n_threads),
@@ -184,7 +186,7 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
         else sched_yield();
     }
     const int64_t t2 = clock_ns(), lost = (t2 - t0) - (cpu_ns() - c0);
-    trace_add(TRACE_POOL_WAIT, t2 - t1);
+    trace_add(TRACE_POOL_WAIT, t2 - t1, 0);
     /* a stall: a worker sat on a claimed item, or the caller lost its core for a good part of the call */
     if (t2 - t1 > 2 * (t1 - t0) + 100000 || (lost > 50000 && 4 * lost > t2 - t0)) {
         SOLO_UNTIL = t2 + SOLO_NEXT;
@@ -192,6 +194,59 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     } else {
         SOLO_UNTIL = 0;
         SOLO_NEXT = SOLO_NS;
+    }
+    pthread_mutex_unlock(&CALL);
+}
+
+/* ---- prefetching in the serial gaps --------------------------------------------------------------------------
+ * Between a step's products the caller runs serial work (a GDN layer's conv and gates, norms, routing, the experts'
+ * silu) while the workers spin and the memory bus idles. pool_prefetch hands the workers byte ranges the caller will
+ * read next (the recurrence's state, the next projection's or the chosen experts' weights) and returns at once: the
+ * workers prefetch them into their caches, 4 KiB per item, until done or until the next call (which they join as
+ * usual: a claim of the old generation fails). The ranges go in the order of the next call's items, so a worker's
+ * segment (the later part) comes first. Sleeping workers are left asleep, and nothing runs in solo mode or on one
+ * thread. Prefetches never fault, so a range freed meanwhile costs nothing. */
+#define PF_ITEM 4096
+#define PF_RANGES 16
+
+typedef struct {
+    const char *p[PF_RANGES];
+    int64_t items[PF_RANGES];  /* PF_ITEM chunks per range */
+    int n;
+} Prefetch;
+static Prefetch PF[2];  /* by job generation, as JOBS */
+
+static void prefetch_item(void *ctx, int64_t item) {
+    const Prefetch *f = ctx;
+    int r = 0;
+    while (r + 1 < f->n && item >= f->items[r]) item -= f->items[r++];
+    const char *p = f->p[r] + item * PF_ITEM;
+    for (int off = 0; off < PF_ITEM; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+void pool_prefetch(int n_threads, const Ahead *ranges, int n) {
+    if (n_threads <= 1 || N_WORKERS < 1 || atomic_load(&SLEEPING) > 0 || (SOLO_UNTIL && clock_ns() < SOLO_UNTIL))
+        return;
+    if (pthread_mutex_trylock(&CALL) != 0) return;  /* another thread's call is running: not a gap */
+    const uint32_t gen = (uint32_t)(atomic_load(&STATE) >> 32) + 1;
+    Prefetch *f = &PF[gen & 1];
+    int64_t items = 0;
+    f->n = 0;
+    for (int i = 0; i < n && f->n < PF_RANGES; i++) {
+        if (!ranges[i].p || ranges[i].end <= ranges[i].p) continue;
+        f->p[f->n] = ranges[i].p;
+        f->items[f->n] = (ranges[i].end - ranges[i].p + PF_ITEM - 1) / PF_ITEM;
+        items += f->items[f->n++];
+    }
+    if (items > 0) {
+        const int helpers = n_threads - 1 < N_WORKERS ? n_threads - 1 : N_WORKERS;
+        JOBS[gen & 1] = (Job){prefetch_item, f, items, helpers, 1};
+        /* the workers' segments only: the caller takes none, so segment 0 is left for a worker done with its own */
+        for (int i = 0; i <= helpers; i++)
+            atomic_store_explicit(&SEG(i), (uint64_t)gen << 32 | (uint64_t)(items * i / (helpers + 1)),
+                                  memory_order_relaxed);
+        atomic_store(&STATE, (uint64_t)gen << 32);
+        trace_add(TRACE_PREFETCH, 0, items * PF_ITEM);
     }
     pthread_mutex_unlock(&CALL);
 }

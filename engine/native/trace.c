@@ -24,9 +24,9 @@ void trace_mark(int sec, int64_t bytes) {
     LAST = t;
 }
 
-void trace_add(int sec, int64_t ns) {
+void trace_add(int sec, int64_t ns, int64_t bytes) {
     if (!trace_on()) return;
-    NS[sec] += ns, CALLS[sec]++;
+    NS[sec] += ns, CALLS[sec]++, BYTES[sec] += bytes;
 }
 
 /* on: zero the sums and start (the first mark counts from here); off: stop */

@@ -11,12 +11,12 @@ from engine.ops.backend import (TORCH, Backend, Int8Layouts, OpEvent, available_
 from engine.ops.delta_rule import delta_rule, delta_rule_chunked, gdn_inputs, pointwise, tiled
 from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
 from engine.ops.experts import Experts, MoEOut, Shared, moe_experts, moe_ffn, moe_route
-from engine.ops.layer import AttentionSpec, DenseSpec, FusedLayer, GDNSpec, LayerSpec, MoESpec, fuse_layer
+from engine.ops.layer import AttentionSpec, DenseSpec, FusedLayer, GDNSpec, LayerSpec, MoESpec, fuse_layer, link_layers
 from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many
 from engine.ops.norms import l2_norm, rms_norm, rope
 
 __all__ = [
-    "AttentionSpec", "DenseSpec", "FusedLayer", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer",
+    "AttentionSpec", "DenseSpec", "FusedLayer", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "link_layers",
     "TORCH", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "default_backend", "delta_rule", "delta_rule_chunked",
     "embedding", "gdn_inputs", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",

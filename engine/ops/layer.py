@@ -219,3 +219,26 @@ def fuse_layer(spec: LayerSpec, backend: Backend) -> FusedLayer | None:
         ffn_bytes = f.gate.nbytes + f.up.nbytes + f.down.nbytes
     return FusedLayer(w, keep, backend, spec, mixer_bytes + ffn_bytes)
 
+
+
+def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> bool:
+    """Tell each fused layer what the pass reads after it (the next layer's input projection; after the last, the
+    output head's bytes where its product is native), so that the pool's workers fetch those over the gap between
+    the two calls (layer.c: pool_prefetch). Only bytes kept alive elsewhere are named: a layer's stacks live in its
+    `keep`, the head's in the Linear. Returns False while the head is still to be packed (link again later)."""
+    settled = True
+    for cur, nxt in zip(layers, [*layers[1:], None]):
+        if cur is None:
+            continue
+        cur.w.next_p = cur.w.next_end = None
+        t: torch.Tensor | None = None
+        if nxt is not None:
+            s = nxt.w.attn.in_ if nxt.w.attention else nxt.w.gdn.in_
+            cur.w.next_p, cur.w.next_end = s.w, s.w + s.expert_bytes
+        elif isinstance(head, NativeLinear):
+            t = head.packed if head.packed is not None else head.weight.raw
+            if head.packed is None and head.backend.packs and head.weight.qtype in native.PACKED_CODE:
+                t, settled = None, False  # packed on its first product: these bytes are about to be dropped
+        if t is not None and t.is_contiguous():
+            cur.w.next_p, cur.w.next_end = t.data_ptr(), t.data_ptr() + t.nbytes
+    return settled

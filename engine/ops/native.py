@@ -363,7 +363,7 @@ class FfnW(ctypes.Structure):
 
 class LayerW(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("post_norm", _P), ("d", _I), ("eps", ctypes.c_float), ("attention", ctypes.c_int32),
-                ("gdn", GdnW), ("attn", AttnW), ("ffn", FfnW)]
+                ("gdn", GdnW), ("attn", AttnW), ("ffn", FfnW), ("next_p", _P), ("next_end", _P), ("next_credit", _I)]
 
 
 class LayerPass(ctypes.Structure):
@@ -389,7 +389,7 @@ def decoder_layer(w: LayerW, p: LayerPass) -> None:
 
 # engine/native/trace.c's sections, in kernels.h's TRACE_* order
 TRACE_SECTIONS = ("norm", "act_quant", "projection", "gdn_inputs", "recurrence", "gated_norm", "attention", "router",
-                  "expert_products", "expert_misc", "pool_wait")
+                  "expert_products", "expert_misc", "pool_wait", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -406,7 +406,8 @@ def trace_start() -> None:
 
 def trace_stop() -> dict[str, TraceSection]:
     """Stop the section clock; per section the seconds, marks and weight bytes summed since trace_start. pool_wait
-    (callers waiting for other threads' items) lies inside the other sections' time."""
+    (callers waiting for other threads' items) lies inside the other sections' time; prefetch counts the ranges
+    handed to the pool's workers between products (jobs and bytes, no time)."""
     LIB.trace_enable(0)  # type: ignore[union-attr]
     n = len(TRACE_SECTIONS)
     out = (ctypes.c_int64 * (3 * n))()
