@@ -177,7 +177,7 @@ int gdn_recurrence(const float *q, const float *k, const float *v, const float *
  *   β = sigmoid(b);  g = A · softplus(a + dt_bias)   (softplus(x) = x above 20, as torch's).
  * u [n, C], q and k [n, H_k, d_k], beta and g [n, H]. Element by element what the torch twin computes op by op
  * (engine.ops.delta_rule.gdn_inputs), in one pass over the rows instead of about twenty tensor ops. */
-void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, int64_t kk, const float *b,
+ELEMENTWISE void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, int64_t kk, const float *b,
                 const float *a, const float *A, const float *dt_bias, int64_t h, int64_t hk, int64_t dk, float eps,
                 float q_scale, float *u, float *q, float *k, float *beta, float *g) {
     for (int64_t t = 0; t < n; t++) {

@@ -55,7 +55,7 @@ void act_rows_free(QRows *r) {
 
 /* g ← silu(g) · u, element by element; exported so the grouped Python driver (an expert cache's passes) computes
  * the bits this file's passes compute. */
-void silu_mul(float *g, const float *u, int64_t n) {
+ELEMENTWISE void silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = silu_f(g[i]) * u[i];
 }
 
