@@ -6,7 +6,7 @@
  *
  * Bits: every piece is the kernel the op-by-op native path calls (engine.ops: the products with their activation
  * rows, norm_rows, rope_neox, attention_causal, gdn_inputs, gdn_recurrence, moe_layer) or an element-wise step
- * written once in kernels.h (silu_f, sigmoid_f, expf) that the op-by-op native path calls too (engine.ops.native
+ * written once in kernels.h (silu_f, sigmoid_f over exp_f) that the op-by-op native path calls too (engine.ops.native
  * silu, sigmoid_mul, exp_rows, silu_mul), in the same order; so a layer gives exactly the op-by-op path's bits
  * (tests/test_layer.py), and, each piece being batch-invariant, a pass over n tokens gives each token the bits of a
  * one-token pass. Threads change no bits: small products run on one thread (a pool call costs more than they do),
