@@ -88,16 +88,19 @@ class FusedLayer:
     def __init__(self, w: native.LayerW, keep: list, backend: Backend, spec: LayerSpec, nbytes: int):
         self.w, self._keep, self.backend, self.spec, self.nbytes = w, keep, backend, spec, nbytes
         self.p = native.LayerPass()
+        self._routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # router logits and weights by n: scratch
 
     def __call__(self, x: torch.Tensor, state: GDNState | KVLayer, pos: int,
                  rope: tuple[torch.Tensor, torch.Tensor], capture: CapturedStates | None,
                  il: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer's output rows for x [n, d] (a new tensor) and, for a MoE layer, the pass's top-k ids [n, k]."""
+        """The layer's output rows for x [n, d] and, for a MoE layer, the pass's top-k ids [n, k] (a new tensor). A
+        float32 contiguous x is overwritten with the output (the model passes each layer's output on to the next
+        and keeps none: a copy per layer was Python time in every step); any other x is copied."""
         obs = self.backend.observer
         t0 = time.perf_counter() if obs is not None else 0.0
         b, p, spec = self.backend, self.p, self.spec
         n = x.shape[0]
-        out = x.to(torch.float32, copy=True).contiguous()
+        out = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         p.x, p.n, p.pos, p.isa = out.data_ptr(), n, pos, b.level
         p.threads = b.threads if b.threads is not None else torch.get_num_threads()
         m = spec.mixer
@@ -111,8 +114,13 @@ class FusedLayer:
         idx = None
         if isinstance(spec.ffn, MoESpec):
             e_n, k = spec.ffn.experts.n_expert, spec.ffn.k_used
-            logits, wts, idx = torch.empty(n, e_n), torch.empty(n, k), torch.empty(n, k, dtype=torch.long)
-            p.logits, p.wts, p.idx = logits.data_ptr(), wts.data_ptr(), idx.data_ptr()
+            scratch = self._routing.get(n)
+            if scratch is None:
+                scratch = (torch.empty(n, e_n), torch.empty(n, k))
+                if n <= 16:  # decode and verify sizes; a prompt's passes allocate theirs
+                    self._routing[n] = scratch
+            idx = torch.empty(n, k, dtype=torch.long)  # returned: the routing statistics keep it
+            p.logits, p.wts, p.idx = scratch[0].data_ptr(), scratch[1].data_ptr(), idx.data_ptr()
         native.decoder_layer(self.w, p)
         if after is not None:
             after()
