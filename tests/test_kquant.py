@@ -186,3 +186,21 @@ def test_q8_0_avx2_product_has_the_vnni_bits() -> None:
     x = _x(5, 2048, seed=11)
     vnni = ops.linear(x, _bind(w, ops.backend_named("native-avx512")))
     assert torch.equal(ops.linear(x.clone(), _bind(w, ops.backend_named("native-avx2"))), vnni)
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_packing_chunk_by_chunk_gives_the_whole_packing(qt: T) -> None:
+    """NativeLinear.pack packs a few 16-row groups at a time (and drops each chunk's file pages): chunks of one group,
+    of a few, and the whole matrix at once give the same bytes; an expert stack's groups too."""
+    if not native.cpu_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: nothing is packed")
+    b = ops.backend_named("native-avx512vnni")
+    for shape in ((80, 512), (3, 32, 512)):
+        blocks = random_blocks(shape, qt, np.random.default_rng(12), 1 / 16)
+        packs = []
+        for chunk in (1, 3 * 16 * blocks.shape[-1], 1 << 40):
+            lin = ops.bind(QTensor(torch.from_numpy(blocks.copy()), qt, shape), b)
+            lin.pack(chunk_bytes=chunk)
+            assert lin.packed is not None
+            packs.append(lin.packed)
+        assert torch.equal(packs[0], packs[2]) and torch.equal(packs[1], packs[2]), shape
