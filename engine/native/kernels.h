@@ -35,16 +35,6 @@ static inline void ahead_step(Ahead *h, int64_t bytes) {
     for (; h->credit >= 64 && h->p < h->end; h->credit -= 64, h->p += 64) __builtin_prefetch(h->p, 0, 3);
 }
 
-/* The stored-order 32-value products' form: on starting the `bytes` at row, the bytes `dist` further on, which
- * run from the item's rows (up to end) into the next item's */
-static inline void prefetch_at(const char *row, int64_t bytes, int64_t dist, const char *end, const Ahead *next) {
-    for (int64_t off = 0; off < bytes; off += 64) {
-        const char *t = row + dist + off;
-        if (t < end) __builtin_prefetch(t, 0, 3);
-        else if (next && next->p + (t - end) < next->end) __builtin_prefetch(next->p + (t - end), 0, 3);
-    }
-}
-
 /* q8_0.c: Q8_0 weight rows (stored blocks) times Q8_0 activation rows */
 void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const int8_t *xq, const float *xd,
                    int64_t k, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);

@@ -494,23 +494,28 @@ static const PairsJob *job_of(const Jobs *js, int64_t *item) {
     return NULL;
 }
 
-/* the weight bytes of item (group, row chunk) of job j */
-static Ahead item_bytes(const PairsJob *j, int64_t item) {
-    const int64_t g = item / j->per, c = item % j->per, r0 = c * ROW_CHUNK;
-    const int64_t r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
-    const char *w = (const char *)j->w + j->experts[g] * j->expert_bytes;
-    return (Ahead){w + r0 * j->row_bytes, w + r1 * j->row_bytes, 0};
+/* item's group g and row chunk [r0, r1) within job j */
+static void item_rows(const PairsJob *j, int64_t item, int64_t *g, int64_t *r0, int64_t *r1) {
+    *g = item / j->per, *r0 = item % j->per * ROW_CHUNK;
+    *r1 = *r0 + ROW_CHUNK < j->n_rows ? *r0 + ROW_CHUNK : j->n_rows;
 }
+
+static const uint8_t *expert_of(const PairsJob *j, int64_t g) { return j->w + j->experts[g] * j->expert_bytes; }
 
 static void pairs_item(void *ctx, int64_t item) {
     const Jobs *js = ctx;
-    int64_t next_item = item + 1;
+    int64_t next_item = item + 1, g, r0, r1;
     const PairsJob *j = job_of(js, &item), *jn = job_of(js, &next_item);
-    const int64_t g = item / j->per, c = item % j->per, p0 = j->starts[g], p1 = j->starts[g + 1];
-    const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < j->n_rows ? r0 + ROW_CHUNK : j->n_rows;
-    Ahead next = jn ? item_bytes(jn, next_item) : (Ahead){0};
-    rows_times(j->qtype, j->w + j->experts[g] * j->expert_bytes, j->row_bytes, r0, r1, &j->a, j->xperm,
-               j->xrow + p0, p1 - p0, j->out + p0 * j->n_rows, j->n_rows, j->isa, &next);
+    Ahead next = {0};
+    if (jn) {  /* the weight rows of this thread's likely next item, for the kernel to prefetch */
+        item_rows(jn, next_item, &g, &r0, &r1);
+        const char *e = (const char *)expert_of(jn, g);
+        next = (Ahead){e + r0 * jn->row_bytes, e + r1 * jn->row_bytes, 0};
+    }
+    item_rows(j, item, &g, &r0, &r1);
+    const int64_t p0 = j->starts[g], p1 = j->starts[g + 1];
+    rows_times(j->qtype, expert_of(j, g), j->row_bytes, r0, r1, &j->a, j->xperm, j->xrow + p0, p1 - p0,
+               j->out + p0 * j->n_rows, j->n_rows, j->isa, &next);
 }
 
 /* Several pair products in one pool call, their items one after the other (the MoE layer's gate and up products of

@@ -76,10 +76,6 @@ typedef struct {
 } LayerPass;
 
 /* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
-ELEMENTWISE static void sigmoid_gate(float *o, const float *g, int64_t n) {
-    for (int64_t j = 0; j < n; j++) o[j] = o[j] * sigmoid_f(g[j]);
-}
-
 void exp_rows(const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]);
 }
@@ -190,7 +186,7 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
         for (int64_t hh = 0; hh < h; hh++) {
             float *oh = o + (t * h + hh) * dv;
             const float *gh = proj + t * ld + hh * 2 * dk + dk;
-            sigmoid_gate(oh, gh, dv);
+            sigmoid_mul(oh, gh, dv);
         }
     trace_mark(TRACE_ATTENTION, 0);
     rc = project(w->out, o, n, y, p->threads, p->isa);

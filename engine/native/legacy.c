@@ -133,6 +133,16 @@ static inline __m256i block_dot(const int has_min, __m256i v, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1));
 }
 
+/* On starting the `bytes` at row, the bytes `dist` further on, which
+ * run from the item's rows (up to end) into the next item's */
+static inline void prefetch_at(const char *row, int64_t bytes, int64_t dist, const char *end, const Ahead *next) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+        const char *t = row + dist + off;
+        if (t < end) __builtin_prefetch(t, 0, 3);
+        else if (next && next->p + (t - end) < next->end) __builtin_prefetch(next->p + (t - end), 0, 3);
+    }
+}
+
 /* The product of one type, inlined per type. A tile of activation rows: weight row by weight row, each block decoded
  * once and multiplied by every row of the tile. One activation row (a decode step): four weight rows at a time, each
  * output's sums in registers. Both take the same steps per output: one fused multiply-add of its lanes per block

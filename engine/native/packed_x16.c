@@ -282,10 +282,10 @@ static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float
 
 #define X16_CASES(FN)                                                                                             \
     switch (tn) {                                                                                                 \
-    case 1: FN(g, nb, rows, o, ldo, 1, ahead); break;                                                                    \
-    case 2: FN(g, nb, rows, o, ldo, 2, ahead); break;                                                                    \
-    case 3: FN(g, nb, rows, o, ldo, 3, ahead); break;                                                                    \
-    default: FN(g, nb, rows, o, ldo, 4, ahead); break;                                                                   \
+    case 1: FN(g, nb, rows, o, ldo, 1, ahead); break;                                                             \
+    case 2: FN(g, nb, rows, o, ldo, 2, ahead); break;                                                             \
+    case 3: FN(g, nb, rows, o, ldo, 3, ahead); break;                                                             \
+    default: FN(g, nb, rows, o, ldo, 4, ahead); break;                                                            \
     }
 
 /* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL). */

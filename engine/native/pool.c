@@ -156,6 +156,16 @@ static void start_workers(int n) {
 #define SOLO_NS 20000000
 #define SOLO_MAX_NS 1000000000
 
+/* Makes job generation gen's: its slot, one segment per thread, then STATE (sequentially consistent: after the
+ * segments, before the caller reads SLEEPING). Under CALL. */
+static void publish(uint32_t gen, Job job) {
+    JOBS[gen & 1] = job;
+    for (int i = 0; i <= job.helpers; i++)
+        atomic_store_explicit(&SEG(i), (uint64_t)gen << 32 | (uint64_t)(job.n_items * i / (job.helpers + 1)),
+                              memory_order_relaxed);
+    atomic_store(&STATE, (uint64_t)gen << 32);
+}
+
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     if (n_threads > 1 && SOLO_UNTIL && clock_ns() < SOLO_UNTIL) n_threads = 1;
     if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
@@ -167,12 +177,8 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     pthread_mutex_lock(&CALL);
     const uint64_t old = atomic_load(&STATE);
     const uint32_t gen = (uint32_t)(old >> 32) + 1;
-    JOBS[gen & 1] = (Job){fn, ctx, n_items, n_threads - 1, 0};
     atomic_store_explicit(&DONE, 0, memory_order_relaxed);
-    for (int i = 0; i < n_threads; i++)
-        atomic_store_explicit(&SEG(i), (uint64_t)gen << 32 | (uint64_t)(n_items * i / n_threads),
-                              memory_order_relaxed);
-    atomic_store(&STATE, (uint64_t)gen << 32);  /* sequentially consistent: after the segments, before SLEEPING */
+    publish(gen, (Job){fn, ctx, n_items, n_threads - 1, 0});
     if (atomic_load(&SLEEPING) > 0) {
         atomic_fetch_add(&WAKE, 1);
         syscall(SYS_futex, &WAKE, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
@@ -240,12 +246,8 @@ void pool_prefetch(int n_threads, const Ahead *ranges, int n) {
     }
     if (items > 0) {
         const int helpers = n_threads - 1 < N_WORKERS ? n_threads - 1 : N_WORKERS;
-        JOBS[gen & 1] = (Job){prefetch_item, f, items, helpers, 1};
-        /* the workers' segments only: the caller takes none, so segment 0 is left for a worker done with its own */
-        for (int i = 0; i <= helpers; i++)
-            atomic_store_explicit(&SEG(i), (uint64_t)gen << 32 | (uint64_t)(items * i / (helpers + 1)),
-                                  memory_order_relaxed);
-        atomic_store(&STATE, (uint64_t)gen << 32);
+        /* the caller takes no item: segment 0 is left for a worker done with its own */
+        publish(gen, (Job){prefetch_item, f, items, helpers, 1});
         trace_add(TRACE_PREFETCH, 0, items * PF_ITEM);
     }
     pthread_mutex_unlock(&CALL);
