@@ -159,7 +159,9 @@ def test_cancelling_a_load_reopens_the_previous_model(qtbot, ctl) -> None:
     got["loaded"] = None
     ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=256))
     ctl.cancel_load()  # set while the worker is still opening the file
-    qtbot.waitUntil(lambda: bool(cancelled), timeout=30_000)
+    # `cancelled` is appended to on the worker's thread as the signal is emitted, the recorder's `loaded` (emitted
+    # first) arrives queued on this one: wait for both
+    qtbot.waitUntil(lambda: bool(cancelled) and got["loaded"] is not None, timeout=30_000)
     assert "cancelled" in cancelled[0] and not got["errors"]
     assert got["loaded"]["path"] == str(fixture_path(TINY_MOE))  # the previous model, loaded again
     got["loaded"] = None
