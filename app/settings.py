@@ -133,7 +133,7 @@ class SettingsPanel(QWidget):
         self.expert_cache.setEditable(True)
         self.expert_cache.addItems(["auto", "0", "16", "32", "64", "128", "1024MiB", "4096MiB"])
         ok, why = cuda_status()
-        self.gpu_reason = QLabel("" if ok else f"GPU controls disabled: {why}")
+        self.gpu_reason = QLabel(why if ok else f"GPU controls disabled: {why}")
         self.gpu_reason.setWordWrap(True)
         self.gpu_reason.setAccessibleName("GPU status")
         for w in (self.device, self.gpu_layers, self.cpu_moe, self.expert_cache):

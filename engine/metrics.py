@@ -57,12 +57,18 @@ class SystemMonitor:
 
 
 def cuda_status() -> tuple[bool, str]:
-    """(CUDA usable, why not): what the app's GPU controls and the CLI's --device cuda depend on."""
+    """(CUDA usable, why not, or a note on what runs): what the app's GPU controls and the CLI's --device cuda
+    depend on."""
     import torch
 
     if torch.version.cuda is None:
-        return False, (f"this build of torch ({torch.__version__}) has no CUDA support; install a CUDA build of "
-                       "torch to use an NVIDIA GPU")
+        return False, (f"this build of torch ({torch.__version__}) has no CUDA support; `make setup-cuda` installs "
+                       "the CUDA build (see README)")
     if not torch.cuda.is_available():
         return False, "no usable NVIDIA GPU or driver was found"
+    from engine.ops.backend import triton_runs
+
+    if not triton_runs("cuda"):
+        return True, ("Triton kernels unavailable (install triton==3.7.1): quantized products on the GPU run in "
+                      "torch, several times slower")
     return True, ""

@@ -1,9 +1,15 @@
-"""Test-wide set-up. Qt runs offscreen: the variable must exist before any QApplication."""
+"""Test-wide set-up. Qt runs offscreen: the variable must exist before any QApplication. Without a CUDA GPU the
+Triton kernels (engine.ops.triton_q) run in Triton's interpreter on CPU tensors: the variable must exist before
+they are defined."""
 from __future__ import annotations
 
 import os
 
+import torch
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def backend_params(native_only: bool = False, simd_only: bool = False) -> list:

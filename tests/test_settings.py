@@ -77,3 +77,8 @@ def test_gpu_settings_persist_and_are_disabled_with_the_reason_without_cuda(tmp_
     panel.expert_cache.setCurrentText("512MiB")
     assert (seen[-1].gpu_layers, seen[-1].cpu_moe, seen[-1].expert_cache) == (12, True, "512MiB")
     assert panel.gpu_layers_label.text() == "12"
+    # CUDA without the Triton kernels: the controls work, and the panel says what will run slower
+    monkeypatch.setattr(st, "cuda_status", lambda: (True, "Triton kernels unavailable (install triton==3.7.1)"))
+    panel = SettingsPanel(AppSettings())
+    qtbot.addWidget(panel)
+    assert panel.gpu_layers.isEnabled() and "Triton kernels unavailable" in panel.gpu_reason.text()

@@ -7,14 +7,21 @@ Native backends run engine/native's kernels in one instruction-set form each:
   - ``native-avx2``: the stored block order, AVX2 (+FMA, F16C) products; the float kernels' loops built for AVX2
     (what most desktop CPUs run);
   - ``native-portable``: the portable C loops.
+The ``triton`` backend runs quantized products on CUDA in engine.ops.triton_q's kernels over the stored blocks
+(everything else in torch ops on the device); a native backend used for a layer on a CUDA device becomes it (`on`)
+where Triton is installed and its kernels pass a self-check on the device. Without a GPU its kernels run on CPU
+tensors only in Triton's interpreter (TRITON_INTERPRET=1: the tests).
 The ``torch`` backend runs everything in torch ops (Q8_0 in integer GEMMs, other types dequantized tile by tile,
 attention and the delta rule as torch loops): the twin the native kernels are tested against, and the path on
-accelerators and where the native library is missing. A native backend used for a layer on another device falls
-back to torch (`on`). Tests and benchmarks pick a backend from `available_backends()` and pass it to the model
-(or to EngineConfig); nothing is chosen by module flags.
+other accelerators and where the native library or Triton is missing. Tests and benchmarks pick a backend from
+`available_backends()` (or TRITON) and pass it to the model (or to EngineConfig); nothing is chosen by module flags.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -55,8 +62,8 @@ class Int8Layouts:
 
 @dataclass(frozen=True)
 class Backend:
-    kind: str = "native"  # "native" or "torch"
-    isa: str = "avx512vnni"  # native: one of NATIVE_ISAS; torch: "torch"
+    kind: str = "native"  # "native", "triton" or "torch"
+    isa: str = "avx512vnni"  # native: one of NATIVE_ISAS; triton: "triton"; torch: "torch"
     threads: int | None = None  # native calls: this many threads; None: torch's count (one for small calls)
     int8: Int8Layouts = Int8Layouts()
     observer: Observer | None = field(default=None, compare=False)
@@ -65,13 +72,13 @@ class Backend:
     copies: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("native", "torch") or (self.kind == "native") != (self.isa in NATIVE_ISAS) \
-                or (self.kind == "torch" and self.isa != "torch"):
+        if self.kind not in ("native", "triton", "torch") or (self.kind == "native") != (self.isa in NATIVE_ISAS) \
+                or (self.kind != "native" and self.isa != self.kind):
             raise ValueError(f"no backend {self.kind}/{self.isa}")
 
     @property
     def name(self) -> str:
-        return "torch" if self.kind == "torch" else f"native-{self.isa}"
+        return self.kind if self.kind != "native" else f"native-{self.isa}"
 
     @property
     def native(self) -> bool:
@@ -88,10 +95,16 @@ class Backend:
         return self.isa == "avx512vnni" and self.copies
 
     def on(self, device: torch.device | str) -> Backend:
-        """The backend for weights and layers on `device`: native kernels run on the CPU only."""
-        if self.native and torch.device(device).type != "cpu":
-            return replace(self, kind="torch", isa="torch")
-        return self
+        """The backend for weights and layers on `device`: native kernels run on the CPU only, Triton's on CUDA
+        (on the CPU in its interpreter only); torch anywhere."""
+        dev = torch.device(device)
+        if self.kind == "torch" or (self.kind == "native" and dev.type == "cpu") or (
+                self.kind == "triton" and triton_runs(dev.type)):
+            return self
+        if dev.type == "cpu":  # a Triton backend's layer kept on the CPU without the interpreter
+            return default_backend()
+        kind = "triton" if triton_runs(dev.type) else "torch"
+        return replace(self, kind=kind, isa=kind)
 
     def n_threads(self, work: int) -> int:
         """Threads for a native call of `work` multiply-adds: the fixed count, else torch's, one for small calls
@@ -108,6 +121,26 @@ class Backend:
 
 
 TORCH = Backend("torch", "torch")
+TRITON = Backend("triton", "triton")
+
+
+@functools.cache
+def triton_runs(device_type: str) -> bool:
+    """Whether engine.ops.triton_q's kernels run on this kind of device: compiled on CUDA (after a check of every
+    kernel against the torch dequantization there), interpreted on the CPU when TRITON_INTERPRET=1."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    if device_type == "cpu":
+        return interpret
+    if device_type != "cuda" or interpret or not torch.cuda.is_available():
+        return False
+    from engine.ops import triton_q
+
+    why = triton_q.self_check(torch.device("cuda"))
+    if why is not None:
+        logging.getLogger(__name__).warning("Triton kernels unusable on this GPU (%s): torch products instead", why)
+    return why is None
 
 
 def available_backends() -> list[Backend]:

@@ -36,9 +36,11 @@ _ZEROS = torch.zeros(1 << 12, dtype=torch.long)
 
 class Experts:
     """One MoE layer's routed experts (stacks gate, up [E, F, d] and down [E, d, F]) bound to the products that run
-    them, chosen once: "native", "int8" (torch integer Q8_0), "dequant", or "float" (parameters being trained,
-    run by engine.training). `shared` (the shared expert's gate, up, down): on the torch integer path without a
-    cache it runs inside the routed experts' products as `shared_slices` extra experts (`runs_shared`)."""
+    them, chosen once: "native", "triton" (stacks on a CUDA device), "int8" (torch integer Q8_0), "dequant", or
+    "float" (parameters being trained, run by engine.training). Experts cached on a CUDA device run in the Triton
+    kernels from their slots (`cache_triton`) whatever runs the others. `shared` (the shared expert's gate, up,
+    down): on the torch integer path without a cache it runs inside the routed experts' products as `shared_slices`
+    extra experts (`runs_shared`)."""
 
     def __init__(self, gate: Weight, up: Weight, down: Weight, backend: Backend, device: torch.device | str = "cpu",
                  cache: ExpertCache | None = None, shared: tuple[Weight, Weight, Weight] | None = None):
@@ -51,6 +53,8 @@ class Experts:
         self.shared_slices = 0
         if not all(isinstance(t, QTensor) for t in ws):
             self.kind = "float"
+        elif b.kind == "triton" and gate.device.type == torch.device(device).type and _triton_binds(ws):
+            self.kind = "triton"
         elif on_cpu and b.native and all(native.binds(t.qtype, t.n_cols) for t in ws):  # type: ignore[union-attr]
             self.kind = "native"
         elif on_cpu and all(torch_int8.usable(t, b.int8) for t in ws):  # type: ignore[arg-type]
@@ -60,6 +64,8 @@ class Experts:
         else:
             self.kind = "dequant"
         self.shared = shared if self.shared_slices else None
+        # the cache's slots read in place by the Triton kernels where they run on the cache's device
+        self.cache_triton = cache is not None and backend.on(cache.device).kind == "triton" and _triton_binds(ws)
         self.stacks = tuple(NativeLinear(t, b) for t in ws) if self.kind == "native" else ()  # type: ignore[arg-type]
         self._planes: dict[bool, tuple[torch_int8.Planes, torch_int8.Planes]] = {}
         self._layer: _OneCall | None | bool = False  # the one-call layer's inputs (False: not yet decided)
@@ -67,6 +73,14 @@ class Experts:
     @property
     def n_expert(self) -> int:
         return self.gate.shape[0]
+
+    def raw_stacks(self) -> tuple[torch.Tensor, ...]:
+        """The stacks' blocks as [E, bytes of one expert's matrix] (views), for the Triton kernels."""
+        return tuple(t.raw.reshape(self.n_expert, -1) for t in (self.gate, self.up, self.down))  # type: ignore[union-attr]
+
+    def meta(self) -> list[tuple[QT, tuple[int, int]]]:
+        """(type, (rows, cols)) of one expert's gate, up and down matrices."""
+        return [(t.qtype, (t.n_rows // self.n_expert, t.n_cols)) for t in (self.gate, self.up, self.down)]  # type: ignore[union-attr]
 
     @property
     def runs_shared(self) -> bool:
@@ -226,6 +240,10 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
     n, k = idx.shape
     if kq and cache is None:  # the whole pass in one native call
         return _routed_native(x, idx, w, ex)
+    if ex.kind == "triton" and cache is None:  # every (token, slot) pair its own product: nothing read back
+        tokens = torch.arange(n, device=x.device).repeat_interleave(k)
+        y = _Triton(x, tokens, ex.meta()).products(ex.raw_stacks(), idx.reshape(-1), tokens)
+        return reduce_slots(y.view(n, k, -1), w)
     starts = None
     if ex.backend.native and idx.device.type == "cpu" and idx.dtype == torch.long:
         g = native.group_pairs(idx, ex.n_expert + ex.shared_slices)
@@ -246,11 +264,14 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
     starts_l = starts.tolist() if starts is not None else [0, *itertools.accumulate(counts_l)]
     run = _Int8(x, tokens, order, starts_l, counts_l, out, layouts) if q8 else \
         _Native(x, tokens, order, starts, out) if kq else \
+        _Triton(x, tokens, ex.meta(), order, starts_l, out) if ex.kind == "triton" else \
         _dequant_grouped(x, ex, tokens, order, starts_l, counts_l, out)
     host = ex.gate.device
     pos = {e: j for j, e in enumerate(experts_l)}
 
     def from_host(sel: list[int]):  # type: ignore[no-untyped-def]
+        if ex.kind == "triton":
+            return ex.raw_stacks(), torch.tensor([experts_l[j] for j in sel], dtype=torch.long, device=host)
         if kq:  # the stacks themselves: the kernels read the selected experts' blocks in place
             return ex.stacks, torch.tensor([experts_l[j] for j in sel], dtype=torch.long)
         if q8:
@@ -259,6 +280,9 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
         return tuple(gather_experts(t, [experts_l[j] for j in sel]) for t in (ex.gate, ex.up, ex.down))
 
     def from_slots(sel: list[int]):  # type: ignore[no-untyped-def]
+        if ex.cache_triton:  # the slots themselves, read in place
+            return tuple(cache.slots), torch.tensor([hits[experts_l[j]] for j in sel], dtype=torch.long,  # type: ignore[union-attr]
+                                                    device=cache.device)  # type: ignore[union-attr]
         ws = cache.weights([hits[experts_l[j]] for j in sel])  # type: ignore[union-attr]
         if slots and kq:
             return tuple(NativeLinear(QTensor(q.raw, q.qtype, (len(sel), *shape)), ex.backend)
@@ -279,13 +303,20 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
     cached = [pos[e] for e in experts_l if e in hits]
     slots = cache.device.type == "cpu" and (q8 or kq)  # CPU stand-ins for an accelerator: the same integer path
     if cached:
-        crun = run if slots else _dequant_grouped(x, ex, tokens, order, starts_l, counts_l, out)
+        crun = _Triton(x, tokens, cache.meta, order, starts_l, out) if ex.cache_triton else run if slots else \
+            _dequant_grouped(x, ex, tokens, order, starts_l, counts_l, out)
         crun(cached, from_slots, cache.device)
     if on_cpu:
         run(on_cpu, from_host, host)
         if cache.miss_policy == "cpu":  # computed on the CPU this time; cached for the next passes
             cache.load([experts_l[j] for j in on_cpu], set(experts_l))
     return reduce_slots(out.view(n, k, -1), w)
+
+
+def _triton_binds(ws: tuple[Weight, ...]) -> bool:
+    from engine.ops import triton_q
+
+    return all(isinstance(t, QTensor) and triton_q.binds(t.qtype, t.n_cols) for t in ws)
 
 
 def gather_experts(w: Weight, experts: list[int]) -> torch.Tensor:
@@ -380,6 +411,38 @@ class _Native:
         h = native.silu_mul(g, u)  # the one-call pass's bits (moe.c), not torch's silu
         y = _pairs(h, down, ARANGE[:h.shape[0]], ids, starts)
         self.out[self.order if pairs is None else self.order[pairs]] = y
+
+
+class _Triton:
+    """Runs (token, expert) pairs in engine.ops.triton_q's grouped GEMV: each pair's product reads its matrix where
+    it is (a stack's expert, an expert cache's slot), one kernel call per projection for all the pairs."""
+
+    def __init__(self, x: torch.Tensor, tokens: torch.Tensor, meta: list[tuple[QT, tuple[int, int]]],
+                 order: torch.Tensor | None = None, starts: list[int] | None = None, out: torch.Tensor | None = None):
+        """meta: (type, (rows, cols)) of one expert's gate, up and down matrices."""
+        self.x, self.tokens, self.meta, self.order, self.starts, self.out = x, tokens, meta, order, starts, out
+
+    def products(self, stacks: tuple[torch.Tensor, ...], mats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) ⊙ up x) [P, d] for pair p = (row tokens[p] of x, matrix mats[p] of each stack)."""
+        from engine.ops import triton_q
+
+        x = self.x if self.x.device == mats.device else self.x.to(mats.device)
+        (qg, (f, d)), (qu, _), (qd, _) = self.meta
+        g = triton_q.gemv_pairs(stacks[0], qg, f, d, x, mats, tokens)
+        u = triton_q.gemv_pairs(stacks[1], qu, f, d, x, mats, tokens)
+        h = F.silu(g) * u
+        return triton_q.gemv_pairs(stacks[2], qd, d, f, h, mats, torch.arange(h.shape[0], device=h.device))
+
+    def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
+        """positions: indices into the pass's sorted experts; gather(positions) → the raw stacks and the positions'
+        matrix ids in them."""
+        stacks, ids = gather(positions)
+        starts, out, order = self.starts, self.out, self.order
+        assert starts is not None and out is not None and order is not None
+        counts = torch.tensor([starts[p + 1] - starts[p] for p in positions], device=ids.device)
+        pairs = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in positions])
+        y = self.products(stacks, ids.repeat_interleave(counts), self.tokens[pairs].to(dev))
+        out[order[pairs]] = y.to(out.device)
 
 
 class _Int8:

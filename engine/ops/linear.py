@@ -6,6 +6,9 @@ speculative verify and prefill rely on to be token-identical to plain decoding. 
     F16/BF16; activations quantized or rounded as llama.cpp does, exact integer block sums, each output's float work
     in a fixed order whatever the rows or threads); Q4_K / Q6_K / Q8_0 packed 16 rows interleaved on first use
     where the backend packs;
+  - TritonLinear: Q4_K/Q5_K/Q6_K/Q8_0/IQ4_XS on CUDA in engine.ops.triton_q's kernels over the stored blocks
+    (float32 activations): up to GEMV_ROWS rows a GEMV whose rows are independent programs, more rows (prefill
+    chunks) as bfloat16 tiles of the weight fed to torch.matmul;
   - Int8Linear: Q8_0 in torch integer GEMMs (the torch backend; exact block sums, the same float epilogue);
   - DequantLinear: any stored type dequantized one tile of rows at a time, x rounded as llama.cpp rounds it, one
     independent [1, in] × [in, out] product per row (a plain mm picks kernels by N: rows of a 4-row mm differ
@@ -137,6 +140,36 @@ class NativeLinear(Linear):
         return y.reshape(*x.shape[:-1], n_out)
 
 
+GEMV_ROWS = 8  # TritonLinear: passes of up to this many rows (decode, MTP verify) run the batch-invariant GEMV
+BF16_TILE_ELEMENTS = 1 << 24  # TritonLinear, longer passes: weight values dequantized to bfloat16 at a time
+
+
+class TritonLinear(Linear):
+    kind = "triton"
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.ops import triton_q
+
+        w: QTensor = self.weight  # type: ignore[assignment]
+        k, n_out = w.n_cols, w.n_rows
+        x2 = x.reshape(-1, k)
+        n = x2.shape[0]
+        raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+        if n <= GEMV_ROWS:
+            at = torch.arange(n, device=x2.device)
+            y = triton_q.gemv_pairs(raw, w.qtype, n_out, k, x2, torch.zeros_like(at), at)
+            return y.reshape(*x.shape[:-1], n_out)
+        # Rows per tile fixed by the weight alone, so a pass's result does not depend on how it was tiled.
+        step = max(1, min(n_out, BF16_TILE_ELEMENTS // k))
+        rows = raw.reshape(n_out, -1)
+        xb = x2.to(torch.bfloat16)
+        y = torch.empty(n, n_out, dtype=torch.float32, device=x2.device)
+        for r0 in range(0, n_out, step):
+            r1 = min(n_out, r0 + step)
+            y[:, r0:r1] = torch.matmul(xb, triton_q.dequantize_bf16(rows[r0:r1], w.qtype, r1 - r0, k).T).float()
+        return y.reshape(*x.shape[:-1], n_out)
+
+
 class Int8Linear(Linear):
     kind = "int8"
 
@@ -198,6 +231,11 @@ def bind(w: Weight, backend: Backend) -> Linear:
     b = backend.on(w.device)
     if b.native and native.binds(w.qtype, w.n_cols):
         return NativeLinear(w, b)
+    if b.kind == "triton":
+        from engine.ops import triton_q
+
+        if triton_q.binds(w.qtype, w.n_cols):
+            return TritonLinear(w, b)
     if w.raw.device.type == "cpu" and torch_int8.usable(w, b.int8):
         return Int8Linear(w, b)
     return DequantLinear(w, b)

@@ -1,0 +1,204 @@
+"""The Triton backend (engine.ops.triton_q): every kernel against the torch dequantization of random blocks, batch
+invariance of the GEMV, the grouped routed-expert GEMV over stacks and an expert cache's slots, greedy MTP identity
+on a model built on it, and the ahead-of-time build for every GPU generation we ship for.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1), on small shapes; on a GPU the same tests run the compiled kernels on the device."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine import ops
+from engine.events import EngineConfig, GenerationConfig, Stats, Token
+from engine.expert_cache import ExpertCache
+from engine.generate import load
+from engine.metrics import cuda_status
+from engine.ops import triton_q
+from engine.ops.backend import TRITON, triton_runs
+from engine.ops.experts import Experts, moe_experts
+from engine.storage.qtensor import QTensor, block_size, type_size
+from engine.storage.quantize import F16_FIELDS
+from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
+
+DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
+TYPES = [pytest.param(t, id=t.name) for t in triton_q.TYPES]
+
+
+def _blocks(qt: QT, shape: tuple[int, ...], seed: int = 0) -> QTensor:
+    """Random valid blocks: random bytes, each float16 field a random finite scale (signs included)."""
+    rng = np.random.default_rng(seed)
+    n_rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    nb = n_rows * cols // block_size(qt)
+    raw = rng.integers(0, 256, (nb, type_size(qt)), dtype=np.uint8)
+    for off in F16_FIELDS[qt]:
+        raw[:, off:off + 2] = rng.uniform(-0.02, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
+    return QTensor(torch.from_numpy(raw.reshape(*shape[:-1], -1)), qt, shape)
+
+
+def _cols(qt: QT) -> int:
+    return 352 if qt == QT.Q8_0 else 512  # Q8_0: 11 blocks, a unit and a part of one
+
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_gemv_matches_the_dequantized_product_and_is_batch_invariant(qt: QT) -> None:
+    rows, cols = 37, _cols(qt)  # 37: the last program's rows partly masked
+    w = _blocks(qt, (rows, cols))
+    ref_w = w.dequantize().double()
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(1))
+    raw, xd = w.raw.to(DEV), x.to(DEV)
+    at = torch.arange(5, device=DEV)
+    y = triton_q.gemv_pairs(raw, qt, rows, cols, xd, torch.zeros_like(at), at).cpu()
+    want = x.double() @ ref_w.T
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for i in range(5):  # a row of a 5-row pass has the bits of a one-row pass, and of the same row in another order
+        one = triton_q.gemv_pairs(raw, qt, rows, cols, xd[i:i + 1], at[:1] * 0, at[:1]).cpu()
+        assert torch.equal(one[0], y[i])
+    rev = triton_q.gemv_pairs(raw, qt, rows, cols, xd, torch.zeros_like(at), at.flip(0)).cpu()
+    assert torch.equal(rev, y.flip(0))
+
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_pairs_read_each_pairs_matrix_of_a_stack(qt: QT) -> None:
+    e, rows, cols = 3, 16, _cols(qt)
+    w = _blocks(qt, (e, rows, cols), seed=2)
+    ref_w = w.dequantize().view(e, rows, cols).double()
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(3))
+    sel, xrow = torch.tensor([2, 0, 2, 1]), torch.tensor([0, 1, 1, 0])
+    y = triton_q.gemv_pairs(w.raw.reshape(e, -1).to(DEV), qt, rows, cols, x.to(DEV), sel.to(DEV), xrow.to(DEV)).cpu()
+    for p in range(4):
+        want = ref_w[sel[p]] @ x[xrow[p]].double()
+        assert torch.allclose(y[p].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_dequantize_bf16_rounds_the_reference_values(qt: QT) -> None:
+    rows, cols = 21, _cols(qt)
+    w = _blocks(qt, (rows, cols), seed=4)
+    got = triton_q.dequantize_bf16(w.raw.to(DEV), qt, rows, cols).cpu()
+    assert torch.equal(got, w.dequantize().to(torch.bfloat16))  # round to nearest even, as torch rounds
+
+
+def test_self_check_passes_where_the_kernels_run() -> None:
+    assert triton_q.self_check(DEV) is None
+
+
+def test_backend_choice_by_device() -> None:
+    assert TRITON.on(DEV) == TRITON  # runs where this test machine runs it (compiled on CUDA, else interpreted)
+    native = ops.default_backend()
+    gpu = native.on("cuda")
+    assert gpu.kind == ("triton" if triton_runs("cuda") else "torch")
+    assert ops.TORCH.on("cuda") == ops.TORCH  # an explicit torch backend stays torch
+    ok, why = cuda_status()
+    if torch.version.cuda is None:  # the CPU build: the app's GPU controls say how to get the CUDA one
+        assert not ok and "make setup-cuda" in why
+    if not torch.cuda.is_available():
+        assert not triton_runs("cuda")  # no GPU here: nothing claims CUDA
+    else:
+        assert ok and (why == "") == triton_runs("cuda")
+
+
+def test_linear_binds_the_triton_types_and_runs_long_passes_in_bfloat16() -> None:
+    w = _blocks(QT.Q4_K, (40, 512), seed=5)
+    lin = ops.bind(QTensor(w.raw.to(DEV), QT.Q4_K, (40, 512)), TRITON)
+    assert lin.kind == "triton"
+    q3 = _blocks(QT.Q3_K, (16, 256))  # a type it has no kernel for
+    assert ops.bind(QTensor(q3.raw.to(DEV), QT.Q3_K, (16, 256)), TRITON).kind == "dequant"
+    ref = w.dequantize().double()
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(6))
+    short = ops.linear(x[:3].to(DEV), lin).cpu()  # ≤ GEMV_ROWS: float32 GEMV
+    assert torch.allclose(short.double(), x[:3].double() @ ref.T, rtol=1e-5, atol=1e-4)
+    long = ops.linear(x.to(DEV), lin).cpu()  # a prefill chunk: bfloat16 weights and activations into matmul
+    want = x.to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
+    assert torch.allclose(long.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+def _experts(cache: int | None) -> tuple[Experts, tuple[QTensor, QTensor, QTensor]]:
+    n_e, d, f = 6, 256, 256
+    ws = (_blocks(QT.Q4_K, (n_e, f, d), 7), _blocks(QT.Q4_K, (n_e, f, d), 8), _blocks(QT.Q5_K, (n_e, d, f), 9))
+    dev_ws = tuple(QTensor(t.raw.to(DEV) if cache is None else t.raw, t.qtype, t.shape) for t in ws)
+    ec = ExpertCache(*dev_ws, capacity=cache, device=DEV) if cache is not None else None  # type: ignore[arg-type]
+    return Experts(*dev_ws, TRITON, device=DEV, cache=ec), ws  # type: ignore[arg-type]
+
+
+def test_routed_experts_grouped_gemv_matches_the_reference_and_the_cache() -> None:
+    ex, (g, u, dn) = _experts(None)
+    assert ex.kind == "triton"
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 256, generator=gen)
+    idx = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 2]])
+    wts = torch.rand(4, 2, generator=gen)
+    y = moe_experts(x.to(DEV), idx.to(DEV), wts.to(DEV), ex).cpu()
+    gw, uw, dw = (t.dequantize().view(t.shape).double() for t in (g, u, dn))
+    for t in range(4):
+        want = sum(wts[t, s].double() * (dw[e] @ (torch.nn.functional.silu(gw[e] @ x[t].double()) * (uw[e] @ x[t].double())))
+                   for s, e in enumerate(idx[t].tolist()))
+        assert torch.allclose(y[t].double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    one = moe_experts(x[2:3].to(DEV), idx[2:3].to(DEV), wts[2:3].to(DEV), ex).cpu()
+    assert torch.equal(one[0], y[2])  # batch invariance through the experts
+    # the same experts from an expert cache's slots (3 slots: misses, hits and evictions), read in place
+    cex, _ = _experts(3)
+    if DEV.type == "cpu":  # CPU stand-ins: the slots are CPU tensors the interpreted kernels read
+        assert cex.cache_triton
+    for _ in range(2):
+        got = torch.cat([moe_experts(x[t:t + 1].to(DEV), idx[t:t + 1].to(DEV), wts[t:t + 1].to(DEV), cex).cpu()
+                         for t in range(4)])
+        assert torch.equal(got, y)
+    st = cex.cache.stats  # type: ignore[union-attr]
+    assert st.hits > 0 and st.misses > 0 and st.evictions > 0
+
+
+def test_greedy_mtp_equals_plain_on_the_triton_backend() -> None:
+    # Q4_K matrices, Q5_K routed down projections, a Q6_K head; few tokens: the interpreter runs ~5 s a step
+    eng = load(fixture_path(UD_Q4_K_M_MOE), EngineConfig(n_ctx=256, backend=TRITON, device=str(DEV)))
+    eng.tokenizer.eog_ids = frozenset()
+    kinds = {lin.kind for lin in _linears(eng.model)}
+    assert "triton" in kinds and not kinds & {"native", "int8"}
+    prompt = np.random.default_rng(1).integers(0, 380, 5).tolist()
+
+    def run(**kw) -> tuple[list[int], GenerationConfig]:  # type: ignore[no-untyped-def]
+        eng.reset()
+        toks, final = [], None
+        for ev in eng.generate(prompt, GenerationConfig(max_tokens=7, **kw)):
+            toks += ev.ids if isinstance(ev, Token) else []
+            final = ev if isinstance(ev, Stats) and ev.final else final
+        return toks, final
+
+    plain, _ = run(mtp=False)
+    assert len(plain) == 7
+    spec_toks, final = run(mtp=True, draft=2)
+    assert spec_toks == plain and final.speculative.verify_steps > 0  # verify passes of 3 rows ran
+
+
+def _linears(model) -> list:  # type: ignore[no-untyped-def]
+    out, seen, todo = [], set(), [model]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (torch.Tensor, QTensor, str, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, ops.Linear):
+            out.append(o)
+            continue
+        items = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else \
+            vars(o).values() if hasattr(o, "__dict__") else ()
+        todo.extend(items)
+    return out
+
+
+def test_every_kernel_compiles_ahead_of_time_for_every_gpu_generation() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels, not interpreted
+    r = subprocess.run([sys.executable, "-m", "engine.ops.triton_q"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = json.loads(r.stdout)
+    assert sorted(map(int, built)) == sorted(triton_q.ARCHS) == [80, 86, 89, 90, 120]
+    for arch, kernels in built.items():
+        assert len(kernels) == 2 * len(triton_q.TYPES) and all(n > 1000 for n in kernels.values()), arch
