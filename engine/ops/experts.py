@@ -3,9 +3,11 @@
 Each token picks its own top-k experts; the (token, slot) pairs are grouped by expert so every selected expert's
 gate/up/down weights are read once per pass, whatever N is: by the native kernels (the whole pass in one call,
 engine/native/moe.c; with an expert cache, one call per projection for all pairs), by the torch integer Q8_0
-products, or gathered and dequantized (one call for a group of experts). Every product is one independent row
-product (as in engine.ops.linear) and the k expert outputs of a token are reduced in top-k slot order, so a pass
-over N tokens is bit-identical to N passes of one. Experts run where their bytes are: on the CPU for CPU stacks, or from an ExpertCache's slots on the accelerator.
+products, or gathered and dequantized (one call for a group of experts); on CUDA by the Triton kernels, one
+(token, expert) pair per GEMV program (engine.ops.triton_q). Every product is one independent row product (as in
+engine.ops.linear) and the k expert outputs of a token are reduced in top-k slot order, so a pass over N tokens is
+bit-identical to N passes of one. Experts run where their bytes are: on the CPU for CPU stacks (for a layer on an
+accelerator too), or from an ExpertCache's slots on the accelerator.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class Experts:
     def __init__(self, gate: Weight, up: Weight, down: Weight, backend: Backend, device: torch.device | str = "cpu",
                  cache: ExpertCache | None = None, shared: tuple[Weight, Weight, Weight] | None = None):
         """`device`: where the layer's activations are (the stacks may stay on the CPU for a layer on an
-        accelerator: then they are dequantized where they are)."""
+        accelerator: then they run there, in the native kernels where the backend has them)."""
         self.gate, self.up, self.down, self.cache = gate, up, down, cache
         self.backend = b = backend.on(gate.device)
         ws = (gate, up, down)
@@ -55,7 +57,8 @@ class Experts:
             self.kind = "float"
         elif b.kind == "triton" and gate.device.type == torch.device(device).type and _triton_binds(ws):
             self.kind = "triton"
-        elif on_cpu and b.native and all(native.binds(t.qtype, t.n_cols) for t in ws):  # type: ignore[union-attr]
+        elif gate.device.type == "cpu" and b.native and \
+                all(native.binds(t.qtype, t.n_cols) for t in ws):  # type: ignore[union-attr]
             self.kind = "native"
         elif on_cpu and all(torch_int8.usable(t, b.int8) for t in ws):  # type: ignore[arg-type]
             self.kind = "int8"
@@ -229,6 +232,8 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts
 def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
          shared_gate: torch.Tensor | None) -> torch.Tensor:
     kq, q8, cache, layouts = ex.kind == "native", ex.kind == "int8", ex.cache, ex.backend.int8
+    if kq and x.device.type != "cpu":  # experts kept on the CPU for a layer on an accelerator (cpu_moe): the native
+        return _run(x.cpu(), idx.cpu(), w.cpu(), ex, shared_gate).to(x.device)  # kernels, cached ones on the device
     if q8 and cache is None:  # the CPU case of the torch backend, without a device split
         if shared_gate is not None:
             n, s_n = idx.shape[0], ex.shared_slices
@@ -281,8 +286,8 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
 
     def from_slots(sel: list[int]):  # type: ignore[no-untyped-def]
         if ex.cache_triton:  # the slots themselves, read in place
-            return tuple(cache.slots), torch.tensor([hits[experts_l[j]] for j in sel], dtype=torch.long,  # type: ignore[union-attr]
-                                                    device=cache.device)  # type: ignore[union-attr]
+            at = [hits[experts_l[j]] for j in sel]
+            return tuple(cache.slots), torch.tensor(at, dtype=torch.long, device=cache.device)  # type: ignore[union-attr]
         ws = cache.weights([hits[experts_l[j]] for j in sel])  # type: ignore[union-attr]
         if slots and kq:
             return tuple(NativeLinear(QTensor(q.raw, q.qtype, (len(sel), *shape)), ex.backend)
