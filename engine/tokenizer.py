@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import codecs
 import re
+from array import array
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
@@ -19,6 +22,9 @@ from engine.errors import TokenizerError
 
 # llama_token_type values stored in `tokenizer.ggml.token_type`.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_RAW = (CONTROL, UNKNOWN, UNUSED, USER_DEFINED)  # stored as their UTF-8 text, not in the GPT-2 byte alphabet
+_RAW_TYPE = re.compile(b"[" + bytes(_RAW) + b"]")
+_HIDDEN = bytes(t in (CONTROL, UNKNOWN, UNUSED) for t in range(256))  # type → 1 where decoding can skip it
 
 # Split regexes of llama.cpp's pre-tokenizer types (llama-vocab.cpp). llama.cpp spells the
 # contraction group case-insensitively by hand; `(?i:...)` is the same set for Oniguruma.
@@ -67,7 +73,9 @@ def _bytes_to_unicode() -> list[str]:
 
 
 BYTE_TO_UNICODE: list[str] = _bytes_to_unicode()
-_UNICODE_TO_BYTE = {ord(c): chr(b) for b, c in enumerate(BYTE_TO_UNICODE)}
+_BYTE_TO_UNICODE = {b: c for b, c in enumerate(BYTE_TO_UNICODE)}  # for str.translate of latin-1 text
+_BYTE_OF = np.zeros(max(map(ord, BYTE_TO_UNICODE)) + 1, np.uint8)  # code point of the alphabet → its byte
+_BYTE_OF[[ord(c) for c in BYTE_TO_UNICODE]] = np.arange(256)
 _NOT_BYTE_ALPHABET = re.compile("[^" + re.escape("".join(BYTE_TO_UNICODE)) + "]")
 
 
@@ -129,7 +137,6 @@ class Tokenizer:
         self.n_vocab = n = len(tokens)
         if "" in tokens:  # llama.cpp renames empty entries so every id keeps a distinct text
             tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self._tokens = tokens
 
         def token_id(key: str) -> int | None:
             value = _get(md, key, int, required=False)
@@ -165,11 +172,14 @@ class Tokenizer:
             types[i] = CONTROL
         eog.discard(None)
         self.eog_ids = frozenset(eog)  # type: ignore[arg-type]
-        self._types = types
+        # One byte of type per id, and the texts only as their bytes (token_text reads them back): kept as strings
+        # beside the Rust tokenizer's own copy, a 248k vocabulary took some 35 MiB more.
+        self._types = bytes(types)
 
         pairs = self._parse_merges(merges)
-        self._hf_plain, self._hf_special = self._build_hf(vocab, pairs)
-        self._pieces, self._pieces_visible = self._build_pieces()
+        self._hf_plain, self._hf_special = self._build_hf(tokens, vocab, pairs)
+        self._blob, self._at = self._build_pieces(tokens)
+        self._hidden = self._types.translate(_HIDDEN)
 
     @staticmethod
     def _parse_merges(merges: list[str]) -> list[tuple[str, str]]:
@@ -184,7 +194,7 @@ class Tokenizer:
             pairs.append((merge[:cut], merge[cut + 1:]))
         return pairs
 
-    def _build_hf(self, vocab: dict[str, int], pairs: list[tuple[str, str]]
+    def _build_hf(self, tokens: list[str], vocab: dict[str, int], pairs: list[tuple[str, str]]
                   ) -> tuple[tokenizers.Tokenizer, tokenizers.Tokenizer]:
         try:
             # ignore_merges=False: llama.cpp never looks a whole piece up in the vocabulary first,
@@ -198,7 +208,7 @@ class Tokenizer:
         ])
 
         def added(i: int) -> AddedToken:
-            return AddedToken(self._tokens[i], special=self._types[i] != USER_DEFINED, normalized=False,
+            return AddedToken(tokens[i], special=self._types[i] != USER_DEFINED, normalized=False,
                               lstrip=False, rstrip=False, single_word=False)
 
         # USER_DEFINED texts are always matched (llama.cpp does so even without parse_special);
@@ -217,23 +227,35 @@ class Tokenizer:
             built.append(hf)
         return built[0], built[1]
 
-    def _build_pieces(self) -> tuple[list[bytes], list[bytes]]:
-        """Bytes each id decodes to, and the same with special tokens rendered as nothing."""
-        byte_level = [i for i, t in enumerate(self._types) if t not in (CONTROL, UNKNOWN, USER_DEFINED, UNUSED)]
-        text = "".join(self._tokens[i] for i in byte_level)
-        bad = _NOT_BYTE_ALPHABET.search(text)
-        if bad:
-            culprit = next(i for i in byte_level if _NOT_BYTE_ALPHABET.search(self._tokens[i]))
-            raise TokenizerError(
-                f"tokenizer.ggml.tokens[{culprit}] {self._tokens[culprit]!r} holds {bad.group()!r}, "
-                "which is outside the GPT-2 byte alphabet")
-        # Each byte-alphabet character stands for one byte; special and user-defined tokens are
-        # stored as their raw text instead.
-        raw, hidden = (CONTROL, UNKNOWN, UNUSED, USER_DEFINED), (CONTROL, UNKNOWN, UNUSED)
-        pieces = [tok.encode() if typ in raw else tok.translate(_UNICODE_TO_BYTE).encode("latin-1")
-                  for tok, typ in zip(self._tokens, self._types)]
-        visible = [b"" if typ in hidden else piece for piece, typ in zip(pieces, self._types)]
-        return pieces, visible
+    def _build_pieces(self, tokens: list[str]) -> tuple[bytes, array]:
+        """The bytes each id decodes to, all in one buffer, and where each id's bytes begin (n_vocab + 1 offsets)."""
+        raw = [m.start() for m in _RAW_TYPE.finditer(self._types)]
+        parts: list[bytes] = []
+        start = 0
+        for end in [*raw, len(tokens)]:
+            # A run of byte-level tokens: each character of the GPT-2 byte alphabet stands for one byte.
+            run = "".join(tokens[start:end])
+            bad = _NOT_BYTE_ALPHABET.search(run)
+            if bad:
+                culprit = next(i for i in range(start, end) if _NOT_BYTE_ALPHABET.search(tokens[i]))
+                raise TokenizerError(
+                    f"tokenizer.ggml.tokens[{culprit}] {tokens[culprit]!r} holds {bad.group()!r}, "
+                    "which is outside the GPT-2 byte alphabet")
+            parts.append(_BYTE_OF[np.frombuffer(run.encode("utf-32-le"), np.uint32)].tobytes())
+            if end < len(tokens):  # special and user-defined tokens are stored as their raw text
+                parts.append(tokens[end].encode())
+            start = end + 1
+        sizes = list(map(len, tokens))
+        for i in raw:
+            sizes[i] = len(tokens[i].encode())
+        return b"".join(parts), array("q", accumulate(sizes, initial=0))
+
+    def _bytes(self, ids: Sequence[int], skip_special: bool) -> bytes:
+        """The bytes of `ids` (checked), special tokens as nothing with skip_special."""
+        blob, at, hidden = self._blob, self._at, self._hidden
+        if skip_special:
+            return b"".join([blob[at[i]:at[i + 1]] for i in self._checked(ids) if not hidden[i]])
+        return b"".join([blob[at[i]:at[i + 1]] for i in self._checked(ids)])
 
     def encode(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. With special=False, control-token texts in it are plain text."""
@@ -256,8 +278,7 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. skip_special drops control/unused tokens."""
-        pieces = self._pieces_visible if skip_special else self._pieces
-        return b"".join([pieces[i] for i in self._checked(ids)]).decode("utf-8", "replace")
+        return self._bytes(ids, skip_special).decode("utf-8", "replace")
 
     def _checked(self, ids: Sequence[int]) -> Sequence[int]:
         # Negative ids would silently index from the end of the piece table.
@@ -268,11 +289,12 @@ class Tokenizer:
 
     def token_text(self, id: int) -> str:
         """The vocabulary string of `id` (byte-level alphabet for ordinary tokens)."""
-        return self._tokens[self._checked([id])[0]]
+        raw = self.token_bytes(id)
+        return raw.decode() if self._types[id] in _RAW else raw.decode("latin-1").translate(_BYTE_TO_UNICODE)
 
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes `id` stands for; special and user-defined tokens give their UTF-8 text."""
-        return self._pieces[self._checked([id])[0]]
+        return self._bytes([id], False)
 
     def token_type(self, id: int) -> int:
         """The `tokenizer.ggml.token_type` value of `id`, after llama.cpp's EOG-to-CONTROL fix-up."""
@@ -283,7 +305,7 @@ class Tokenizer:
 
     def control_texts(self) -> list[str]:
         """The texts of every control token (one pass: a 248k vocabulary, not 248k calls)."""
-        return [t for t, typ in zip(self._tokens, self._types) if typ == CONTROL]
+        return [self.token_text(m.start()) for m in re.finditer(bytes([CONTROL]), self._types)]
 
     def detokenizer(self, *, skip_special: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special=skip_special)
@@ -293,16 +315,14 @@ class IncrementalDetokenizer:
     """Streams ids to text without ever emitting half of a multi-byte UTF-8 sequence."""
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._pieces = tokenizer._pieces_visible if skip_special else tokenizer._pieces
+        self._tokenizer, self._skip_special = tokenizer, skip_special
         # The stdlib incremental decoder holds an incomplete tail back and turns bytes that can
         # no longer start/continue a valid sequence into U+FFFD, exactly like a one-shot decode.
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, ids: Sequence[int]) -> str:
         """Text completed by `ids` (possibly empty while a character is still incomplete)."""
-        pieces = self._pieces
-        return self._decoder.decode(b"".join([pieces[i] for i in self._tokenizer._checked(ids)]))
+        return self._decoder.decode(self._tokenizer._bytes(ids, self._skip_special))
 
     def flush(self) -> str:
         """Whatever is held back, an incomplete final sequence rendered as U+FFFD; then reset."""

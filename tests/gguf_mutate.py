@@ -223,7 +223,7 @@ def fingerprint(path: Path, opener: Callable[[Path], Any]) -> str:
         h.update(repr((name, int(t.qtype), t.shape)).encode())
         h.update(memoryview(np.ascontiguousarray(mf.raw(name)).view(np.uint8)))
     h.update(repr((tok.n_vocab, tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos, sorted(tok.eog_ids))).encode())
-    h.update(repr(tok._tokens).encode() + repr(tok._types).encode())
+    h.update(repr([(tok.token_text(i), tok.token_type(i)) for i in range(tok.n_vocab)]).encode())
     h.update(chat.source.encode())
     return h.hexdigest()
 

@@ -208,3 +208,38 @@ def test_fused_expert_tensors_are_refused_clearly(tmp_path: Path) -> None:
     p = rewrite(fixture_path(s), tmp_path / "fused.gguf", extra={"blk.0.ffn_gate_up_exps.weight": fused})
     with pytest.raises(UnsupportedModelError, match="fused expert tensors"):
         open_model(p)
+
+
+def test_string_arrays_are_decoded_only_when_asked() -> None:
+    """The vocabulary and merges stay bytes in the mapping (a 248k-token file's take ~50 MiB as Python strings, used
+    only to build the tokenizer): each read decodes them anew, and nothing keeps them once the tokenizer is built."""
+    from engine.generate import text_side
+    from engine.storage.gguf_read import Strings
+
+    path = fixture_path(TINY_MOE)
+    mf = open_model(path)
+    ref = GGUFReader(path).fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert isinstance(mf.gguf.fields[key].value, Strings)
+        got = mf.get(key)
+        assert got == ref[key].contents() and got is not mf.get(key)
+    text_side(mf)
+    assert not any(isinstance(v, list) for v in mf.__dict__.get("_values", {}).values())
+
+
+def test_string_arrays_that_are_not_utf8_are_refused_at_open(tmp_path: Path) -> None:
+    """Strings are checked at open as one block, each length field read as spaces: a multi-byte character cut short
+    at a string's end, or one begun before a string's start, meets a space and fails the check."""
+    data = fixture_path(TINY_MOE).read_bytes()
+    tokens = open_model(fixture_path(TINY_MOE)).get("tokenizer.ggml.tokens")
+    ends = next(t.encode() for t in tokens if len(t.encode()) > len(t) > 1 and ord(t[-1]) > 0x7F)
+    starts = next(t.encode() for t in tokens if len(t.encode()) > len(t) > 1 and ord(t[0]) > 0x7F)
+    p = tmp_path / "u.gguf"
+    for text, at in ((ends, -1), (starts, 0)):  # a last continuation byte made ASCII; a first lead byte made one
+        record = len(text).to_bytes(8, "little") + text
+        i = data.index(record) + 8 + at % len(text)
+        bad = bytearray(data)
+        bad[i] = 0x21 if at else 0x80
+        p.write_bytes(bytes(bad))
+        with pytest.raises(ModelFormatError, match="not UTF-8"):
+            open_model(p)

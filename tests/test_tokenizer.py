@@ -9,6 +9,7 @@ looks a whole piece up in the vocabulary first, llama.cpp (and we) only merge.
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import importlib
 import importlib.resources
@@ -16,6 +17,7 @@ import inspect
 import json
 import os
 import random
+import tracemalloc
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -373,6 +375,26 @@ def test_token_info_and_eog(tok: Tokenizer, vocab: Qwen36) -> None:
         tok.decode([QWEN36_N_VOCAB])
     with pytest.raises(ValueError):
         tok.token_text(-1)
+
+
+def test_a_built_tokenizer_keeps_no_python_copy_of_the_vocabulary(vocab: Qwen36) -> None:
+    """The Rust tokenizer holds the vocabulary and merges; beside it only each id's bytes in one buffer, their offsets
+    and one byte of type per id are kept (the token strings, a bytes object per id and a list of types took some
+    50 MiB for 248k tokens), and every token's text reads back from its bytes."""
+    md = vocab.metadata
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tok = Tokenizer.from_metadata(md)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    # ~2 MiB of bytes and 2 MiB of offsets, and the UTF-8 forms Python caches in md's strings as they go to Rust
+    assert kept < 10 << 20, kept
+    assert all(tok.token_text(i) == t for i, t in enumerate(md["tokenizer.ggml.tokens"]))
+    assert tok.control_texts() == [t for t, typ in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"])
+                                   if typ == CONTROL]
 
 
 def test_decode_skip_special(tok: Tokenizer) -> None:

@@ -9,8 +9,10 @@ The format: github.com/ggml-org/ggml/blob/master/docs/gguf.md.
 """
 from __future__ import annotations
 
+import codecs
 import os
 import struct
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +53,31 @@ _TYPED_VIEWS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: 
                 GGMLQuantizationType.I64: np.int64}
 
 
+class Strings:
+    """A string array of the header, decoded only when asked (`tolist`): a 248k-token vocabulary and its merges take
+    ~50 MiB as Python strings, needed only while a tokenizer is built. Its bytes were checked to be UTF-8 at open."""
+
+    def __init__(self, data: np.ndarray, starts: np.ndarray, end: int):
+        """`starts`: where each string's bytes begin in `data` (each after its 8-byte length); `end`: past the last."""
+        self._data, self._starts, self._end = data, starts, end
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def tolist(self) -> list[str]:
+        if not len(self._starts):
+            return []
+        base = int(self._starts[0])
+        block = bytes(self._data[base:self._end])
+        begins = self._starts - base
+        ends = np.append(begins[1:] - 8, self._end - base)  # each string ends where the next one's length begins
+        return [block[a:b].decode("utf-8") for a, b in zip(array("q", begins.tobytes()), array("q", ends.tobytes()))]
+
+
 @dataclass(frozen=True)
 class Field:
-    """One metadata key: its type (the item type for arrays) and value. Numeric arrays stay numpy views."""
+    """One metadata key: its type (the item type for arrays) and value. Numeric arrays stay numpy views, string
+    arrays undecoded (Strings)."""
 
     name: str
     type: GGUFValueType
@@ -63,6 +87,8 @@ class Field:
 
     def contents(self) -> Any:
         v = self.value
+        if isinstance(v, Strings):
+            return v.tolist()
         if isinstance(v, np.ndarray):
             return [bool(x) for x in v] if self.item_type == GGUFValueType.BOOL else v.tolist()
         return bool(v) if self.type == GGUFValueType.BOOL else v
@@ -136,11 +162,12 @@ class GGUFFile:
             self._fail("text that is not UTF-8")
         raise AssertionError  # unreachable: _fail raises
 
-    def _strings(self, n: int) -> list[str]:
-        """n strings in a row (a 248k-token vocabulary: one tight loop over the lengths, then one decode each)."""
+    def _strings(self, n: int) -> Strings:
+        """n strings in a row, checked to be UTF-8 but left undecoded (a 248k-token vocabulary: one tight loop over the
+        lengths, then one check of all the bytes)."""
         buf, pos, end = self._buf, self._pos, self.size
         unpack = _U64.unpack_from
-        spans = []
+        starts = array("q")
         for _ in range(n):
             if end - pos < 8:
                 self._pos = pos
@@ -150,16 +177,22 @@ class GGUFFile:
             if m > end - pos:
                 self._pos = pos
                 self._need(m)
-            spans.append((pos, m))
+            starts.append(pos)
             pos += m
-        base = spans[0][0] if spans else pos
-        block = bytes(buf[base:pos])
-        try:
-            out = [block[a - base:a - base + m].decode("utf-8") for a, m in spans]
-        except UnicodeDecodeError:
-            self._fail("text that is not UTF-8")
+        at = np.frombuffer(starts, dtype=np.int64)
+        if n:
+            # Each length field as eight spaces: every string then stands between ASCII bytes, so the whole block is
+            # UTF-8 exactly when each string is (a sequence cut short, or begun mid-character, meets a space).
+            base = int(at[0]) - 8
+            block = np.array(self.data[base:pos])
+            for k in range(1, 9):
+                block[at - base - k] = 0x20
+            try:
+                codecs.utf_8_decode(block, "strict", True)
+            except UnicodeDecodeError:
+                self._fail("text that is not UTF-8")
         self._pos = pos
-        return out
+        return Strings(self.data, at, pos)
 
     def _value_type(self, raw: int) -> GGUFValueType:
         try:

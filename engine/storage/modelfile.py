@@ -243,14 +243,17 @@ class ModelFile:
         return value
 
     def _value(self, key: str) -> Any:
+        field = self.gguf.fields[key]
+        if field.item_type is not None:  # arrays anew on each call: kept here, a vocabulary would outlive its use
+            return field.contents()
         cache = self.__dict__.setdefault("_values", {})
         if key not in cache:
-            cache[key] = self.gguf.fields[key].contents()
+            cache[key] = field.contents()
         return cache[key]
 
-    @cached_property
+    @property
     def metadata(self) -> dict[str, Any]:
-        """Every metadata key (the tokenizer arrays included) decoded once."""
+        """Every metadata key decoded, the arrays (the tokenizer's vocabulary, types and merges) anew on each call."""
         return {k: self._value(k) for k in self.keys()}
 
     @property
