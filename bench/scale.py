@@ -1,7 +1,7 @@
 """Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes on this machine, ours vs llama.cpp on the same file.
 
     python bench/scale.py [--models qwen36-35b,qwen35-9b] [--dir ~/.cache/foretell-bench] [--threads 2]
-                          [--prompt 512] [--decode 16] [--out bench/results/scale.json]
+                          [--prompt 512] [--decode 48] [--out bench/results/scale.json]
 
 The models are bench/synthetic.py's `QWEN36_35B` (UD-Q4_K_M mix, ~22 GB) and `QWEN35_9B` (Q4_K_M, ~5.7 GB):
 the published shapes with random valid blocks and a BPE vocabulary of 248,320 tokens with a merge per token,
@@ -149,7 +149,9 @@ def main() -> None:
     ap.add_argument("--dir", default=str(Path.home() / ".cache/foretell-bench"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=48,
+                    help="tokens decoded per run: MTP auto against plain is a difference of a few percent, and one "
+                         "short run on a shared host varies more than that")
     ap.add_argument("--child-timeout", type=float, default=1800.0)
     ap.add_argument("--steps", default="cold,warm,mtp",
                     help="which runs to make; the others are kept from --out (re-measuring one step)")

@@ -22,6 +22,13 @@ class GDNState:
     ssm: torch.Tensor  # [H_v, d_k, d_v] the delta-rule state S
     spare: torch.Tensor | None = None  # a second S buffer: a verify pass writes there and keeps S as it was
 
+    def own_conv(self) -> None:
+        """Give the conv state storage of its own where it views a long pass's input window: a pass leaves it as
+        the window's last K−1 rows, which keeps all K−1+n alive (a 256-token prompt chunk of a 9B model: 8 MiB per
+        layer, held through the rest of the prompt). A decode step's window is barely larger: kept as a view."""
+        if self.conv.untyped_storage().nbytes() > 2 * self.conv.nbytes:
+            self.conv = self.conv.clone()
+
 
 @dataclass
 class KVLayer:

@@ -26,6 +26,7 @@ from engine import ops
 from engine.chat import ChatFormat, Message
 from engine.errors import EngineBusyError, EngineError, LoadCancelled, TokenizerError
 from engine.storage.modelfile import ModelFile, default_model_path, open_model
+from engine.storage.pages import release_mapping
 from engine.models.build import load_model
 from engine.memory import available_bytes, plan_memory
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
@@ -88,6 +89,9 @@ class Engine:
         if not self.memory.copies:
             backend = replace(backend, copies=False)
         self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer)
+        # What loading read of the file (header, sampled tensor ends, vectors copied into floats) is copied now: its
+        # pages would otherwise stay resident in this process for nothing.
+        release_mapping(mf.gguf.data)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
         self.cache = self.model.new_cache(self.n_ctx)
         self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None

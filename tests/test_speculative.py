@@ -353,6 +353,34 @@ def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> Non
     assert split.cache.pos == whole.cache.pos == len(prompt) + 3
 
 
+@pytest.mark.parametrize("mtp,draft", [(False, None), (True, None), (True, 2)], ids=["plain", "auto", "depth-2"])
+def test_nothing_is_packed_once_decoding_has_begun(monkeypatch: pytest.MonkeyPatch, mtp: bool, draft: int | None
+                                                  ) -> None:
+    """Every weight a decode step reads, the MTP block's with MTP on (its catch-up over the prompt runs before the
+    first token), is packed by the first token: a weight packed on its first product there would put its packing
+    into the decode's time."""
+    if not ops.default_backend().packs:
+        pytest.skip("this backend packs no weight")
+    from engine.ops.linear import NativeLinear
+
+    packed_while: list[bool] = []
+    decoding = False
+    real_pack = NativeLinear.pack
+
+    def pack(self: NativeLinear, *a, **k) -> None:  # type: ignore[no-untyped-def]
+        new = self.packed is None
+        real_pack(self, *a, **k)
+        if new and self.packed is not None:
+            packed_while.append(decoding)
+
+    monkeypatch.setattr(NativeLinear, "pack", pack)
+    eng = _engine(KQUANT_MOE)
+    gen = GenerationConfig(max_tokens=24, sampling=SamplingConfig(temperature=0.0, top_k=1), mtp=mtp, draft=draft)
+    for ev in eng.generate(list(range(5, 40)), gen):
+        decoding = decoding or isinstance(ev, Token)
+    assert packed_while and not any(packed_while)
+
+
 def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     """On random weights (acceptance 0) auto decodes plainly; its shadow probes cost one head pass each and
     never a verify pass, and the output is still the plain greedy output."""
@@ -360,6 +388,14 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     prompt = [5, 6, 7, 8]
     plain, _, _, _ = _gen(eng, prompt, max_tokens=80, mtp=False)
     eng.reset()
+    drafts: list[int] = []
+    real_draft = eng.drafter.draft
+
+    def draft(x: int, depth: int, *a, **k) -> Draft:  # type: ignore[no-untyped-def]
+        drafts.append(depth)
+        return real_draft(x, depth, *a, **k)
+
+    eng.drafter.draft = draft  # type: ignore[method-assign]
     got, flags, final, _ = _gen(eng, prompt, max_tokens=80, mtp=True, draft=None)
     sp = final.speculative
     assert got == plain
@@ -367,3 +403,6 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     # its first speculative step and one every 32 steps on verifying a draft).
     assert sp.verify_steps == 0 and sp.plain_steps == 79 and not any(flags), sp
     assert sp.time_s.draft > 0  # the probes ran
+    # and the head ran for the probes alone, not at every step: after the two plain steps that measure decoding, then
+    # 64 steps later (the miss doubled the interval of 32)
+    assert drafts == [1, 1]

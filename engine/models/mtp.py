@@ -5,12 +5,9 @@ import torch
 
 from engine import ops
 from engine.cache import Cache
-from engine.models.qwen35 import DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop
+from engine.models.qwen35 import STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, embed_rows
 from engine.ops import Linear
 
-# Head passes of up to this many rows take their embeddings from the per-token memo: a draft pass has at most
-# speculative.MAX_DEPTH + 1 rows (those a verify kept, plus one); longer ones catch up over a prompt.
-MAX_DEPTH_ROWS = 16
 # Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
 EMBEDDED_ROWS = 4096
 
@@ -41,8 +38,10 @@ class MTPHead:
         """RMSNorm(embed(x); enorm) of each token. A function of the token alone, so at inference the rows of
         the last few thousand tokens seen are kept (each computed as a one-row pass computes it: norms are
         per-row, batch-invariant), sparing a draft its dequantize and norm ops."""
-        if self.enorm.requires_grad or ids.numel() > MAX_DEPTH_ROWS:  # training, or a catch-up over a prompt
-            return ops.rms_norm(ops.embedding(self.embed, ids, device=self.device), self.enorm, self.hp.rms_eps,
+        # Head passes of up to STEP_ROWS rows take their embeddings from the per-token memo (a draft pass has the
+        # rows a verify kept, plus one); longer ones catch up over a prompt.
+        if self.enorm.requires_grad or ids.numel() > STEP_ROWS:  # training, or a catch-up over a prompt
+            return ops.rms_norm(embed_rows(self.embed, ids, self.device), self.enorm, self.hp.rms_eps,
                                 self.layer.backend)
         c = self._embedded
         toks = ids.tolist()
@@ -50,7 +49,7 @@ class MTPHead:
         if missing:
             if len(c) + len(missing) > EMBEDDED_ROWS:
                 c.clear()
-            rows = ops.rms_norm(ops.embedding(self.embed, torch.tensor(missing), device=self.device), self.enorm,
+            rows = ops.rms_norm(embed_rows(self.embed, torch.tensor(missing), self.device), self.enorm,
                                 self.hp.rms_eps, self.layer.backend)
             c.update(zip(missing, rows))
         return c[toks[0]].unsqueeze(0) if len(toks) == 1 else torch.stack([c[t] for t in toks])

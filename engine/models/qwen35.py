@@ -20,8 +20,26 @@ from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer
 from engine.expert_cache import ExpertCache
 from engine.ops import Experts, Linear
 from engine.storage.modelfile import HParams
+from engine.storage.pages import read_rows
+from engine.storage.qtensor import QTensor
 
 Hook = Callable[[str, int, torch.Tensor], None]
+
+# Passes of up to this many rows are decode steps and verify passes (at most speculative.MAX_DEPTH + 1 rows); longer
+# ones process a prompt, or the MTP head's catch-up over one.
+STEP_ROWS = 16
+
+
+def embed_rows(table: ops.Weight, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows `ids` of an embedding table as float32 (ops.embedding). A prompt's rows of a table in the model file are
+    read from the file (storage.pages.read_rows): read through its mapping, each left the folio around it mapped in
+    this process (64 KiB, or 2 MiB where the page cache holds the file in huge pages: ~300 MiB for a 256-token chunk
+    of a 248k vocabulary). A step's few rows are read through the mapping, which costs a decode step less time."""
+    if ids.numel() > STEP_ROWS and isinstance(table, QTensor) and len(table.shape) == 2:
+        rows = read_rows(table.raw, ids.reshape(-1).tolist())
+        if rows is not None:
+            table, ids = QTensor(rows, table.qtype, (rows.shape[0], table.n_cols)), torch.arange(rows.shape[0])
+    return ops.embedding(table, ids, device=device)
 
 
 def _noop(name: str, il: int, t: torch.Tensor) -> None:
@@ -290,6 +308,8 @@ class DecoderLayer:
             if self._fused is not None:
                 state = cache.gdn[il] if isinstance(self.mixer, GatedDeltaNet) else cache.kv[il]
                 out, idx = self._fused(x, state, pos, rope, capture, il)  # type: ignore[operator]
+                if capture is None and isinstance(state, GDNState):
+                    state.own_conv()
                 if idx is not None and isinstance(self.ffn, MoE) and self.ffn.stats is not None:
                     self.ffn.stats.add(il, idx, self.ffn.hp.n_expert)
                 return out
@@ -297,6 +317,8 @@ class DecoderLayer:
         cb("attn_norm", il, a)
         if isinstance(self.mixer, GatedDeltaNet):
             y = self.mixer(a, cache.gdn[il], cb, capture, chunked)
+            if capture is None:  # a verify pass's window stays: its ConvSteps view it until the commit
+                cache.gdn[il].own_conv()
         else:
             y = self.mixer(a, cache.kv[il], pos, rope, cb)
         cb("attn_residual_in", il, y)
@@ -359,7 +381,7 @@ class Qwen35Model:
                      devices={i: d for i, d in enumerate(self.layer_devices)})
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return ops.embedding(self.tok_embd, tokens, device=self.layer_devices[0] if self.layers else self.device)
+        return embed_rows(self.tok_embd, tokens, self.layer_devices[0] if self.layers else self.device)
 
     def forward(self, tokens: torch.Tensor | list[int], cache: Cache, *, logit_rows: str = "last",
                 capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:

@@ -1,10 +1,13 @@
-"""Memory tricks for model files: malloc tuning for dequantization tiles, and dropping the resident pages of file
-bytes the engine reads from another copy (a packed or stacked weight)."""
+"""Memory tricks for model files: malloc tuning for dequantization tiles, dropping the resident pages of file bytes
+the engine reads from another copy (a packed or stacked weight) or read only while loading, and reading scattered rows
+from the file instead of through its mapping."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,30 +31,60 @@ def tune_malloc() -> None:
     mallopt(m_trim_threshold, 256 << 20)
 
 
-# Address ranges of read-only GGUF file mappings, each with a weak reference to the array that holds the mapping:
-# a range counts only while its mapping lives (a later mapping may reuse the addresses).
-_FILE_MAPPINGS: list[tuple[weakref.ref, int, int]] = []
+@dataclass(frozen=True)
+class _Mapping:
+    """A read-only GGUF file mapping: its address range, counted only while the array holding the mapping lives (a
+    later mapping may reuse the addresses), and a descriptor of the same file, opened with it."""
+
+    ref: weakref.ref
+    start: int
+    end: int
+    fd: int
+
+
+_FILE_MAPPINGS: list[_Mapping] = []
 _MADV_DONTNEED = 4
 
 
-def register_file_mapping(arr: np.ndarray) -> None:
-    """Record `arr` (a read-only memory map of a model file) as bytes that `release_pages` may drop."""
+def register_file_mapping(arr: np.memmap) -> None:
+    """Record `arr` (a read-only memory map of a model file) as bytes that `release_pages` may drop and `read_rows`
+    may read from the file."""
     start = arr.ctypes.data
-    _FILE_MAPPINGS[:] = [m for m in _FILE_MAPPINGS if m[0]() is not None] + [(weakref.ref(arr), start, start + arr.nbytes)]
+    fd = os.open(arr.filename, os.O_RDONLY)  # now, as the mapping: a file replaced later is not the one mapped
+    weakref.finalize(arr, os.close, fd)
+    _FILE_MAPPINGS[:] = [m for m in _FILE_MAPPINGS if m.ref() is not None] + \
+        [_Mapping(weakref.ref(arr), start, start + arr.nbytes, fd)]
+
+
+def _mapping_of(lo: int, hi: int) -> _Mapping | None:
+    return next((m for m in _FILE_MAPPINGS if m.ref() is not None and m.start <= lo and hi <= m.end), None)
 
 
 def release_pages(t: torch.Tensor) -> bool:
     """Drop the resident pages of t's bytes when t views a registered file mapping: they are clean copies of the
     file and come back from it if read again. For weights that the engine reads from another copy (kquant's packed
     Q4_K) so they stop counting twice in the process's memory. Anything else (t's own memory) is left alone."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+    if t.device.type != "cpu":
         return False
     lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    if not any(ref() is not None and start <= lo and hi <= end for ref, start, end in _FILE_MAPPINGS):
+    return _drop(lo, lo + t.numel() * t.element_size())
+
+
+def release_mapping(arr: np.ndarray) -> bool:
+    """Drop every resident page of a registered file mapping: what loading read of it (the header, the sampled ends
+    of every tensor, the small tensors copied into floats) and no longer reads there. The mapping stays valid: a
+    later read brings a page back from the page cache."""
+    lo = arr.ctypes.data
+    return _drop(lo, lo + arr.nbytes)
+
+
+def _drop(lo: int, hi: int) -> bool:
+    """madvise(DONTNEED) over the pages of [lo, hi) when they lie in a registered file mapping: the pages it shares
+    with neighbouring bytes too (clean copies of the file as well: a reader there faults them back)."""
+    if not sys.platform.startswith("linux") or _mapping_of(lo, hi) is None:
         return False
     page = 4096
-    a, b = -(-lo // page) * page, hi // page * page
+    a, b = lo // page * page, -(-hi // page) * page
     if b <= a:
         return False
     try:
@@ -60,3 +93,25 @@ def release_pages(t: torch.Tensor) -> bool:
         return False
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise(a, b - a, _MADV_DONTNEED) == 0
+
+
+def read_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """Rows `rows` of t (a 2-D view of a registered file mapping, each row's bytes contiguous) read from the file into
+    new memory, not through the mapping: a read there maps the folio around each row into this process and leaves it
+    there (64 KiB, or 2 MiB where the page cache holds the file in huge pages). For scattered lookups in a big table
+    (token embeddings). None where t views no such mapping or the system has no preadv."""
+    if t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1 or not hasattr(os, "preadv"):
+        return None
+    size = t.element_size()
+    lo = t.data_ptr()
+    m = _mapping_of(lo, lo + (t.shape[0] * t.stride(0)) * size)
+    if m is None:
+        return None
+    if rows and not 0 <= min(rows) <= max(rows) < t.shape[0]:
+        raise IndexError(f"row {min(rows) if min(rows) < 0 else max(rows)} of a table of {t.shape[0]}")
+    width, stride, at = t.shape[1] * size, t.stride(0) * size, lo - m.start
+    out = np.empty((len(rows), width), dtype=np.uint8)
+    for i, r in enumerate(rows):
+        if os.preadv(m.fd, [out[i]], at + r * stride) != width:
+            raise OSError(f"the model file ends inside row {r} of a table (was it truncated?)")
+    return torch.from_numpy(out).view(t.dtype)
