@@ -382,16 +382,21 @@ def _scale(d: dict) -> list[str]:
                 "| run | engine | load s | TTFT s | load + TTFT s | prefill tok/s | decode tok/s | peak RSS MiB | "
                 "file cached after MiB |", "|---|---|---|---|---|---|---|---|---|"]
         for step, runs in m["runs"].items():
+            if step == "auto":  # ours only, plain and MTP auto in alternating pairs: below the table
+                continue
             for eng, r in runs.items():
                 dec = f"{r['decode_tok_s']:.2f}" if r["decode_tok_s"] else "–"
                 out.append(f"| {step} | {eng} | {r['load_s']:.1f} | {r['ttft_s']:.1f} | {r['load_plus_ttft_s']:.1f} | "
                            f"{r['prefill_tok_s']:.1f} | {dec} | {r['peak_rss_mib']:.0f} | {r['cached_after_mib']:.0f} |")
         ra = m["ratios_ours_over_llama"]
         fmt = lambda v: f"×{v:.2f}" if v else "–"  # noqa: E731
+        pairs = m["runs"].get("auto", {}).get("pairs")
+        how = f" (median of {len(pairs)} alternating pairs: " + ", ".join(
+            f"{p['auto']:.2f}/{p['plain']:.2f}" for p in pairs) + " tok/s)" if pairs else " (single runs)"
         out += ["", f"Ours / llama.cpp: decode {fmt(ra['decode_warm'])}, prefill {fmt(ra['prefill_warm'])}, "
                 f"decode with MTP {fmt(ra['decode_mtp'])}, speed of load + first token warm "
                 f"{fmt(ra['load_plus_ttft_warm_speed'])}, cold {fmt(ra['load_plus_ttft_cold_speed'])}; our MTP auto / "
-                f"plain {fmt(m['ours_mtp_auto_over_plain'])}. Peak RSS: ours {m['rss']['ours_peak_mib']:.0f} MiB, "
+                f"plain {fmt(m['ours_mtp_auto_over_plain'])}{how}. Peak RSS: ours {m['rss']['ours_peak_mib']:.0f} MiB, "
                 f"llama.cpp {m['rss']['llama_peak_mib']:.0f} MiB, budget 1.1 × (file + state) = "
                 f"{m['rss']['budget_mib']:.0f} MiB.", ""]
     return out

@@ -1,7 +1,8 @@
 """Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes on this machine, ours vs llama.cpp on the same file.
 
     python bench/scale.py [--models qwen36-35b,qwen35-9b] [--dir ~/.cache/foretell-bench] [--threads 2]
-                          [--prompt 512] [--decode 48] [--out bench/results/scale.json]
+                          [--prompt 512] [--decode 48] [--pairs 3] [--steps cold,warm,mtp,auto]
+                          [--out bench/results/scale.json]
 
 The models are bench/synthetic.py's `QWEN36_35B` (UD-Q4_K_M mix, ~22 GB) and `QWEN35_9B` (Q4_K_M, ~5.7 GB):
 the published shapes with random valid blocks and a BPE vocabulary of 248,320 tokens with a merge per token,
@@ -15,6 +16,9 @@ warm-up here, 2 threads), one `--prompt`-token random prompt and `--decode` gree
   still resident is recorded), so opening and the first reply read the file from disk;
 * `warm`: right after a short run of the same engine in the same mode, the file in the page cache;
 * `mtp`: warm (the MTP block's pages too), ours with MTP at auto depth, llama.cpp with its draft-mtp at n_max 2.
+* `auto`: ours only, warm, plain and MTP at auto depth in `--pairs` pairs of runs, the order alternating pair by pair:
+  `ours_mtp_auto_over_plain` is the median of the pairs' ratios (two single runs minutes apart differ by more, on a
+  shared host, than what drafting costs when nothing is drafted).
 `--steps mtp` re-measures only those runs and keeps the others from `--out` (recorded under `earlier_steps`).
 Engines alternate within each step. Recorded per run: load time (`engine.load` / `xllamacpp.Server(...)`), time to
 first token of the prompt (wall clock from the request), load + TTFT, prefill and decode tok/s, peak RSS
@@ -105,7 +109,7 @@ def measure(name: str, directory: Path, args: argparse.Namespace, previous: dict
     rng = np.random.default_rng(1)
     prompt = rng.integers(256, shape.n_vocab - 3, args.prompt).tolist()
     file_b, state_b = path.stat().st_size, state_bytes(path, N_CTX)
-    runs: dict[str, dict[str, dict]] = {"cold": {}, "warm": {}, "mtp": {}}
+    runs: dict[str, dict] = {"cold": {}, "warm": {}, "mtp": {}, "auto": {}}
     if previous is not None:  # --steps: the other steps' runs are kept from the earlier file
         runs.update({k: v for k, v in previous["runs"].items() if k not in args.steps})
     order = ("ours", "llama")
@@ -118,6 +122,19 @@ def measure(name: str, directory: Path, args: argparse.Namespace, previous: dict
             print(f"{name} {step} {eng} …", file=sys.stderr, flush=True)
             runs[step][eng] = one_run(eng, path, prompt, args.decode, args.threads, mtp, cold, args.child_timeout)
             print(f"   {json.dumps(runs[step][eng])}", file=sys.stderr, flush=True)
+    if "auto" in args.steps:
+        pairs = []
+        one_run("ours", path, prompt, 2, args.threads, True, False, args.child_timeout)  # the file (MTP block too) read
+        for i in range(args.pairs):
+            got = {}
+            for mtp in ((False, True) if i % 2 == 0 else (True, False)):
+                print(f"{name} auto pair {i} {'auto' if mtp else 'plain'} …", file=sys.stderr, flush=True)
+                got["auto" if mtp else "plain"] = one_run("ours", path, prompt, args.decode, args.threads, mtp, False,
+                                                          args.child_timeout)["decode_tok_s"]
+            pairs.append({**got, "first": "plain" if i % 2 == 0 else "auto", "ratio": got["auto"] / got["plain"]})
+            print(f"   {json.dumps(pairs[-1])}", file=sys.stderr, flush=True)
+        runs["auto"] = {"pairs": pairs}
+    auto_pairs = runs.get("auto", {}).get("pairs")
     budget_mib = 1.1 * (file_b + state_b) / 2**20
 
     def ratio(step: str, key: str, higher_better: bool = True) -> float | None:
@@ -136,10 +153,11 @@ def measure(name: str, directory: Path, args: argparse.Namespace, previous: dict
             "load_plus_ttft_warm_speed": ratio("warm", "load_plus_ttft_s", higher_better=False),
             "load_plus_ttft_cold_speed": ratio("cold", "load_plus_ttft_s", higher_better=False),
         },
-        "ours_mtp_auto_over_plain": (runs["mtp"]["ours"]["decode_tok_s"] or 0) / runs["warm"]["ours"]["decode_tok_s"],
+        "ours_mtp_auto_over_plain": float(np.median([p["ratio"] for p in auto_pairs])) if auto_pairs else
+        (runs["mtp"]["ours"]["decode_tok_s"] or 0) / runs["warm"]["ours"]["decode_tok_s"],
         "rss": {"budget_mib": budget_mib,
-                "ours_peak_mib": max(r["ours"]["peak_rss_mib"] for r in runs.values()),
-                "llama_peak_mib": max(r["llama"]["peak_rss_mib"] for r in runs.values())},
+                "ours_peak_mib": max(r["ours"]["peak_rss_mib"] for k, r in runs.items() if k != "auto"),
+                "llama_peak_mib": max(r["llama"]["peak_rss_mib"] for k, r in runs.items() if k != "auto")},
     }
 
 
@@ -153,12 +171,13 @@ def main() -> None:
                     help="tokens decoded per run: MTP auto against plain is a difference of a few percent, and one "
                          "short run on a shared host varies more than that")
     ap.add_argument("--child-timeout", type=float, default=1800.0)
-    ap.add_argument("--steps", default="cold,warm,mtp",
+    ap.add_argument("--pairs", type=int, default=3, help="the auto step's pairs of plain and MTP auto runs")
+    ap.add_argument("--steps", default="cold,warm,mtp,auto",
                     help="which runs to make; the others are kept from --out (re-measuring one step)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/scale.json"))
     args = ap.parse_args()
     args.steps = args.steps.split(",")
-    old = json.loads(Path(args.out).read_text()) if set(args.steps) != {"cold", "warm", "mtp"} else None
+    old = json.loads(Path(args.out).read_text()) if set(args.steps) != {"cold", "warm", "mtp", "auto"} else None
     import psutil
     import xllamacpp
 
@@ -170,7 +189,7 @@ def main() -> None:
     if old is not None:
         out["models"] = old["models"]
         out["earlier_steps"] = {"command": old["command"], "date": old["date"], "git": old["git"],
-                                "kept": [s for s in ("cold", "warm", "mtp") if s not in args.steps]}
+                                "kept": [s for s in ("cold", "warm", "mtp", "auto") if s not in args.steps]}
     for name in args.models.split(","):
         out["models"][name] = measure(name, Path(args.dir), args, old["models"].get(name) if old else None)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
