@@ -75,3 +75,29 @@ def test_rows_read_from_the_file_are_the_mapped_rows() -> None:
     assert read_rows(table.clone(), rows) is None  # the process's own memory: nothing to read from a file
     with pytest.raises(IndexError):
         read_rows(table, [384])
+
+
+def test_packed_weights_are_allocated_in_transparent_huge_pages() -> None:
+    """pages.huge_empty: 2 MiB-aligned, and where the kernel takes madvise(MADV_HUGEPAGE) the touched bytes are backed
+    by huge pages (what the packed weights use: fewer TLB walks, prefetchers not stopped every 4 KiB)."""
+    from engine.storage.pages import HUGE, huge_empty
+
+    small = huge_empty(1000)
+    assert small.numel() == 1000
+    t = huge_empty(3 * HUGE + 123)
+    assert t.numel() == 3 * HUGE + 123 and t.data_ptr() % HUGE == 0
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" in mode:
+        return  # the system gives no huge pages to anyone: the tensor is still a plain, usable one
+    t.fill_(1)
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
+    huge_kb, start = 0, None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            a, b = (int(x, 16) for x in head.split("-"))
+            start = a if a < hi and b > lo else None
+        elif start is not None and line.startswith("AnonHugePages:"):
+            huge_kb += int(line.split()[1])
+    assert huge_kb >= 2 * HUGE // 1024  # at least two of its three whole huge pages (compaction may miss one)

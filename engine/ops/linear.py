@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.ops import native, torch_int8
 from engine.ops.activations import act_format, quantize, round_for
 from engine.ops.backend import ISA_LEVEL, Backend, OpEvent
-from engine.storage.pages import release_pages
+from engine.storage.pages import huge_empty, release_pages
 from engine.storage.qtensor import TILE_ELEMENTS, QTensor
 
 Weight = QTensor | torch.Tensor  # a GGUF tensor, or a float parameter while training
@@ -100,7 +100,7 @@ class NativeLinear(Linear):
             return
         raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
         nb = w.n_cols // (native.QK_8_0 if w.qtype == QT.Q8_0 else native.QK_K)
-        packed = torch.empty(native.packed_bytes(w.qtype, w.n_rows, nb), dtype=torch.uint8)
+        packed = huge_empty(native.packed_bytes(w.qtype, w.n_rows, nb))  # streamed every step: in huge pages
         # Chunk by chunk, each chunk's file pages dropped as soon as it is packed: packing a big matrix whole held
         # both copies at once (a 9B model's 0.8 GB output head raised the peak RSS by as much).
         flat, groups = raw.reshape(-1), w.n_rows // native.GROUP

@@ -4,6 +4,7 @@ from the file instead of through its mapping."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 import weakref
@@ -115,3 +116,27 @@ def read_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         if os.preadv(m.fd, [out[i]], at + r * stride) != width:
             raise OSError(f"the model file ends inside row {r} of a table (was it truncated?)")
     return torch.from_numpy(out).view(t.dtype)
+
+
+HUGE = 2 << 20
+
+
+def huge_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of nbytes in a fresh anonymous mapping whose whole 2 MiB pages are asked to be
+    transparent huge pages (madvise(MADV_HUGEPAGE) before anything touches them; memory from the heap may already
+    be faulted in 4 KiB pages): for the packed weights a decode step streams through. In 4 KiB pages each page of
+    a streamed matrix costs a TLB walk and stops the hardware prefetchers. Below a huge page, or where the system
+    has no such advice, a plain tensor."""
+    if nbytes < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # Private (a shared anonymous mapping is shmem, under another THP switch); the slack before the aligned start and
+    # past its end is never touched, so never resident.
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+    lo = t.data_ptr()
+    skip = -(-lo // HUGE) * HUGE - lo
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes // HUGE * HUGE)
+    except OSError:
+        pass
+    return t[skip:skip + nbytes]
