@@ -75,6 +75,7 @@ from bench.synthetic import MID, cached  # noqa: E402
 from engine import ops  # noqa: E402
 from engine.models.build import load_model  # noqa: E402
 from engine.storage.modelfile import default_model_path, open_model  # noqa: E402
+from engine.storage.pages import huge_empty  # noqa: E402
 from tests.fixtures import restore, snapshot  # noqa: E402
 
 N_CTX = 1200
@@ -109,15 +110,16 @@ def cpu_info() -> dict:
 
 
 class ReadBandwidth:
-    """GB/s of torch.sum over a `mib` MiB float32 buffer (pages touched before timing), best and median of reps.
+    """GB/s of torch.sum over a `mib` MiB float32 buffer in huge pages (pages touched before timing), best and median
+    of reps.
     Random values: a buffer of ones, every page alike, read at 74 GB/s on a 2-core VM whose memory gives 45 (the
     host merges identical pages). The same VM measured 45 and 63-75 GB/s on 2 threads minutes apart (where the
     host places its two cores), so each case measures it again before and after its passes."""
 
     def __init__(self, mib: int, reps: int):
         self.mib, self.reps = mib, reps
-        self.buf = torch.empty(mib * (1 << 20) // 4, dtype=torch.float32).uniform_(
-            generator=torch.Generator().manual_seed(0))
+        # In transparent huge pages, as the packed weights are (engine.storage.pages.huge_empty): the machine's best
+        self.buf = huge_empty(mib << 20).view(torch.float32).uniform_(generator=torch.Generator().manual_seed(0))
 
     def __call__(self, threads: int) -> dict:
         prev = torch.get_num_threads()
