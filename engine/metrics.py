@@ -62,8 +62,8 @@ def cuda_status() -> tuple[bool, str]:
     import torch
 
     if torch.version.cuda is None:
-        return False, (f"this build of torch ({torch.__version__}) has no CUDA support; `make setup-cuda` installs "
-                       "the CUDA build (see README)")
+        return False, (f"this build of torch ({torch.__version__}) has no CUDA support; in a source checkout, "
+                       "make setup-cuda installs the CUDA build (see README)")
     if not torch.cuda.is_available():
         return False, "no usable NVIDIA GPU or driver was found"
     from engine.ops.backend import triton_runs
