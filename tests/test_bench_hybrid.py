@@ -3,7 +3,6 @@
 CUDA. The measurements themselves need a GPU (see the script's docstring)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,7 +17,6 @@ from engine.placement import MiB, ModelSizes, PlacementConfig, plan_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench/hybrid.py"
-HAS_XLLAMACPP = importlib.util.find_spec("xllamacpp") is not None
 
 
 def test_configuration_names() -> None:
@@ -62,8 +60,7 @@ def test_standin_sweep_writes_hit_rates(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--cpu-standin", "--model", "embedded",
            "--configs", "resident,moe-c4-load,moe-c4-cpu", "--decode", "6", "--chat-prompts", "1",
            "--threads", "1", "--out", str(out)]
-    if HAS_XLLAMACPP:
-        cmd += ["--llama-cpu"]  # llama.cpp's CPU build beside it: the llama.cpp side and its --n-cpu-moe overrides
+    cmd += ["--llama-cpu"]  # llama.cpp's CPU build beside it (a test dependency): its side and --n-cpu-moe overrides
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -94,10 +91,9 @@ def test_standin_sweep_writes_hit_rates(tmp_path: Path) -> None:
     shares = m["configs"]["resident"]["ours"]["plain"]["routing_top_share"]
     assert all(0.0 < x <= 1.0 for per in shares.values() for x in per.values())
     assert m["configs"]["moe-c4-cpu"]["llama_equivalent"]["n_cpu_moe"] == 6  # 8 × 4 experts = 2 layers' worth
-    if HAS_XLLAMACPP:
-        lc = m["configs"]["moe-c4-cpu"]["llama_cpp"]["plain"]
-        assert lc["decode_tok_s"] > 0 and lc["params"]["tensor_buft_overrides"].count("=CPU") == 6
-        assert m["configs"]["moe-c4-cpu"]["ratios_ours_over_llama"]["decode_plain_vs_llama_plain"] > 0
+    lc = m["configs"]["moe-c4-cpu"]["llama_cpp"]["plain"]
+    assert lc["decode_tok_s"] > 0 and lc["params"]["tensor_buft_overrides"].count("=CPU") == 6
+    assert m["configs"]["moe-c4-cpu"]["ratios_ours_over_llama"]["decode_plain_vs_llama_plain"] > 0
 
 
 @pytest.mark.skipif(torch.version.cuda is not None and torch.cuda.is_available(), reason="CUDA is here")
@@ -119,13 +115,12 @@ def test_bad_configuration_is_one_line(tmp_path: Path) -> None:
 
 
 def test_llama_gpu_devices_are_told_from_cpu_ones() -> None:
-    if HAS_XLLAMACPP:
-        import xllamacpp as xl
+    import xllamacpp as xl
 
-        kinds = {m.name.rsplit("_", 1)[-1]: m for m in xl.ggml_backend_dev_type}
-        assert hybrid._is_gpu({"type": kinds["GPU"]}) and not hybrid._is_gpu({"type": kinds["CPU"]})
-        assert not hybrid._is_gpu({"type": kinds["ACCEL"]})
-        assert not any(hybrid._is_gpu(d) for d in xl.get_device_info() if hybrid._dev_type(d) == "CPU")
+    kinds = {m.name.rsplit("_", 1)[-1]: m for m in xl.ggml_backend_dev_type}
+    assert hybrid._is_gpu({"type": kinds["GPU"]}) and not hybrid._is_gpu({"type": kinds["CPU"]})
+    assert not hybrid._is_gpu({"type": kinds["ACCEL"]})
+    assert not any(hybrid._is_gpu(d) for d in xl.get_device_info() if hybrid._dev_type(d) == "CPU")
     assert hybrid._is_gpu({"type": "GGML_BACKEND_DEVICE_TYPE_GPU"})
     assert not hybrid._is_gpu({"type": "GGML_BACKEND_DEVICE_TYPE_CPU"})
 

@@ -24,23 +24,18 @@ from engine.metrics import cuda_status
 from engine.ops import triton_q
 from engine.ops.backend import TRITON, triton_runs
 from engine.ops.experts import Experts, moe_experts
-from engine.storage.qtensor import QTensor, block_size, type_size
-from engine.storage.quantize import F16_FIELDS
+from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
+from tests.test_quant import random_tensor
 
 DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
 TYPES = [pytest.param(t, id=t.name) for t in triton_q.TYPES]
 
 
 def _blocks(qt: QT, shape: tuple[int, ...], seed: int = 0) -> QTensor:
-    """Random valid blocks: random bytes, each float16 field a random finite scale (signs included)."""
-    rng = np.random.default_rng(seed)
-    n_rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    nb = n_rows * cols // block_size(qt)
-    raw = rng.integers(0, 256, (nb, type_size(qt)), dtype=np.uint8)
-    for off in F16_FIELDS[qt]:
-        raw[:, off:off + 2] = rng.uniform(-0.02, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
-    return QTensor(torch.from_numpy(raw.reshape(*shape[:-1], -1)), qt, shape)
+    """Random valid blocks with moderate float16 scales (tests/test_quant.py's maker)."""
+    raw = random_tensor(qt, (int(np.prod(shape[:-1])), shape[-1]), seed, wide=False)
+    return QTensor(torch.from_numpy(raw).reshape(*shape[:-1], -1), qt, shape)
 
 
 def _cols(qt: QT) -> int:

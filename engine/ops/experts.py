@@ -267,7 +267,7 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
         return reduce_slots(out.view(n, k, -1), w)
     experts_l, counts_l = experts.tolist(), counts.tolist()
     starts_l = starts.tolist() if starts is not None else [0, *itertools.accumulate(counts_l)]
-    run = _Int8(x, tokens, order, starts_l, counts_l, out, layouts) if q8 else \
+    run = _Int8(x, tokens, order, starts_l, out, layouts) if q8 else \
         _Native(x, tokens, order, starts, out) if kq else \
         _Triton(x, tokens, ex.meta(), order, starts_l, out) if ex.kind == "triton" else \
         _dequant_grouped(x, ex, tokens, order, starts_l, counts_l, out)
@@ -384,6 +384,17 @@ def _routed_native(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Expe
     return native.moe_routed(tuple(descs), xc, ic, wc, n_e, b.level)  # type: ignore[arg-type]
 
 
+def _subset_pairs(starts: torch.Tensor | list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair indices of a subset of a pass's grouped experts (group g = pairs starts[g]…starts[g+1]), positions'
+    groups in order, and each group's pair count: tensor ops, no loop over the experts."""
+    st = starts if isinstance(starts, torch.Tensor) else torch.tensor(starts, dtype=torch.long)
+    at = torch.tensor(positions, dtype=torch.long)
+    lo, counts = st[at], st[at + 1] - st[at]
+    first = torch.cumsum(counts, 0) - counts  # where each group begins in the subset
+    n = int(counts.sum())
+    return torch.repeat_interleave(lo - first, counts, output_size=n) + torch.arange(n), counts
+
+
 class _Native:
     """Runs a subset of a pass's experts on the CPU in the native kernels: each selected expert's blocks are read
     once for all its tokens, three kernel calls per subset."""
@@ -406,10 +417,9 @@ class _Native:
         if positions is None:
             pairs, starts = None, self.starts
         else:
-            at = torch.tensor(positions, dtype=torch.long)
-            pairs = torch.cat([torch.arange(int(self.starts[p]), int(self.starts[p + 1])) for p in positions])
+            pairs, counts = _subset_pairs(self.starts, positions)
             starts = torch.zeros(len(positions) + 1, dtype=torch.long)
-            torch.cumsum(self.starts[at + 1] - self.starts[at], 0, out=starts[1:])
+            torch.cumsum(counts, 0, out=starts[1:])
         tokens = self.tokens if pairs is None else self.tokens[pairs]
         g = _pairs(self.x, gate, tokens, ids, starts)
         u = _pairs(self.x, up, tokens, ids, starts)
@@ -444,9 +454,8 @@ class _Triton:
         stacks, ids = gather(positions)
         starts, out, order = self.starts, self.out, self.order
         assert starts is not None and out is not None and order is not None
-        counts = torch.tensor([starts[p + 1] - starts[p] for p in positions], device=ids.device)
-        pairs = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in positions])
-        y = self.products(stacks, ids.repeat_interleave(counts), self.tokens[pairs].to(dev))
+        pairs, counts = _subset_pairs(starts, positions)
+        y = self.products(stacks, ids.repeat_interleave(counts.to(ids.device)), self.tokens[pairs].to(dev))
         out[order[pairs]] = y.to(out.device)
 
 
@@ -454,15 +463,15 @@ class _Int8:
     """Runs a subset of a pass's experts on the CPU in torch integers, from their int8 planes."""
 
     def __init__(self, x: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor, starts: list[int],
-                 counts: list[int], out: torch.Tensor, layouts) -> None:  # type: ignore[no-untyped-def]
-        self.xr, self.tokens, self.order, self.starts, self.counts, self.out = \
-            quantize(x, "Q8_0", on_native=False), tokens, order, starts, counts, out
+                 out: torch.Tensor, layouts) -> None:  # type: ignore[no-untyped-def]
+        self.xr, self.tokens, self.order, self.starts, self.out = \
+            quantize(x, "Q8_0", on_native=False), tokens, order, starts, out
         self.layouts = layouts
 
     def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
-        pairs = torch.cat([torch.arange(self.starts[p], self.starts[p + 1]) for p in positions])
-        counts = [self.counts[p] for p in positions]
-        local = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(counts))
+        pairs, counts_t = _subset_pairs(self.starts, positions)
+        counts = counts_t.tolist()
+        local = torch.repeat_interleave(torch.arange(len(positions)), counts_t)
         gate_up, down = gather(positions)
         self.out[self.order[pairs]] = torch_int8.experts(self.xr, self.tokens[pairs], local, counts, gate_up, down,
                                                          self.layouts)

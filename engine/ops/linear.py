@@ -159,8 +159,7 @@ class TritonLinear(Linear):
             at = torch.arange(n, device=x2.device)
             y = triton_q.gemv_pairs(raw, w.qtype, n_out, k, x2, torch.zeros_like(at), at)
             return y.reshape(*x.shape[:-1], n_out)
-        # Rows per tile fixed by the weight alone, so a pass's result does not depend on how it was tiled.
-        step = max(1, min(n_out, BF16_TILE_ELEMENTS // k))
+        step = tile_rows(w, BF16_TILE_ELEMENTS)  # fixed by the weight alone: results do not depend on the tiling
         rows = raw.reshape(n_out, -1)
         xb = x2.to(torch.bfloat16)
         y = torch.empty(n, n_out, dtype=torch.float32, device=x2.device)
