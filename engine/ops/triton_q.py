@@ -160,15 +160,14 @@ def _geometry(qtype: QT, n_cols: int) -> tuple[int, int, int]:
 
 
 def gemv_pairs(raw: torch.Tensor, qtype: QT, n_out: int, n_cols: int, x: torch.Tensor, sel: torch.Tensor,
-               xrow: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+               xrow: torch.Tensor) -> torch.Tensor:
     """out[p] = W[sel[p]] @ x[xrow[p]] for the stack raw (uint8, matrices of n_out rows of n_cols values, each
     matrix's bytes contiguous and the stack's matrices at a fixed stride: raw [M, …] or [M·n_out, …]); x float32
     [R, n_cols]; sel, xrow int [P]. Returns float32 [P, n_out]."""
     units, n_blocks, row_bytes = _geometry(qtype, n_cols)
     mat_bytes = n_out * row_bytes
     p = sel.shape[0]
-    if out is None:
-        out = torch.empty(p, n_out, dtype=torch.float32, device=x.device)
+    out = torch.empty(p, n_out, dtype=torch.float32, device=x.device)
     if p == 0:
         return out
     xc = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
