@@ -21,10 +21,12 @@ Configurations (`--configs`, comma-separated; each name is '-'-joined tokens):
   `moe`      routed experts stay on the CPU (cpu_moe), with `cN` (N experts per layer) or `cNMiB`/`cNGiB` (a
              total) cached on the GPU; `load` / `cpu`: the miss policy (load the expert to the GPU, or compute it
              on the CPU; default load). `c0` is no cache at all (every expert on the CPU, either policy).
+  `nograph`  decode steps op by op (EngineConfig.step_graphs="off"); otherwise they are replayed from CUDA graphs
+             where the placement allows it (resident; recorded as `step_graphs` with captures and replays).
   e.g. `resident,moe-c0,moe-c64-load,moe-c64-cpu,moe-c2048MiB-cpu,ngl20,ngl20-moe-c16-cpu`.
-`auto` (the default) sweeps, for a model with L layers and E experts per layer: resident, moe-c{E/4}-load,
-moe-c{E/4}-cpu, moe-c{E/16}-load, moe-c{E/16}-cpu, moe-c0, ngl{L/2}; for files under 2 GiB also a MiB-sized cache
-(E/8 experts' worth per layer) and ngl{L/2} with cpu-moe. Configurations are run in that order, most wanted first,
+`auto` (the default) sweeps, for a model with L layers and E experts per layer: resident, resident-nograph,
+moe-c{E/4}-load, moe-c{E/4}-cpu, moe-c{E/16}-load, moe-c{E/16}-cpu, moe-c0, ngl{L/2}; for files under 2 GiB also a
+MiB-sized cache (E/8 experts' worth per layer) and ngl{L/2} with cpu-moe. Configurations are run in that order, most wanted first,
 so that `--budget-s` (no new run is started after that many seconds; what ran is written) cuts the least wanted.
 
 Every configuration is one child process (a fresh load with that placement, `--threads` threads) that warms up
@@ -109,6 +111,7 @@ class Config:
     cpu_moe: bool
     expert_cache: str | None  # "N" or "N MiB"; None when not cpu_moe
     miss_policy: str
+    step_graphs: str = "auto"  # "off" with the `nograph` part: every step op by op
 
     def placement(self) -> dict:
         return {"gpu_layers": self.gpu_layers, "cpu_moe": self.cpu_moe, "expert_cache": self.expert_cache,
@@ -117,7 +120,7 @@ class Config:
 
 def parse_config(name: str, n_layer: int) -> Config:
     gpu_layers: int | None = n_layer
-    cpu_moe, cache, miss, where = False, None, None, None
+    cpu_moe, cache, miss, where, graphs = False, None, None, None, "auto"
     for tok in name.split("-"):
         if tok in ("resident", "all", "auto") or re.fullmatch(r"ngl\d+", tok):
             if where is not None:
@@ -132,18 +135,20 @@ def parse_config(name: str, n_layer: int) -> Config:
             cache = m.group(1) + (" " + m.group(2) if m.group(2) else "")
         elif tok in ("load", "cpu"):
             miss = tok
+        elif tok == "nograph":
+            graphs = "off"
         else:
             raise UsageError(f"configuration {name!r}: unknown part {tok!r} (resident, auto, nglN, moe, cN, cNMiB, "
-                             "load, cpu)")
+                             "load, cpu, nograph)")
     if (cache is not None or miss is not None) and not cpu_moe:
         raise UsageError(f"configuration {name!r}: a cache size or miss policy needs 'moe' (experts on the CPU)")
     if cpu_moe and cache is None:
         cache = "0"
-    return Config(name, gpu_layers, cpu_moe, cache, miss or "load")
+    return Config(name, gpu_layers, cpu_moe, cache, miss or "load", graphs)
 
 
 def default_configs(n_layer: int, n_expert: int, expert_one: int, file_bytes: int) -> list[str]:
-    out = ["resident"]
+    out = ["resident", "resident-nograph"]
     if n_expert:
         q4, q16 = max(1, n_expert // 4), max(1, n_expert // 16)
         out += [f"moe-c{q4}-load", f"moe-c{q4}-cpu"]
@@ -214,13 +219,15 @@ def run_ours(spec: dict) -> dict:
     cuda = spec["device"].startswith("cuda")
     cuda_plan = None
     if cuda:
-        cfg = EngineConfig(n_ctx=spec["n_ctx"], device=spec["device"], n_threads=threads, **pl)
+        cfg = EngineConfig(n_ctx=spec["n_ctx"], device=spec["device"], n_threads=threads,
+                           step_graphs=spec.get("step_graphs", "auto"), **pl)
     else:  # a plan for a CUDA device, run with the CPU standing in for it (tests/test_placement.py's twin)
         mf = open_model(spec["model"])
         sizes = ModelSizes.from_model(mf, min(spec["n_ctx"], mf.hparams.n_ctx_train))
         free = spec["standin_vram_mib"] * MiB if pl["gpu_layers"] is None else None
         cuda_plan = plan_placement(sizes, PlacementConfig(device="cuda", **pl), free)
-        cfg = EngineConfig(n_ctx=spec["n_ctx"], n_threads=threads, plan=dataclasses.replace(cuda_plan, device="cpu"))
+        cfg = EngineConfig(n_ctx=spec["n_ctx"], n_threads=threads, plan=dataclasses.replace(cuda_plan, device="cpu"),
+                           step_graphs=spec.get("step_graphs", "auto"))
     t0 = time.perf_counter()
     eng = load(spec["model"], cfg)
     if cuda:
@@ -280,6 +287,9 @@ def run_ours(spec: dict) -> dict:
                                         for k in spec["share_capacities"]}
         out["modes"][mode] = res
     out["peak_rss_mib"] = decode._peak_rss_mib()
+    graphs = eng.model.step_graphs
+    out["step_graphs"] = {"setting": spec.get("step_graphs", "auto"), "used": graphs is not None,
+                          "captures": graphs.captures if graphs else 0, "replays": graphs.replays if graphs else 0}
     return out
 
 
@@ -565,6 +575,7 @@ def measure_model(name: str, args: argparse.Namespace, env: dict, result: dict,
                     continue
                 if eng == "ours":
                     spec = {**base, "device": "cpu" if args.cpu_standin else args.device, "placement": cfg.placement(),
+                            "step_graphs": cfg.step_graphs,
                             "standin_vram_mib": args.standin_vram, "modes": args.modes,
                             "share_capacities": share_caps}
                     try:
@@ -582,7 +593,7 @@ def measure_model(name: str, args: argparse.Namespace, env: dict, result: dict,
                         lkey = setting_key(lset)
                     rd = {"load_s": res["load_s"], "wall_s": res["wall_s"], "backend": res["backend"],
                           "modes": {m: summarise_mode(res, m) for m in res["modes"]}}
-                    for k in ("vram_after_load_mib", "device_used_after_load_mib"):
+                    for k in ("vram_after_load_mib", "device_used_after_load_mib", "step_graphs"):
                         if k in res:
                             rd[k] = res[k]
                     raw["ours"].append(rd)
@@ -651,7 +662,7 @@ def finish_config(c: dict, raw: dict[str, list[dict]]) -> None:
     ours_ok = [r for r in raw["ours"] if "modes" in r]
     if ours_ok:
         c["ours"] = {m: best([r["modes"][m] for r in ours_ok if m in r["modes"]]) for m in ours_ok[0]["modes"]}
-        for k in ("vram_after_load_mib", "device_used_after_load_mib", "load_s", "backend"):
+        for k in ("vram_after_load_mib", "device_used_after_load_mib", "load_s", "backend", "step_graphs"):
             if k in ours_ok[-1]:
                 c["ours"][k] = ours_ok[-1][k]
     elif raw["ours"]:

@@ -21,6 +21,30 @@ class GDNState:
     conv: torch.Tensor  # [K-1, C] the last K-1 pre-conv inputs (oldest first)
     ssm: torch.Tensor  # [H_v, d_k, d_v] the delta-rule state S
     spare: torch.Tensor | None = None  # a second S buffer: a verify pass writes there and keeps S as it was
+    fixed: bool = False  # the buffers stay where they are (a captured step reads and writes them at their addresses)
+
+    def advance_conv(self, window: torch.Tensor, n: int) -> None:
+        """After a pass over n new inputs: the state is the window's last K−1 rows. Rebound as a view (no copy; the
+        old state may be saved for backward while training), or copied into place when the buffers are fixed."""
+        if self.fixed:
+            self.conv.copy_(window[n:])
+        else:
+            self.conv = window[n:]
+
+    def set_conv(self, conv: torch.Tensor) -> None:
+        """Take a conv state (a commit's): copied into place when fixed, else rebound to a copy of its own."""
+        if self.fixed:
+            self.conv.copy_(conv)
+        else:
+            self.conv = conv.clone()
+
+    def set_ssm(self, ssm: torch.Tensor) -> None:
+        """Take a recurrent state a pass made anew (the chunk-parallel rule's): rebound, or copied into place when
+        fixed."""
+        if self.fixed:
+            self.ssm.copy_(ssm)
+        else:
+            self.ssm = ssm
 
     def own_conv(self) -> None:
         """Give the conv state storage of its own where it views a long pass's input window: a pass leaves it as
@@ -103,8 +127,10 @@ class Cache:
 
     def __init__(self, hp: HParams, n_ctx: int, device: torch.device | str = "cpu",
                  layers: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32,
-                 devices: dict[int, torch.device] | None = None):
-        """`devices` overrides `device` per layer (a hybrid placement keeps each layer's state beside it)."""
+                 devices: dict[int, torch.device] | None = None, fixed: bool = False):
+        """`devices` overrides `device` per layer (a hybrid placement keeps each layer's state beside it). `fixed`:
+        every state stays in the buffers allocated here (what captured steps need: they hold the addresses)."""
+        self.fixed = fixed
         self.hp = hp
         self.n_ctx = n_ctx
         self.device = torch.device(device)
@@ -120,7 +146,8 @@ class Cache:
             }
             self.gdn: dict[int, GDNState] = {
                 i: GDNState(torch.zeros(hp.ssm_conv_kernel - 1, hp.ssm_conv_dim, device=dev[i]),
-                            torch.zeros(hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, device=dev[i]))
+                            torch.zeros(hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, device=dev[i]),
+                            fixed=fixed)
                 for i in rec
             }
         except RuntimeError as e:  # allocation failure
@@ -139,7 +166,10 @@ class Cache:
     def reset(self) -> None:
         self.pos = 0
         for s in self.gdn.values():
-            s.conv = torch.zeros_like(s.conv)  # rebound: the current one may view a pass's window (ConvSteps)
+            if s.fixed:
+                s.conv.zero_()
+            else:
+                s.conv = torch.zeros_like(s.conv)  # rebound: the current one may view a pass's window (ConvSteps)
             s.ssm.zero_()
 
     def truncate(self, n: int) -> None:
@@ -154,7 +184,7 @@ class Cache:
     def commit(self, captured: CapturedStates, index: int) -> None:
         """Take the GDN states reached after position `index` of the last multi-token pass."""
         for i, s in self.gdn.items():
-            s.conv = captured.conv[i][index].clone()  # rebound, as a pass rebinds it (it may view the window)
+            s.set_conv(captured.conv[i][index])  # the window a pass's ConvSteps view is not kept
             steps = captured.ssm[i]
             if isinstance(steps, StateReplay):
                 steps.write(index, s.ssm)

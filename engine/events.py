@@ -52,6 +52,7 @@ class EngineConfig:
     plan: Plan | None = None  # a ready plan instead of the above (tests: a CUDA plan run on CPU stand-ins)
     backend: ops.Backend | None = None  # the kernels (engine.ops); None: the fastest this machine runs
     memory_budget: int | None = None  # bytes of RAM to plan for (engine.memory); None: what the system has free
+    step_graphs: str = "auto"  # decode steps replayed from CUDA graphs: "auto" (where capturable), "on", "off"
 
     def placement(self) -> PlacementConfig:
         return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,

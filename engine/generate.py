@@ -88,7 +88,8 @@ class Engine:
                                   mf.file_size * pc.active // max(pc.total, 1), backend.packs)
         if not self.memory.copies:
             backend = replace(backend, copies=False)
-        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer)
+        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer,
+                                step_graphs=config.step_graphs)
         # What loading read of the file (header, sampled tensor ends, vectors copied into floats) is copied now: its
         # pages would otherwise stay resident in this process for nothing.
         release_mapping(mf.gguf.data)

@@ -89,6 +89,8 @@ def validate_engine_config(cfg: Any) -> None:
         integer("GPU layers", cfg.gpu_layers, 0, 1 << 20, hint=" (or auto)")
     if cfg.miss_policy not in ("load", "cpu"):
         _fail(f"expert-cache miss policy must be 'load' or 'cpu', not {cfg.miss_policy!r}")
+    if cfg.step_graphs not in ("auto", "on", "off"):
+        _fail(f"step graphs must be 'auto', 'on' or 'off', not {cfg.step_graphs!r}")
     if cfg.memory_budget is not None:
         integer("memory budget", cfg.memory_budget, 1, 1 << 62)
 

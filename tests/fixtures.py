@@ -188,6 +188,6 @@ def snapshot(cache: Cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 def restore(cache: Cache, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
     """The GDN states of `snap` back in `cache`, and its length set to `pos` (the KV rows past it are ignored)."""
     for i, (conv, ssm) in snap.items():
-        cache.gdn[i].conv = conv.clone()  # rebound: the current one may view a pass's window that captures read
+        cache.gdn[i].set_conv(conv)  # a copy (the current one may view a pass's window that captures read)
         cache.gdn[i].ssm.copy_(ssm)
     cache.pos = pos

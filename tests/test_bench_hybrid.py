@@ -28,11 +28,12 @@ def test_configuration_names() -> None:
                                                         "miss_policy": "load"}
     assert parse_config("auto", 40).gpu_layers is None
     assert parse_config("moe", 40).expert_cache == "0"
+    assert parse_config("resident", 40).step_graphs == "auto" and parse_config("resident-nograph", 40).step_graphs == "off"
     for bad in ("c64-load", "ngl41", "ngl0", "resident-ngl4", "moe-fast"):
         with pytest.raises(UsageError):
             parse_config(bad, 40)
     names = default_configs(40, 256, 2 * MiB, 21 << 30)  # the 35B: the lean sweep, most wanted first
-    assert names[0] == "resident" and names[1:3] == ["moe-c64-load", "moe-c64-cpu"]
+    assert names[:4] == ["resident", "resident-nograph", "moe-c64-load", "moe-c64-cpu"]
     assert {"moe-c16-load", "moe-c16-cpu", "moe-c0", "ngl20"} <= set(names) and not any("MiB" in n for n in names)
     assert any("MiB" in n for n in default_configs(8, 16, 100_000, 24 << 20))
 
@@ -73,6 +74,7 @@ def test_standin_sweep_writes_hit_rates(tmp_path: Path) -> None:
                                                                               "moe-c4-cpu"}
     for name, c in m["configs"].items():
         assert c["plan_summary"].startswith(f"{m['n_layer']}/{m['n_layer']} layers on GPU")  # the CUDA plan
+        assert c["ours"]["step_graphs"] == {"setting": "auto", "used": False, "captures": 0, "replays": 0}  # CPU
         for mode in ("plain", "mtp"):
             s = c["ours"][mode]
             assert s["decode_tok_s"] > 0 and s["prefill_tok_s"] > 0 and s["ttft_ms"] > 0

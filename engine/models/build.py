@@ -9,6 +9,7 @@ import torch
 
 from engine import ops
 from engine.expert_cache import ExpertCache
+from engine.models import step_graph
 from engine.models.mtp import MTPHead
 from engine.models.qwen35 import (AttentionWeights, DecoderLayer, DenseFFN, DenseWeights, GatedAttention,
                                   GatedDeltaNet, GDNWeights, MoE, MoEWeights, Qwen35Model, RoutingStats)
@@ -97,11 +98,12 @@ class _Builder:
 
 def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
                plan: Plan | None = None, backend: ops.Backend | None = None,
-               on_layer: Callable[[int, int], None] | None = None) -> Qwen35Model:
+               on_layer: Callable[[int, int], None] | None = None, step_graphs: str = "auto") -> Qwen35Model:
     """The model of `src` with weights on `device`, or where `plan` puts them (engine.placement): trunk layers on
     the plan's accelerator or the CPU, routed experts resident, on the CPU, or on the CPU with a GPU cache. Every
     weight is bound to `backend`'s kernels (default: the fastest this machine runs) on its device.
-    `on_layer(done, total)` is called after each block (progress; it may raise to cancel)."""
+    `on_layer(done, total)` is called after each block (progress; it may raise to cancel). `step_graphs`: decode
+    steps and verify passes replayed from CUDA graphs where the trunk allows it (engine.models.step_graph)."""
     hp = src.hparams
     backend = backend or ops.default_backend()
     cpu = torch.device("cpu")
@@ -127,6 +129,7 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
             on_layer(i + 1, total)
     model = Qwen35Model(hp, layers, tok_embd, output, output_norm, n_ctx or hp.n_ctx_train, out_dev, acc,
                         b.routing, b.expert_caches)
+    step_graph.attach(model, step_graphs)
     if hp.has_mtp:
         p = f"blk.{hp.n_layer}.nextn."
         has = src.has_tensor

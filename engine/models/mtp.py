@@ -67,7 +67,7 @@ class MTPHead:
         h = ops.rms_norm(hidden.to(self.device), self.hnorm, eps, self.layer.backend)
         x = ops.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)
-        x = self.layer(x, cache, pos, self.model.rope(self.device), cb, None, False)
+        x = self.layer(x, cache, ops.Positions(n, pos), self.model.rope(self.device), cb, None, False)
         cache.pos = pos + n
         out = ops.rms_norm(x, self.head_norm, eps, self.layer.backend)
         cb("mtp_result_norm", self.il, out)

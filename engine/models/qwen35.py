@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from engine.ops import Experts, Linear
 from engine.storage.modelfile import HParams
 from engine.storage.pages import read_rows
 from engine.storage.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from engine.models.step_graph import StepGraphs
 
 Hook = Callable[[str, int, torch.Tensor], None]
 
@@ -77,7 +80,7 @@ class GatedAttention:
         self.hp, self.w, self.il, self.backend = hp, w, layer, backend
         self.scale = 1.0 / math.sqrt(hp.head_dim_k)
 
-    def qkv(self, x: torch.Tensor, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+    def qkv(self, x: torch.Tensor, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
             cb: Hook) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed, rotated queries [n, H, D], keys [n, H_kv, D], values [n, H_kv, D_v] and the output gate."""
         hp, w, il = self.hp, self.w, self.il
@@ -89,7 +92,7 @@ class GatedAttention:
         v = v.reshape(n, hp.n_head_kv, Dv)
         q = ops.rms_norm(q, w.q_norm, hp.rms_eps, self.backend)
         k = ops.rms_norm(k, w.k_norm, hp.rms_eps, self.backend)
-        cos, sin = rope[0][pos:pos + n], rope[1][pos:pos + n]
+        cos, sin = ops.rope_rows(rope, at)
         q = ops.rope(q, cos, sin, hp.n_rot, self.backend)
         k = ops.rope(k, cos, sin, hp.n_rot, self.backend)
         cb("Qcur", il, q)
@@ -97,13 +100,11 @@ class GatedAttention:
         cb("Vcur", il, v)
         return q, k, v, gate
 
-    def __call__(self, x: torch.Tensor, kv: KVLayer, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, x: torch.Tensor, kv: KVLayer, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
                  cb: Hook) -> torch.Tensor:
-        q, k, v, gate = self.qkv(x, pos, rope, cb)
-        n = x.shape[0]
-        kv.k[pos:pos + n] = k
-        kv.v[pos:pos + n] = v
-        out = ops.attention(q, kv.k, kv.v, pos, self.scale, self.backend)
+        q, k, v, gate = self.qkv(x, at, rope, cb)
+        ops.kv_write(kv.k, kv.v, k, v, at)
+        out = ops.attention(q, kv.k, kv.v, at, self.scale, self.backend)
         cb("attn_out", self.il, out)
         out = ops.sigmoid_gate(out, gate, self.backend)
         return ops.linear(out, self.w.o)
@@ -149,12 +150,13 @@ class GatedDeltaNet:
         window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
         if capture is not None:
             capture.conv[il] = ConvSteps(window, K)  # views of the window, no copy
-        st.conv = window[n:]  # rebind, not copy_: the old state may be saved for backward while training
+        st.advance_conv(window, n)
         u, q, k, v, beta, g = ops.gdn_inputs(window, self.taps(), b, a, w.a, w.dt_bias, Hk, dk, hp.rms_eps,
                                              self.backend)
         cb("conv_output_silu", il, u)
         if chunked and capture is None and n > 1:
-            o, st.ssm = ops.delta_rule_chunked(*ops.tiled(q, k, Hv), v, beta, g, st.ssm, self.chunk)
+            o, S = ops.delta_rule_chunked(*ops.tiled(q, k, Hv), v, beta, g, st.ssm, self.chunk)
+            st.set_ssm(S)
         else:
             o, states = ops.delta_rule(q, k, v, beta, g, st, self.backend, capture is not None)
             if capture is not None:
@@ -175,8 +177,16 @@ class RoutingStats:
     def __init__(self) -> None:
         self._counts: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self._device: dict[int, torch.Tensor] = {}  # counts kept on an accelerator, per layer
 
     def add(self, layer: int, experts: torch.Tensor, n_expert: int) -> None:
+        if experts.device.type != "cpu":  # counted where the ids are: nothing read back per pass, and a captured
+            c = self._device.get(layer)  # step's replays count too (the add is part of the graph)
+            if c is None:
+                c = self._device[layer] = torch.zeros(n_expert, dtype=torch.long, device=experts.device)
+            flat = experts.reshape(-1)
+            c.index_add_(0, flat, torch.ones_like(flat))
+            return
         _, ids = self._pending.setdefault(layer, (n_expert, []))
         ids.append(experts.reshape(-1))
         if len(ids) >= self.FOLD:
@@ -191,7 +201,12 @@ class RoutingStats:
     def counts(self) -> dict[int, torch.Tensor]:
         for layer in list(self._pending):
             self._fold(layer)
-        return self._counts
+        if not self._device:
+            return self._counts
+        out = dict(self._counts)
+        for layer, c in self._device.items():
+            out[layer] = out[layer] + c.cpu() if layer in out else c.cpu()
+        return out
 
 
 @dataclass
@@ -297,12 +312,13 @@ class DecoderLayer:
             else ops.DenseSpec(f.w.gate, f.w.up, f.w.down)
         return ops.LayerSpec(self.attn_norm, self.post_norm, self.eps, mixer, ffn)
 
-    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor], cb: Hook,
-                 capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cache: Cache, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
+                 cb: Hook, capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
         """out = h + ffn(norm(h)), h = x + mixer(norm(x)): below op by op, which is what hooks see; without a hook
         in one native call where the backend runs the whole layer (ops.fuse_layer, the same bits)."""
         il = self.il
-        if cb is _noop and not chunked:
+        if cb is _noop and not chunked and at.start is not None:
+            pos = at.start
             if self._fused is False:
                 self._fused = ops.fuse_layer(self.spec(), self.backend)
             if self._fused is not None:
@@ -320,7 +336,7 @@ class DecoderLayer:
             if capture is None:  # a verify pass's window stays: its ConvSteps view it until the commit
                 cache.gdn[il].own_conv()
         else:
-            y = self.mixer(a, cache.kv[il], pos, rope, cb)
+            y = self.mixer(a, cache.kv[il], at, rope, cb)
         cb("attn_residual_in", il, y)
         h = x + y
         f = ops.rms_norm(h, self.post_norm, self.eps, self.backend)
@@ -361,6 +377,7 @@ class Qwen35Model:
         self.mtp = None  # the MTP head (engine.models.mtp.MTPHead), attached by the builder
         self._rope_cpu = rope_tables(n_ctx, hp.n_rot, hp.rope_base)
         self._ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.step_graphs: StepGraphs | None = None  # decode steps and verify passes replayed (engine.models.step_graph)
 
     @property
     def sequential_prefill(self) -> bool:
@@ -377,8 +394,9 @@ class Qwen35Model:
         return r
 
     def new_cache(self, n_ctx: int) -> Cache:
+        """A sequence's state; with step graphs, in fixed buffers (the graphs record their addresses)."""
         return Cache(self.hp, min(n_ctx, self.n_ctx_max), self.device,
-                     devices={i: d for i, d in enumerate(self.layer_devices)})
+                     devices={i: d for i, d in enumerate(self.layer_devices)}, fixed=self.step_graphs is not None)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embed_rows(self.tok_embd, tokens, self.layer_devices[0] if self.layers else self.device)
@@ -390,22 +408,32 @@ class Qwen35Model:
         logit_rows: "last", "all" or "none". capture: keep the GDN states after every position (verify).
         chunked: use the chunk-parallel delta rule (long prefills; equal to the recurrence to ~1e-6).
         """
-        cb = hook or _noop
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         n = ids.numel()
         pos = cache.pos
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
-        x = self.embed(ids)
-        cb("inp_embd", -1, x)
+        if self.step_graphs is not None and hook is None and not chunked and n <= STEP_ROWS and cache.fixed:
+            res = self.step_graphs.run(ids, cache, logit_rows, capture)
+        else:
+            cb = hook or _noop
+            x = self.embed(ids)
+            cb("inp_embd", -1, x)
+            res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
+            if not self._linked and all(layer.fusion_decided for layer in self.layers):
+                self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
+        cache.pos = pos + n
+        return res
+
+    def rows_pass(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
+                  chunked: bool = False, cb: Hook = _noop) -> ForwardResult:
+        """The trunk over embedded rows x at positions `at`: the body of `forward`, and what a captured step
+        records (positions on the device). The caller advances cache.pos."""
         cap = CapturedStates({}, {}) if capture else None
         for layer in self.layers:
             if x.device != layer.device:
                 x = x.to(layer.device)
-            x = layer(x, cache, pos, self.rope(layer.device), cb, cap, chunked)
-        if not self._linked and all(layer.fusion_decided for layer in self.layers):
-            self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
-        cache.pos = pos + n
+            x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
         h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)
         logits = None

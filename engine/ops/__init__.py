@@ -5,8 +5,8 @@ torch twin, the device) is decided here, once per weight or layer when the model
 the Backend it is built with. The model never names a weight format or a kernel.
 """
 from engine.ops.activations import QuantRows, quantize, round_for
-from engine.ops.attention import attention
-from engine.ops.backend import (TORCH, Backend, Int8Layouts, OpEvent, available_backends, backend_named,
+from engine.ops.attention import Positions, attention, kv_write, rope_rows
+from engine.ops.backend import (TORCH, TRITON, Backend, Int8Layouts, OpEvent, available_backends, backend_named,
                                 default_backend)
 from engine.ops.delta_rule import delta_rule, delta_rule_chunked, gdn_inputs, pointwise, tiled
 from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
@@ -17,8 +17,8 @@ from engine.ops.norms import l2_norm, rms_norm, rope
 
 __all__ = [
     "AttentionSpec", "DenseSpec", "FusedLayer", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "link_layers",
-    "TORCH", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
+    "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "default_backend", "delta_rule", "delta_rule_chunked",
-    "embedding", "gdn_inputs", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
-    "rms_norm", "rope", "round_for", "sigmoid_gate", "silu", "silu_mul", "tiled",
+    "embedding", "gdn_inputs", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
+    "rms_norm", "rope", "rope_rows", "round_for", "sigmoid_gate", "silu", "silu_mul", "tiled",
 ]

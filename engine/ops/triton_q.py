@@ -237,15 +237,18 @@ def _signatures() -> list[tuple[object, dict[str, str], dict[str, int]]]:
 
 
 def compile_ahead(arch: int) -> dict[str, int]:
-    """Compile every kernel for CUDA compute capability `arch` (e.g. 90) without a GPU; cubin bytes by kernel.
+    """Compile every kernel (these and engine.ops.triton_attention's) for CUDA compute capability `arch` (e.g. 90) without a GPU; cubin bytes by kernel.
     Needs the compiled (not interpreted) kernels: run with TRITON_INTERPRET unset."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from engine.ops import triton_attention
+
+    kernels = [(fn, sig, const, QT(const["QTYPE"]).name) for fn, sig, const in _signatures()]
     sizes = {}
-    for fn, sig, const in _signatures():
+    for fn, sig, const, tag in kernels + triton_attention.signatures():
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32))
-        sizes[f"{fn.__name__}[{QT(const['QTYPE']).name}]"] = len(k.asm["cubin"])
+        sizes[f"{fn.__name__}[{tag}]"] = len(k.asm["cubin"])  # type: ignore[attr-defined]
     return sizes
 
 

@@ -22,11 +22,11 @@ class TrainingAttention(GatedAttention):
         super().__init__(layer.hp, layer.w, layer.il, layer.backend)
         self.n_seq = n_seq  # the pass holds this many independent sequences of equal length
 
-    def __call__(self, x: torch.Tensor, kv: KVLayer, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, x: torch.Tensor, kv: KVLayer, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
                  cb: Hook) -> torch.Tensor:
-        assert pos == 0, "training runs whole sequences"
+        assert at.start == 0, "training runs whole sequences"
         hp, n, B = self.hp, x.shape[0], self.n_seq
-        q, k, v, gate = self.qkv(x, pos, rope, cb)
+        q, k, v, gate = self.qkv(x, at, rope, cb)
         qb, kb, vb = (t.view(B, n // B, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=True)
         out = o.transpose(1, 2).reshape(n, hp.n_head * hp.head_dim_v) * torch.sigmoid(gate)

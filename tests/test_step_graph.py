@@ -1,0 +1,174 @@
+"""The captured decode step (engine.models.step_graph) and the attention it needs (engine.ops.triton_attention).
+
+Without a GPU the Triton kernels run in the interpreter (tests/conftest.py) and a step graph runs its recorded form
+every time; what makes that form capturable is checked here directly: the same ops on the same shapes at every
+position, none that reads a result on the host, every state buffer left where it was. On a GPU the same tests
+capture real CUDA graphs and replay them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import ops
+from engine.events import EngineConfig, GenerationConfig, Stats, Token
+from engine.generate import Engine, load
+from engine.models import step_graph
+from engine.ops import triton_attention
+from engine.ops.attention import attention_torch
+from engine.ops.backend import TRITON, triton_runs
+from engine.errors import InvalidParameterError
+from tests.fixtures import TINY_MOE, fixture_path
+
+DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
+CUDA = DEV.type == "cuda"
+Q8_MOE = replace(TINY_MOE, qtype="Q8_0")  # every matrix in a type the Triton kernels read: routed experts resident
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 1, 48)], ids=["gqa2-d64", "gqa8-d48"])
+def test_attention_over_device_positions_matches_the_twin_and_is_batch_invariant(heads: int, kv_heads: int,
+                                                                                  dim: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    k, v = (torch.randn(90, kv_heads, dim, generator=g) for _ in range(2))
+    q = torch.randn(5, heads, dim, generator=g)
+    pos = 37  # keys 0 … 41: a walk over 2 blocks, the second partly masked
+    y = triton_attention.attention_rows(q.to(DEV), k.to(DEV), v.to(DEV), torch.arange(pos, pos + 5, device=DEV),
+                                        0.2).cpu()
+    assert torch.allclose(y, attention_torch(q, k, v, pos, 0.2), rtol=1e-5, atol=1e-5)
+    for i in range(5):  # each row of the 5-row pass has the bits of its own one-row pass
+        yi = triton_attention.attention_rows(q[i:i + 1].to(DEV), k.to(DEV), v.to(DEV),
+                                             torch.tensor([pos + i], device=DEV), 0.2).cpu()
+        assert torch.equal(yi[0], y[i])
+    # the ops door: host positions and device positions give the same bits on the Triton backend
+    at = ops.Positions(5, None, torch.arange(pos, pos + 5, device=DEV))
+    assert torch.equal(ops.attention(q.to(DEV), k.to(DEV), v.to(DEV), at, 0.2, TRITON).cpu(), y)
+    assert torch.equal(ops.attention(q.to(DEV), k.to(DEV), v.to(DEV), pos, 0.2, TRITON).cpu(), y)
+
+
+def test_device_positions_need_the_triton_backend() -> None:
+    q, k = torch.zeros(1, 2, 8), torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="Triton"):
+        ops.attention(q, k, k, ops.Positions(1, None, torch.tensor([2])), 1.0, ops.TORCH)
+
+
+def _engines() -> tuple[Engine, Engine]:
+    graphed = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="on"))
+    eager = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="off"))
+    assert graphed.model.step_graphs is not None and eager.model.step_graphs is None
+    assert graphed.cache.fixed and not eager.cache.fixed
+    return graphed, eager
+
+
+def _steps(eng: Engine) -> list[torch.Tensor]:
+    """Prefill, two decode steps, a 3-row verify committed at its second row, a decode step, another verify
+    committed whole: the logits of each pass."""
+    m, c = eng.model, eng.cache
+    c.reset()
+    m.forward(list(range(5)), c, chunked=True)
+    out = [m.forward([7], c).logits, m.forward([8], c).logits]
+    for seq, keep in (([9, 10, 11], 1), ([12], None), ([13, 14, 15], 2), ([16, 17, 18], 0)):
+        if keep is None:
+            out.append(m.forward(seq, c).logits)
+            continue
+        pos0 = c.pos
+        res = m.forward(seq, c, logit_rows="all", capture=True)
+        out.append(res.logits)
+        c.commit(res.captured, keep)  # type: ignore[arg-type]
+        c.truncate(pos0 + keep + 1)
+    return [t.cpu() for t in out]  # type: ignore[union-attr]
+
+
+def test_graphed_steps_equal_eager_steps_bit_for_bit_through_commits() -> None:
+    graphed, eager = _engines()
+    buffers = {id(t): t.data_ptr() for s in graphed.cache.gdn.values() for t in (s.conv, s.ssm)}
+    buffers.update({id(t): t.data_ptr() for kv in graphed.cache.kv.values() for t in (kv.k, kv.v)})
+    a, b = _steps(graphed), _steps(eager)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == 6
+    after = [t for s in graphed.cache.gdn.values() for t in (s.conv, s.ssm)] + \
+        [t for kv in graphed.cache.kv.values() for t in (kv.k, kv.v)]
+    assert {id(t): t.data_ptr() for t in after} == buffers  # the same tensors at the same addresses throughout
+    graphs = graphed.model.step_graphs
+    assert graphs is not None
+    if CUDA:  # decode (1 row, last logits) and the 3-row verify each captured once and replayed after
+        assert graphs.captures == 2 and graphs.replays >= 3
+
+
+# Ops whose result size or value the host must read (a sync on CUDA, and not capturable); boolean-mask indexing is
+# checked apart. `.tolist()` and `.numpy()` do not dispatch: a capture on a GPU is what catches those.
+SYNCS = {"_local_scalar_dense", "item", "nonzero", "bincount", "masked_select", "_unique2", "unique_consecutive",
+         "unique_dim", "equal", "is_nonzero", "allclose"}
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op a pass runs, with its tensor arguments' shapes and dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        shapes = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((func.overloadpacket.__name__, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_recorded_passes_are_capturable() -> None:
+    """What a CUDA graph needs of a pass, checked on any device: the decode step and a verify pass run the same
+    ops on the same shapes at every position (no control flow on the position or on results), and none of them
+    reads a result on the host."""
+    eng, _ = _engines()
+    m, c = eng.model, eng.cache
+    c.reset()
+    m.forward(list(range(5)), c, chunked=True)
+    traces = []
+    for toks, rows, capture in (([7], "last", False), ([8], "last", False), ([9, 10, 11], "all", True),
+                                ([12, 13, 14], "all", True)):
+        graphs = m.step_graphs
+        assert graphs is not None
+        graphs.run(torch.tensor(toks), c, rows, capture)  # makes the pass's static buffers (on CUDA: its warm-up)
+        p = graphs._passes[(len(toks), rows, capture)]
+        with _Ops() as rec:  # the recorded form itself, what a capture records
+            m.rows_pass(p.x, c, p.positions(), rows, capture)
+        c.pos += len(toks)
+        traces.append(rec.ops)
+        assert not {name for name, _ in rec.ops} & SYNCS
+        assert not [op for op in rec.ops if op[0] in ("index", "index_put_") and any(dt is torch.bool for _, dt in op[1])]
+    assert traces[0] == traces[1] and traces[2] == traces[3]
+    assert len(traces[0]) > 50 and any(name == "index_copy_" for name, _ in traces[0])
+
+
+def test_greedy_mtp_equals_plain_with_step_graphs() -> None:
+    graphed, eager = _engines()
+    for e in (graphed, eager):
+        e.tokenizer.eog_ids = frozenset()
+    prompt = np.random.default_rng(3).integers(0, 380, 4).tolist()
+
+    def run(eng: Engine, **kw) -> tuple[list[int], Stats | None]:  # type: ignore[no-untyped-def]
+        eng.reset()
+        toks, final = [], None
+        for ev in eng.generate(prompt, GenerationConfig(max_tokens=6, **kw)):
+            toks += ev.ids if isinstance(ev, Token) else []
+            final = ev if isinstance(ev, Stats) and ev.final else final
+        return toks, final
+
+    plain, _ = run(graphed, mtp=False)
+    assert len(plain) == 6 and run(eager, mtp=False)[0] == plain
+    spec, final = run(graphed, mtp=True, draft=2)
+    assert spec == plain and final is not None and final.speculative.verify_steps > 0
+
+
+def test_step_graphs_are_chosen_where_the_trunk_allows_them() -> None:
+    native = ops.default_backend()
+    eng = load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=native))
+    assert eng.model.step_graphs is None and not eng.cache.fixed  # auto: CUDA only
+    assert step_graph.unsupported(eng.model) == f"layer 0 runs on the {native.name} backend, not Triton's"
+    with pytest.raises(ValueError, match="cannot run this model: layer 0 runs on the"):
+        load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=native, step_graphs="on"))
+    with pytest.raises(ValueError, match="not resident in Triton's kernels"):  # F32 experts: no Triton product
+        load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=TRITON, step_graphs="on"))
+    with pytest.raises(InvalidParameterError, match="step graphs must be"):
+        load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, step_graphs="always"))
