@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import ops
+from engine.cache import Cache
 from engine.events import EngineConfig, GenerationConfig, Stats, Token
 from engine.generate import Engine, load
 from engine.models import step_graph
@@ -59,6 +60,7 @@ def _engines() -> tuple[Engine, Engine]:
     graphed = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="on"))
     eager = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="off"))
     assert graphed.model.step_graphs is not None and eager.model.step_graphs is None
+    assert graphed.model.mtp is not None and graphed.model.mtp.step_graphs is not None
     assert graphed.cache.fixed and not eager.cache.fixed
     return graphed, eager
 
@@ -97,6 +99,33 @@ def test_graphed_steps_equal_eager_steps_bit_for_bit_through_commits() -> None:
         assert graphs.captures == 2 and graphs.replays >= 3
 
 
+def _drafts(eng: Engine) -> list[torch.Tensor]:
+    """The MTP head's passes as a drafter runs them: 2 rows (a kept row and the first draft), then chained single
+    rows, then a truncation back and again: their logits."""
+    head = eng.model.mtp
+    assert head is not None
+    c = head.new_cache(64)
+    g = torch.Generator().manual_seed(5)
+    hid = torch.randn(12, head.hp.n_embd, generator=g).to(DEV)
+    out = []
+    for toks, rows in (([3, 4], hid[0:2]), ([5], hid[2:3]), ([6], hid[3:4]), ([7, 8], hid[4:6]), ([9], hid[6:7])):
+        res = head.forward(toks, rows, c)
+        out.append(res.logits.cpu())  # type: ignore[union-attr]
+        if toks == [6]:
+            c.truncate(c.pos - 2)  # the chained drafts dropped, as after a verify
+    return out
+
+
+def test_graphed_draft_passes_equal_eager_ones_bit_for_bit() -> None:
+    graphed, eager = _engines()
+    a, b = _drafts(graphed), _drafts(eager)
+    assert len(a) == 5 and all(torch.equal(x, y) for x, y in zip(a, b))
+    graphs = graphed.model.mtp.step_graphs  # type: ignore[union-attr]
+    assert graphs is not None and {k[0] for k in graphs._passes} == {1, 2}
+    if CUDA:
+        assert graphs.captures == 2 and graphs.replays >= 2
+
+
 # Ops whose result size or value the host must read (a sync on CUDA, and not capturable); boolean-mask indexing is
 # checked apart. `.tolist()` and `.numpy()` do not dispatch: a capture on a GPU is what catches those.
 SYNCS = {"_local_scalar_dense", "item", "nonzero", "bincount", "masked_select", "_unique2", "unique_consecutive",
@@ -119,7 +148,7 @@ class _Ops(TorchDispatchMode):
 def test_recorded_passes_are_capturable() -> None:
     """What a CUDA graph needs of a pass, checked on any device: the decode step and a verify pass run the same
     ops on the same shapes at every position (no control flow on the position or on results), and none of them
-    reads a result on the host."""
+    reads a result on the host; the same for the MTP head's draft pass."""
     eng, _ = _engines()
     m, c = eng.model, eng.cache
     c.reset()
@@ -127,18 +156,30 @@ def test_recorded_passes_are_capturable() -> None:
     traces = []
     for toks, rows, capture in (([7], "last", False), ([8], "last", False), ([9, 10, 11], "all", True),
                                 ([12, 13, 14], "all", True)):
-        graphs = m.step_graphs
-        assert graphs is not None
-        graphs.run(torch.tensor(toks), c, rows, capture)  # makes the pass's static buffers (on CUDA: its warm-up)
-        p = graphs._passes[(len(toks), rows, capture)]
-        with _Ops() as rec:  # the recorded form itself, what a capture records
-            m.rows_pass(p.x, c, p.positions(), rows, capture)
+        traces.append(_trace(m.step_graphs, (m.embed(torch.tensor(toks)),), c, rows, capture))
         c.pos += len(toks)
-        traces.append(rec.ops)
-        assert not {name for name, _ in rec.ops} & SYNCS
-        assert not [op for op in rec.ops if op[0] in ("index", "index_put_") and any(dt is torch.bool for _, dt in op[1])]
-    assert traces[0] == traces[1] and traces[2] == traces[3]
-    assert len(traces[0]) > 50 and any(name == "index_copy_" for name, _ in traces[0])
+    head = m.mtp
+    assert head is not None
+    hc = head.new_cache(64)
+    for t in range(3):  # chained draft rows at positions 0, 1, 2
+        traces.append(_trace(head.step_graphs, (head._normed_embeddings(torch.tensor([t])),
+                                                torch.zeros(1, head.hp.n_embd, device=DEV)), hc, "last", False))
+        hc.pos += 1
+    assert traces[0] == traces[1] and traces[2] == traces[3] and traces[4] == traces[5] == traces[6]
+    assert len(traces[0]) > 50 and any(name == "index_copy_" for name, _ in traces[0] + traces[4])
+
+
+def _trace(graphs: step_graph.StepGraphs | None, inputs: tuple[torch.Tensor, ...], cache: Cache, rows: str,
+           capture: bool) -> list[tuple[str, tuple]]:
+    """The aten ops of the pass a StepGraphs records for these inputs at cache.pos, checked for host reads."""
+    assert graphs is not None
+    graphs.run(inputs, cache, rows, capture)  # makes the pass's static buffers (on CUDA: its warm-up)
+    p = graphs._passes[(inputs[0].shape[0], rows, capture)]
+    with _Ops() as rec:  # the recorded form itself, what a capture records
+        graphs.record(p.inputs, p.positions(), cache, rows, capture)
+    assert not {name for name, _ in rec.ops} & SYNCS
+    assert not [op for op in rec.ops if op[0] in ("index", "index_put_") and any(dt is torch.bool for _, dt in op[1])]
+    return rec.ops
 
 
 def test_greedy_mtp_equals_plain_with_step_graphs() -> None:

@@ -129,7 +129,6 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
             on_layer(i + 1, total)
     model = Qwen35Model(hp, layers, tok_embd, output, output_norm, n_ctx or hp.n_ctx_train, out_dev, acc,
                         b.routing, b.expert_caches)
-    step_graph.attach(model, step_graphs)
     if hp.has_mtp:
         p = f"blk.{hp.n_layer}.nextn."
         has = src.has_tensor
@@ -142,4 +141,5 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
             mtp_dev)
         if on_layer is not None:
             on_layer(total, total)
+    step_graph.attach(model, step_graphs)
     return model

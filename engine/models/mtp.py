@@ -1,12 +1,17 @@
 """The multi-token-prediction block (spec §3.6): Qwen3.5/3.6's built-in draft model."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine import ops
 from engine.cache import Cache
 from engine.models.qwen35 import STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, embed_rows
 from engine.ops import Linear
+
+if TYPE_CHECKING:
+    from engine.models.step_graph import StepGraphs
 
 # Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
 EMBEDDED_ROWS = 4096
@@ -30,6 +35,7 @@ class MTPHead:
         self.layer, self.eh_proj, self.enorm, self.hnorm = layer, eh_proj, enorm, hnorm
         self.head_norm, self.embed, self.head = head_norm, embed, head
         self._embedded: dict[int, torch.Tensor] = {}  # token → its normed embedding row (inference only)
+        self.step_graphs: StepGraphs | None = None  # draft passes replayed (engine.models.step_graph)
 
     def new_cache(self, n_ctx: int) -> Cache:
         return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.device, layers=(self.il,))
@@ -60,15 +66,26 @@ class MTPHead:
         (the next chained "h") and the draft logits."""
         cb = hook or _noop
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        n, pos, eps = ids.numel(), cache.pos, self.hp.rms_eps
+        n, pos = ids.numel(), cache.pos
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
         e = self._normed_embeddings(ids)
+        if self.step_graphs is not None and hook is None and n <= STEP_ROWS:
+            res = self.step_graphs.run((e, hidden.to(self.device)), cache, logit_rows, False)
+        else:
+            res = self.rows_pass(e, hidden, cache, ops.Positions(n, pos), logit_rows, cb)
+        cache.pos = pos + n
+        return res
+
+    def rows_pass(self, e: torch.Tensor, hidden: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str,
+                  cb: Hook = _noop) -> ForwardResult:
+        """The head over normed embedding rows e and trunk hidden rows at positions `at`: the body of `forward`,
+        and what a captured draft pass records. The caller advances cache.pos."""
+        eps = self.hp.rms_eps
         h = ops.rms_norm(hidden.to(self.device), self.hnorm, eps, self.layer.backend)
         x = ops.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)
-        x = self.layer(x, cache, ops.Positions(n, pos), self.model.rope(self.device), cb, None, False)
-        cache.pos = pos + n
+        x = self.layer(x, cache, at, self.model.rope(self.device), cb, None, False)
         out = ops.rms_norm(x, self.head_norm, eps, self.layer.backend)
         cb("mtp_result_norm", self.il, out)
         logits = None

@@ -414,7 +414,7 @@ class Qwen35Model:
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
         if self.step_graphs is not None and hook is None and not chunked and n <= STEP_ROWS and cache.fixed:
-            res = self.step_graphs.run(ids, cache, logit_rows, capture)
+            res = self.step_graphs.run((self.embed(ids),), cache, logit_rows, capture)
         else:
             cb = hook or _noop
             x = self.embed(ids)

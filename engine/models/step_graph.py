@@ -29,7 +29,7 @@ from engine import ops
 from engine.cache import Cache
 
 if TYPE_CHECKING:
-    from engine.models.qwen35 import ForwardResult, Qwen35Model
+    from engine.models.qwen35 import DecoderLayer, ForwardResult, Qwen35Model
 
 log = logging.getLogger(__name__)
 
@@ -39,34 +39,48 @@ MODES = ("auto", "on", "off")  # EngineConfig.step_graphs
 def unsupported(model: Qwen35Model) -> str | None:
     """Why the model's decode step cannot be captured (None: it can): every layer and the LM head on one device,
     every kernel Triton's, routed experts resident (an expert cache's lookups run on the host), no op observer (its
-    events read results on the host)."""
-    from engine.models.qwen35 import MoE
-
+    events read results on the host). The MTP head's passes are captured where its own block passes the same test
+    on that device."""
     dev = model.device
     if any(d != dev for d in model.layer_devices) or model.output.device != dev:
         return "the trunk is split between devices"
     for layer in model.layers:
-        if layer.backend.kind != "triton":
-            return f"layer {layer.il} runs on the {layer.backend.name} backend, not Triton's"
-        if layer.backend.observer is not None:
-            return "op observers read results on the host"
-        if isinstance(layer.ffn, MoE):
-            ex = layer.ffn.w.experts
-            if ex.cache is not None or ex.kind != "triton":
-                return f"layer {layer.il}'s routed experts are not resident in Triton's kernels"
+        why = _layer_unsupported(layer)
+        if why is not None:
+            return why
+    return None
+
+
+def _layer_unsupported(layer: DecoderLayer) -> str | None:
+    from engine.models.qwen35 import MoE
+
+    if layer.backend.kind != "triton":
+        return f"layer {layer.il} runs on the {layer.backend.name} backend, not Triton's"
+    if layer.backend.observer is not None:
+        return "op observers read results on the host"
+    if isinstance(layer.ffn, MoE):
+        ex = layer.ffn.w.experts
+        if ex.cache is not None or ex.kind != "triton":
+            return f"layer {layer.il}'s routed experts are not resident in Triton's kernels"
     return None
 
 
 def attach(model: Qwen35Model, mode: str) -> None:
-    """Give the model step graphs as `mode` says: "auto" where the trunk is wholly on a CUDA device and capturable,
-    "on" also on the CPU (the recorded form run eagerly: tests), "off" never."""
+    """Give the model (and its MTP head, where it can) step graphs as `mode` says: "auto" where the trunk is wholly
+    on a CUDA device and capturable, "on" also on the CPU (the recorded form run eagerly: tests), "off" never."""
     if mode not in MODES:
         raise ValueError(f"step_graphs must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "off":
         return
     why = unsupported(model)
     if why is None and (mode == "on" or model.device.type == "cuda"):
-        model.step_graphs = StepGraphs(model)
+        model.step_graphs = StepGraphs(model.device, lambda ins, at, cache, rows, capture:
+                                       model.rows_pass(ins[0], cache, at, rows, capture))
+        head = model.mtp
+        if head is not None and head.device == model.device and head.head.device == model.device \
+                and _layer_unsupported(head.layer) is None:
+            head.step_graphs = StepGraphs(head.device, lambda ins, at, cache, rows, capture:
+                                          head.rows_pass(ins[0], ins[1], cache, at, rows))
     elif mode == "on":
         raise ValueError(f"step graphs cannot run this model: {why}")
     elif model.device.type == "cuda":
@@ -75,51 +89,59 @@ def attach(model: Qwen35Model, mode: str) -> None:
 
 @dataclass
 class _Pass:
-    """One kind of pass: its static input rows and first position, and (on CUDA) its graph and outputs."""
-    x: torch.Tensor  # [n, d] the embedded rows
+    """One kind of pass: its static inputs and first position, and (on CUDA) its graph and outputs."""
+    inputs: tuple[torch.Tensor, ...]  # the rows it reads ([n, ·] each)
     start: torch.Tensor  # [1] int64: the first row's position
     offsets: torch.Tensor  # [n] int64: 0 … n−1
     graph: torch.cuda.CUDAGraph | None = None
     out: ForwardResult | None = None
     runs: int = 0
+    failed: str | None = None  # why its capture failed: it runs op by op
 
     def positions(self) -> ops.Positions:
-        return ops.Positions(self.x.shape[0], None, self.start + self.offsets)
+        return ops.Positions(self.offsets.shape[0], None, self.start + self.offsets)
+
+
+# (static inputs, positions, cache, logit rows, capture) → the pass's result: what a StepGraphs records
+Record = Callable[[tuple[torch.Tensor, ...], ops.Positions, Cache, str, bool], "ForwardResult"]
 
 
 class StepGraphs:
-    """The model's captured passes for one cache (a new cache drops them: they hold its buffers' addresses)."""
+    """A module's captured passes (the trunk's, or the MTP head's) for one cache: a new cache drops them, they hold
+    its buffers' addresses."""
 
-    def __init__(self, model: Qwen35Model):
-        self.model = model
-        self.device = model.device
+    def __init__(self, device: torch.device, record: Record):
+        self.device, self.record = device, record
         self._cache: Cache | None = None
         self._passes: dict[tuple[int, str, bool], _Pass] = {}
         self.captures = 0  # graphs captured (tests, logs)
         self.replays = 0
 
-    def run(self, ids: torch.Tensor, cache: Cache, logit_rows: str, capture: bool) -> ForwardResult:
-        """The trunk pass over tokens `ids` at cache.pos (the caller advances it), replayed where recorded."""
-        if not cache.fixed:
+    def run(self, inputs: tuple[torch.Tensor, ...], cache: Cache, logit_rows: str, capture: bool) -> ForwardResult:
+        """The pass over rows `inputs` (each [n, ·]) at cache.pos (the caller advances it), replayed where
+        recorded."""
+        if cache.gdn and not cache.fixed:
             raise ValueError("step graphs need a cache in fixed buffers (Qwen35Model.new_cache)")
         if cache is not self._cache:
             self._passes.clear()
             self._cache = cache
-        n = ids.numel()
+        n = inputs[0].shape[0]
         key = (n, logit_rows, capture)
         p = self._passes.get(key)
         if p is None:
-            p = self._passes[key] = _Pass(torch.empty(n, self.model.hp.n_embd, device=self.device),
+            p = self._passes[key] = _Pass(tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                                                for t in inputs),
                                           torch.zeros(1, dtype=torch.long, device=self.device),
                                           torch.arange(n, device=self.device))
-        p.x.copy_(self.model.embed(ids))
+        for dst, src in zip(p.inputs, inputs):
+            dst.copy_(src)
         p.start.fill_(cache.pos)
-        out = self._run(p, lambda: self.model.rows_pass(p.x, cache, p.positions(), logit_rows, capture))
+        out = self._run(p, lambda: self.record(p.inputs, p.positions(), cache, logit_rows, capture))
         return type(out)(out.hidden.clone(), None if out.logits is None else out.logits.clone(), out.captured)
 
     def _run(self, p: _Pass, body: Callable[[], ForwardResult]) -> ForwardResult:
         p.runs += 1
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or p.failed is not None:
             return body()
         if p.graph is not None:
             p.graph.replay()
@@ -137,9 +159,9 @@ class StepGraphs:
         try:
             with torch.cuda.graph(graph):
                 out = body()
-        except RuntimeError as e:  # an op that cannot be captured: this model's steps run op by op from now on
-            log.warning("decode step capture failed (%s): steps run op by op", e)
-            self.model.step_graphs = None
+        except RuntimeError as e:  # an op that cannot be captured: this kind of pass runs op by op from now on
+            log.warning("decode step capture failed (%s): these passes run op by op", e)
+            p.failed = str(e)
             return body()
         p.graph, p.out = graph, out
         self.captures += 1
