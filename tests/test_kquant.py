@@ -204,3 +204,18 @@ def test_packing_chunk_by_chunk_gives_the_whole_packing(qt: T) -> None:
             assert lin.packed is not None
             packs.append(lin.packed)
         assert torch.equal(packs[0], packs[2]) and torch.equal(packs[1], packs[2]), shape
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_native_row_lookup_has_the_dequantization_bits(qt: T) -> None:
+    """ops.embedding's native rows (a step's token embeddings) equal the torch dequantization bit for bit, for ids in
+    any order and repeated; an id outside the table is an IndexError, not a read past it."""
+    from tests.test_quant import random_tensor
+
+    w = QTensor(torch.from_numpy(random_tensor(qt, (40, 512), 3, wide=True)).reshape(40, -1), qt, (40, 512))
+    ids = torch.tensor([0, 39, 7, 7, 12])
+    want = QTensor(w.raw[ids], qt, (5, 512)).dequantize()
+    assert torch.equal(native.dequant_rows(w.raw, int(qt), ids, 512), want)
+    assert torch.equal(ops.embedding(w, ids), want)
+    with pytest.raises(IndexError):
+        native.dequant_rows(w.raw, int(qt), torch.tensor([40]), 512)

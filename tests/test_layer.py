@@ -29,11 +29,13 @@ MODELS = {
 }
 
 
-def _passes(path, backend: ops.Backend, hooked: bool) -> tuple[list[torch.Tensor], list[str], dict]:
+def _passes(path, backend: ops.Backend, hooked: bool, observed: bool = True,
+            steps: list | None = None) -> tuple[list[torch.Tensor], list[str], dict]:
     """Logits and hidden rows of a fixed sequence of passes, the op names the backend's observer saw, and the
-    routing counts."""
+    routing counts (`steps`: gets the model's one-call decode step, when it has one)."""
     seen: list[str] = []
-    model = load_model(open_model(path), n_ctx=128, backend=backend.with_observer(lambda e: seen.append(e.op)))
+    model = load_model(open_model(path), n_ctx=128,
+                       backend=backend.with_observer(lambda e: seen.append(e.op)) if observed else backend)
     hook = (lambda name, il, t: None) if hooked else None
     cache = model.new_cache(128)
     outs = []
@@ -54,6 +56,8 @@ def _passes(path, backend: ops.Backend, hooked: bool) -> tuple[list[torch.Tensor
         h = outs[0]
         keep(model.mtp.forward(list(range(5, 30)), h, mc, logit_rows="all", hook=hook))
         keep(model.mtp.forward([40, 41], outs[-2][-2:], mc, logit_rows="all", hook=hook))
+    if steps is not None:
+        steps.append(model._step)
     return outs, seen, {k: v.clone() for k, v in model.routing.counts.items()}
 
 
@@ -71,6 +75,22 @@ def test_one_call_layer_gives_the_op_by_op_bits(model: str, backend: ops.Backend
     assert op_counts.keys() == one_counts.keys()
     for k in op_counts:
         assert torch.equal(op_counts[k], one_counts[k])
+
+
+@pytest.mark.parametrize("backend", NATIVE[:1] + NATIVE[-1:], ids=lambda b: b.name)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_decode_step_in_one_call_gives_the_per_layer_bits(model: str, backend: ops.Backend) -> None:
+    """Without an observer a one-token pass runs every layer in one native call (ops.FusedStep: conv states written
+    in place, routing counted natively); its logits, hidden rows, later passes (a verify and commit after it, a
+    decode after the commit) and routing counts are those of a layer per call."""
+    path = MODELS[model]()
+    per_layer, _, counts = _passes(path, replace(backend, threads=2), hooked=False)
+    steps: list = []
+    stepped, seen, step_counts = _passes(path, replace(backend, threads=2), hooked=False, observed=False, steps=steps)
+    assert isinstance(steps[0], ops.FusedStep) and not seen
+    for i, (a, b) in enumerate(zip(per_layer, stepped)):
+        assert torch.equal(a, b), f"output {i}: max difference {(a - b).abs().max().item()}"
+    assert counts.keys() == step_counts.keys() and all(torch.equal(counts[k], step_counts[k]) for k in counts)
 
 
 def test_layers_that_cannot_run_in_one_call_run_op_by_op() -> None:

@@ -91,10 +91,11 @@ def _worst_stall(qtbot, until) -> float:
 
 def test_stop_and_gui_stays_responsive(qtbot, ctl) -> None:
     got = _record(ctl)
-    ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=2048))
+    ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=4096))
     assert _worst_stall(qtbot, lambda: got["loaded"] is not None) < 0.05  # during load
     ctl.worker.engine.tokenizer.eog_ids = frozenset()  # a random model: keep it generating
-    ctl.generate([1, 2, 3], GenerationConfig(max_tokens=1500))
+    # as long as the fixture's context allows: a decode step of this small model takes well under a millisecond
+    ctl.generate([1, 2, 3], GenerationConfig(max_tokens=4000))
     qtbot.waitUntil(lambda: len(got["tokens"]) >= 5, timeout=30_000)
     # The GUI event loop keeps turning while the worker decodes: measure the longest stall.
     worst, last, t_end = 0.0, time.perf_counter(), time.perf_counter() + 0.5
@@ -105,7 +106,7 @@ def test_stop_and_gui_stays_responsive(qtbot, ctl) -> None:
     assert worst < 0.05, worst
     ctl.stop()
     qtbot.waitUntil(lambda: got["done"] is not None, timeout=10_000)
-    assert got["done"] == "stopped" and len(got["tokens"]) < 1500
+    assert got["done"] == "stopped" and len(got["tokens"]) < 4000
 
 
 def test_bad_model_reports_an_error_and_worker_stays_usable(qtbot, ctl, tmp_path: Path) -> None:

@@ -177,15 +177,20 @@ class RoutingStats:
     def __init__(self) -> None:
         self._counts: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        self._device: dict[int, torch.Tensor] = {}  # counts kept on an accelerator, per layer
+        self._live: dict[int, torch.Tensor] = {}  # counts added to where they are (a device, a native step), per layer
+
+    def counter(self, layer: int, n_expert: int, device: torch.device) -> torch.Tensor:
+        """Layer's counts [n_expert] (int64) on `device`, which its passes add to themselves: on an accelerator
+        (nothing read back per pass; a captured step's replays count too) or in a native decode step's one call."""
+        c = self._live.get(layer)
+        if c is None:
+            c = self._live[layer] = torch.zeros(n_expert, dtype=torch.long, device=device)
+        return c
 
     def add(self, layer: int, experts: torch.Tensor, n_expert: int) -> None:
-        if experts.device.type != "cpu":  # counted where the ids are: nothing read back per pass, and a captured
-            c = self._device.get(layer)  # step's replays count too (the add is part of the graph)
-            if c is None:
-                c = self._device[layer] = torch.zeros(n_expert, dtype=torch.long, device=experts.device)
+        if experts.device.type != "cpu":  # counted where the ids are
             flat = experts.reshape(-1)
-            c.index_add_(0, flat, torch.ones_like(flat))
+            self.counter(layer, n_expert, experts.device).index_add_(0, flat, torch.ones_like(flat))
             return
         _, ids = self._pending.setdefault(layer, (n_expert, []))
         ids.append(experts.reshape(-1))
@@ -201,11 +206,11 @@ class RoutingStats:
     def counts(self) -> dict[int, torch.Tensor]:
         for layer in list(self._pending):
             self._fold(layer)
-        if not self._device:
+        if not self._live:
             return self._counts
         out = dict(self._counts)
-        for layer, c in self._device.items():
-            out[layer] = out[layer] + c.cpu() if layer in out else c.cpu()
+        for layer, c in self._live.items():
+            out[layer] = out[layer] + c.cpu() if layer in out else c.cpu().clone()
         return out
 
 
@@ -365,6 +370,7 @@ class Qwen35Model:
         self.hp = hp
         self.layers = layers
         self._linked = False  # the fused layers told what follows each (ops.link_layers)
+        self._step: ops.FusedStep | None | bool = False  # a decode step's layers in one call (False: not yet decided)
         self.layer_devices = [layer.device for layer in layers]
         self.tok_embd = tok_embd  # row lookups: stays where the file is
         self.output = output
@@ -419,11 +425,26 @@ class Qwen35Model:
             cb = hook or _noop
             x = self.embed(ids)
             cb("inp_embd", -1, x)
-            res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
+            if n == 1 and hook is None and not capture and isinstance(self._step, ops.FusedStep):
+                self._step(x, cache, pos, self.rope(x.device))  # every layer in one native call
+                res = self._final(x, logit_rows, cb, None)
+            else:
+                res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
             if not self._linked and all(layer.fusion_decided for layer in self.layers):
                 self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
+            if self._linked and self._step is False:
+                self._step = self._fuse_step()
         cache.pos = pos + n
         return res
+
+    def _fuse_step(self) -> ops.FusedStep | None:
+        """The trunk's fused layers as one call per decode step, where every layer is fused on the CPU."""
+        cpu = torch.device("cpu")
+        if any(layer.device != cpu for layer in self.layers):
+            return None
+        counters = [self.routing.counter(layer.il, self.hp.n_expert, cpu)
+                    if isinstance(layer.ffn, MoE) and layer.ffn.stats is self.routing else None for layer in self.layers]
+        return ops.fuse_step([layer.fused for layer in self.layers], [layer.il for layer in self.layers], counters)
 
     def rows_pass(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
                   chunked: bool = False, cb: Hook = _noop) -> ForwardResult:
@@ -434,6 +455,10 @@ class Qwen35Model:
             if x.device != layer.device:
                 x = x.to(layer.device)
             x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
+        return self._final(x, logit_rows, cb, cap)
+
+    def _final(self, x: torch.Tensor, logit_rows: str, cb: Hook, cap: CapturedStates | None) -> ForwardResult:
+        """The final norm and the LM head over the last layer's rows."""
         h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)
         logits = None

@@ -70,9 +70,10 @@ typedef struct {
      * positions [n, n_rot/2] */
     float *kc, *vc;
     const float *cos_t, *sin_t;
-    /* MoE outputs: router logits [n, E], top-k weights and ids [n, k_used] */
+    /* MoE outputs: router logits [n, E], top-k weights and ids [n, k_used]; counts [E] (or NULL): each routed id
+     * counted there (the routing statistics of a step run in one call) */
     float *logits, *wts;
-    int64_t *idx;
+    int64_t *idx, *counts;
 } LayerPass;
 
 /* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
@@ -119,8 +120,10 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     const int64_t zw = hv * dv, ld = c + zw + 2 * hv, qk = hk * dk;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
     float *s = malloc((size_t)(n * (5 * hv + c + 3 * zw + 2 * qk)) * sizeof(float));
+    /* no window given: a scratch one, and the new conv state is written back over the old one (in place) */
+    float *window = p->window ? p->window : malloc((size_t)((kk - 1 + n) * c) * sizeof(float));
     int rc = -1;
-    if (!proj || !s) goto done;
+    if (!proj || !s || !window) goto done;
     float *b = s, *al = b + n * hv, *g = al + n * hv, *u = g + n * hv, *o = u + n * c, *z = o + n * zw;
     float *q = p->q ? p->q : z + n * zw, *k = p->k ? p->k : z + n * zw + n * qk;
     float *v = p->v ? p->v : z + n * zw + 2 * n * qk, *beta = p->beta ? p->beta : z + 2 * n * zw + 2 * n * qk;
@@ -129,11 +132,11 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     /* the recurrence reads the state next: the workers fetch it while this thread makes the recurrence's inputs */
     const Ahead state = {(const char *)p->s_in, (const char *)(p->s_in + hv * dk * dv), 0};
     pool_prefetch(p->threads, &state, 1);
-    memcpy(p->window, p->conv, (size_t)((kk - 1) * c) * sizeof(float));
-    columns(proj, n, ld, 0, c, p->window + (kk - 1) * c);
+    memcpy(window, p->conv, (size_t)((kk - 1) * c) * sizeof(float));
+    columns(proj, n, ld, 0, c, window + (kk - 1) * c);
     columns(proj, n, ld, c + zw, hv, b);
     columns(proj, n, ld, c + zw + hv, hv, al);
-    gdn_inputs(p->window, w->taps, n, c, kk, b, al, w->A, w->dt_bias, hv, hk, dk, eps,
+    gdn_inputs(window, w->taps, n, c, kk, b, al, w->A, w->dt_bias, hv, hk, dk, eps,
                (float)(1.0 / sqrt((double)dk)), u, q, k, beta, g);
     columns(u, n, c, 2 * qk, zw, v);
     exp_rows(g, n * hv, decay);
@@ -151,7 +154,9 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
     trace_mark(TRACE_GATED_NORM, 0);
     rc = project(w->out, o, n, y, p->threads, p->isa);
+    if (!p->window) memcpy((float *)p->conv, window + n * c, (size_t)((kk - 1) * c) * sizeof(float));
 done:
+    if (!p->window) free(window);
     free(proj), free(s);
     return rc;
 }
@@ -218,9 +223,12 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
     const int th = threads_for(n * w->k_used * e_bytes, p->threads);
     for (int i = 0; i < 6; i++) st[i].threads = th;
     const int shared = w->shared_inp != NULL;
-    return moe_layer(w->router, w->shared_inp, shared ? &st[0] : NULL, shared ? &st[1] : NULL,
-                     shared ? &st[2] : NULL, &st[3], &st[4], &st[5], f, n, w->k_used, w->n_expert, p->logits, p->wts,
-                     p->idx, y, p->isa);
+    const int rc = moe_layer(w->router, w->shared_inp, shared ? &st[0] : NULL, shared ? &st[1] : NULL,
+                             shared ? &st[2] : NULL, &st[3], &st[4], &st[5], f, n, w->k_used, w->n_expert, p->logits,
+                             p->wts, p->idx, y, p->isa);
+    if (rc == 0 && p->counts)
+        for (int64_t i = 0; i < n * w->k_used; i++) p->counts[p->idx[i]]++;
+    return rc;
 }
 
 /* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)). Returns 0; -1 when out of memory, -2 for an expert id
@@ -246,4 +254,20 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     trace_mark(TRACE_NORM, 0);
     free(buf);
     return rc;
+}
+
+/* A decode step's layers in one call: layer i over p[i] in order, each reading x [n, d] and leaving its output
+ * there (the x, n, pos and RoPE rows of every p[i] set here). Returns as decoder_layer; on an error, the layer's
+ * index in *failed. */
+int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
+                   const float *cos_t, const float *sin_t, int64_t *failed) {
+    for (int64_t i = 0; i < n_layers; i++) {
+        p[i].x = x, p[i].n = n, p[i].pos = pos, p[i].cos_t = cos_t, p[i].sin_t = sin_t;
+        const int rc = decoder_layer(w[i], &p[i]);
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+    }
+    return 0;
 }

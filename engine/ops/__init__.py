@@ -11,12 +11,14 @@ from engine.ops.backend import (TORCH, TRITON, Backend, Int8Layouts, OpEvent, av
 from engine.ops.delta_rule import delta_rule, delta_rule_chunked, gdn_inputs, pointwise, tiled
 from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
 from engine.ops.experts import Experts, MoEOut, Shared, moe_experts, moe_ffn, moe_route
-from engine.ops.layer import AttentionSpec, DenseSpec, FusedLayer, GDNSpec, LayerSpec, MoESpec, fuse_layer, link_layers
+from engine.ops.layer import (AttentionSpec, DenseSpec, FusedLayer, FusedStep, GDNSpec, LayerSpec, MoESpec, fuse_layer,
+                              fuse_step, link_layers)
 from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many
 from engine.ops.norms import l2_norm, rms_norm, rope
 
 __all__ = [
-    "AttentionSpec", "DenseSpec", "FusedLayer", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "link_layers",
+    "AttentionSpec", "DenseSpec", "FusedLayer", "FusedStep", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "fuse_step",
+    "link_layers",
     "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "default_backend", "delta_rule", "delta_rule_chunked",
     "embedding", "gdn_inputs", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",

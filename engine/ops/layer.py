@@ -9,12 +9,13 @@ kernels and element-wise expressions as the op-by-op native path in the same ord
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.cache import CapturedStates, ConvSteps, GDNState, KVLayer
+from engine.cache import Cache, CapturedStates, ConvSteps, GDNState, KVLayer
 from engine.ops import native
 from engine.ops.attention import _floats
 from engine.ops.backend import Backend, OpEvent
@@ -159,6 +160,70 @@ class FusedLayer:
             capture.conv[il] = ConvSteps(window, kk)
             capture.ssm[il] = state_replay(S, live, ins, self.backend)
         return after_capture
+
+
+class FusedStep:
+    """A decode step's fused layers in one native call (layer.c decoder_layers). What FusedLayer does in Python per
+    layer and pass — operands, scratch, a new conv window and the state's rebinding, the routing counts — is done
+    once here: the passes' operands stay set between steps and are refreshed only for a state the cache rebound
+    (after a verify, a commit, a reset); each GDN layer writes its new conv state over the old one (in place, so the
+    state must own its storage: made so when rebound); each MoE layer counts its routed ids into `counters`. One-token
+    passes without captured states (a verify keeps its per-layer calls: its states are views a commit reads)."""
+
+    def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None]):
+        self.layers, self.ils, self.counters = layers, ils, counters
+        n = len(layers)
+        self.ws = (ctypes.c_void_p * n)(*[ctypes.addressof(layer.w) for layer in layers])
+        self.ps = (native.LayerPass * n)()
+        self._keep: list[torch.Tensor] = []
+        for p, layer, cnt in zip(self.ps, layers, counters):
+            p.isa = layer.backend.level
+            if isinstance(layer.spec.ffn, MoESpec):
+                e_n, k = layer.spec.ffn.experts.n_expert, layer.spec.ffn.k_used
+                scratch = (torch.empty(1, e_n), torch.empty(1, k), torch.empty(1, k, dtype=torch.long))
+                self._keep += scratch
+                p.logits, p.wts, p.idx = (t.data_ptr() for t in scratch)
+                p.counts = cnt.data_ptr() if cnt is not None else None
+        self._cache: Cache | None = None
+        self._bound: list[tuple[torch.Tensor, ...]] = []  # per layer: the state tensors its pointers point into
+        self._threads = -1
+
+    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One token's row x [1, d] (float32, contiguous) through every layer, in place, at position pos."""
+        b = self.layers[0].backend
+        threads = b.threads if b.threads is not None else torch.get_num_threads()
+        if threads != self._threads:
+            for p in self.ps:
+                p.threads = threads
+            self._threads = threads
+        if cache is not self._cache:
+            self._cache, self._bound = cache, [() for _ in self.layers]
+        for i, (p, il) in enumerate(zip(self.ps, self.ils)):
+            st = cache.gdn.get(il)
+            if st is None:
+                if not self._bound[i]:
+                    kv = cache.kv[il]
+                    p.kc, p.vc, p.window = kv.k.data_ptr(), kv.v.data_ptr(), None
+                    self._bound[i] = (kv.k,)
+                continue
+            bound = self._bound[i]
+            if not bound or bound[0] is not st.conv or bound[1] is not st.ssm:
+                if not st.conv.is_contiguous() or st.conv.untyped_storage().nbytes() != st.conv.nbytes:
+                    st.conv = st.conv.clone()  # its own storage: written in place (a window's view may be read)
+                p.conv, p.window, p.s_in = st.conv.data_ptr(), None, st.ssm.data_ptr()
+                p.s_out, p.q, p.k, p.v, p.beta, p.decay = p.s_in, None, None, None, None, None
+                self._bound[i] = (st.conv, st.ssm)
+        cos, sin = rope
+        native.decoder_layers(self.ws, self.ps, x, pos, cos.data_ptr() + pos * cos.stride(0) * cos.element_size(),
+                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size())
+
+
+def fuse_step(layers: list[FusedLayer | None], ils: list[int],
+              counters: list[torch.Tensor | None]) -> FusedStep | None:
+    """The fused layers as one call per decode step, or None where a layer is not fused or reports to an observer."""
+    if not layers or any(layer is None or layer.backend.observer is not None for layer in layers):
+        return None
+    return FusedStep(layers, ils, counters)  # type: ignore[arg-type]
 
 
 def _stack(lin: Linear | None, keep: list) -> native.ExpertStack | None:

@@ -47,8 +47,10 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "gdn_inputs": ([_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P,
                     _P], None),
     "rope_neox": ([_P, _I, _I, _I, _I, _P, _P], None),
+    "dequant_rows": ([_C, _P, _I, _I, _P, _I, _I, _P], _C),
     "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
     "decoder_layer": ([_P, _P], _C),
+    "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P], _C),
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
@@ -310,6 +312,23 @@ def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: tor
     return u, q, k, beta, g
 
 
+DEQUANT_ROW_TYPES = frozenset({12, 13, 14, 8})  # Q4_K, Q5_K, Q6_K, Q8_0: what dequant_rows reads
+
+
+def dequant_rows(raw: torch.Tensor, qtype: int, ids: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Rows `ids` (int64, CPU) of the matrix raw (uint8 [rows, row bytes], CPU, contiguous) of type qtype (one of
+    DEQUANT_ROW_TYPES) as float32 [len(ids), n_cols], with the bits of QTensor.dequantize."""
+    out = torch.empty(ids.numel(), n_cols)
+    ids = ids.contiguous()
+    rc = LIB.dequant_rows(qtype, raw.data_ptr(), raw.shape[1], raw.shape[0], ids.data_ptr(),  # type: ignore[union-attr]
+                          ids.numel(), n_cols, out.data_ptr())
+    if rc == -2:
+        raise IndexError(f"a row id outside the matrix's {raw.shape[0]} rows")
+    if rc != 0:
+        raise ValueError(f"dequant_rows does not read type {qtype}")
+    return out
+
+
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
     """RoPE (NEOX pairing) of x [n, H, D] (float32, contiguous: rotated in place and returned) with cos/sin
     [n, n_rot/2] (contiguous)."""
@@ -370,7 +389,7 @@ class LayerPass(ctypes.Structure):
     _fields_ = [("x", _P), ("n", _I), ("pos", _I), ("threads", ctypes.c_int32), ("isa", ctypes.c_int32),
                 ("conv", _P), ("window", _P), ("s_in", _P), ("s_out", _P), ("q", _P), ("k", _P), ("v", _P),
                 ("beta", _P), ("decay", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("logits", _P),
-                ("wts", _P), ("idx", _P)]
+                ("wts", _P), ("idx", _P), ("counts", _P)]
 
 
 _LAYER_ERRORS = {-1: (MemoryError, "no memory for the layer's pass"),
@@ -385,6 +404,17 @@ def decoder_layer(w: LayerW, p: LayerPass) -> None:
     if rc != 0:
         kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
         raise kind(msg)
+
+
+def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int, cos_t: int, sin_t: int) -> None:
+    """engine/native/layer.c decoder_layers: the layers ws (pointers to LayerW) over their passes ps, in one call; x
+    (float32 [n, d], contiguous) replaced by the last layer's output; cos_t/sin_t the addresses of the RoPE rows."""
+    failed = ctypes.c_int64(-1)
+    rc = LIB.decoder_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
+                            ctypes.byref(failed))
+    if rc != 0:
+        kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
+        raise kind(f"layer {failed.value}: {msg}")
 
 
 # engine/native/trace.c's sections, in kernels.h's TRACE_* order
