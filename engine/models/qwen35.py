@@ -425,9 +425,12 @@ class Qwen35Model:
             cb = hook or _noop
             x = self.embed(ids)
             cb("inp_embd", -1, x)
-            if n == 1 and hook is None and not capture and isinstance(self._step, ops.FusedStep):
-                self._step(x, cache, pos, self.rope(x.device))  # every layer in one native call
-                res = self._final(x, logit_rows, cb, None)
+            step = self._step
+            if n == 1 and hook is None and not capture and isinstance(step, ops.FusedStep):
+                want = logit_rows != "none"  # every layer, the final norm and the head in one native call
+                h, logits = step(x, cache, pos, self.rope(x.device), want)
+                res = ForwardResult(h, logits, None) if logits is not None or not want else \
+                    ForwardResult(h, ops.linear(h, self.output), None)
             else:
                 res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
             if not self._linked and all(layer.fusion_decided for layer in self.layers):
@@ -438,13 +441,15 @@ class Qwen35Model:
         return res
 
     def _fuse_step(self) -> ops.FusedStep | None:
-        """The trunk's fused layers as one call per decode step, where every layer is fused on the CPU."""
+        """The trunk's fused layers, final norm and head as one call per decode step, where every layer is fused on
+        the CPU and the head is there too."""
         cpu = torch.device("cpu")
-        if any(layer.device != cpu for layer in self.layers):
+        if any(layer.device != cpu for layer in self.layers) or self.device != cpu:
             return None
         counters = [self.routing.counter(layer.il, self.hp.n_expert, cpu)
                     if isinstance(layer.ffn, MoE) and layer.ffn.stats is self.routing else None for layer in self.layers]
-        return ops.fuse_step([layer.fused for layer in self.layers], [layer.il for layer in self.layers], counters)
+        return ops.fuse_step([layer.fused for layer in self.layers], [layer.il for layer in self.layers], counters,
+                             self.output_norm, self.hp.rms_eps, self.output)
 
     def rows_pass(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
                   chunked: bool = False, cb: Hook = _noop) -> ForwardResult:

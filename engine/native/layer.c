@@ -256,11 +256,21 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     return rc;
 }
 
+/* After a step's layers: the output norm into h [n, d] and, where head is given, the LM head's product into
+ * logits [n, head->n_rows] (the final norm and head of engine.models.qwen35, the same kernels as the op-by-op
+ * path's rms_norm and linear). */
+typedef struct {
+    const float *norm;
+    float eps;
+    const ExpertStack *head;
+    float *h, *logits;
+} StepOut;
+
 /* A decode step's layers in one call: layer i over p[i] in order, each reading x [n, d] and leaving its output
- * there (the x, n, pos and RoPE rows of every p[i] set here). Returns as decoder_layer; on an error, the layer's
- * index in *failed. */
+ * there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as decoder_layer; on
+ * an error, the layer's index in *failed. */
 int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
-                   const float *cos_t, const float *sin_t, int64_t *failed) {
+                   const float *cos_t, const float *sin_t, const StepOut *out, int64_t *failed) {
     for (int64_t i = 0; i < n_layers; i++) {
         p[i].x = x, p[i].n = n, p[i].pos = pos, p[i].cos_t = cos_t, p[i].sin_t = sin_t;
         const int rc = decoder_layer(w[i], &p[i]);
@@ -268,6 +278,13 @@ int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float
             *failed = i;
             return rc;
         }
+    }
+    if (!out) return 0;
+    const int64_t d = w[n_layers - 1]->d;
+    norm_rows(x, n, d, out->norm, NULL, out->eps, 0, 1.f, out->h);
+    if (out->head && project(*out->head, out->h, n, out->logits, p[n_layers - 1].threads, p[n_layers - 1].isa)) {
+        *failed = n_layers;
+        return -1;
     }
     return 0;
 }

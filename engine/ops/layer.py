@@ -163,19 +163,23 @@ class FusedLayer:
 
 
 class FusedStep:
-    """A decode step's fused layers in one native call (layer.c decoder_layers). What FusedLayer does in Python per
-    layer and pass — operands, scratch, a new conv window and the state's rebinding, the routing counts — is done
-    once here: the passes' operands stay set between steps and are refreshed only for a state the cache rebound
-    (after a verify, a commit, a reset); each GDN layer writes its new conv state over the old one (in place, so the
-    state must own its storage: made so when rebound); each MoE layer counts its routed ids into `counters`. One-token
-    passes without captured states (a verify keeps its per-layer calls: its states are views a commit reads)."""
+    """A decode step's fused layers, then the final norm and the LM head, in one native call (layer.c
+    decoder_layers). What FusedLayer does in Python per layer and pass — operands, scratch, a new conv window and the
+    state's rebinding, the routing counts — is done once here: the passes' operands stay set between steps and are
+    refreshed only for a state the cache rebound (after a verify, a commit, a reset); each GDN layer writes its new
+    conv state over the old one (in place, so the state must own its storage: made so when rebound); each MoE layer
+    counts its routed ids into `counters`. One-token passes without captured states (a verify keeps its per-layer
+    calls: its states are views a commit reads). After a step's ~100 MB of weights the interpreter's own code and
+    objects are out of the caches, and each Python op after the layers cost tens of microseconds: the norm and the
+    head run in the same call (where the head's product is native)."""
 
-    def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None]):
+    def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
+                 out_norm: torch.Tensor, eps: float, head: Linear):
         self.layers, self.ils, self.counters = layers, ils, counters
         n = len(layers)
         self.ws = (ctypes.c_void_p * n)(*[ctypes.addressof(layer.w) for layer in layers])
         self.ps = (native.LayerPass * n)()
-        self._keep: list[torch.Tensor] = []
+        self._keep: list = []
         for p, layer, cnt in zip(self.ps, layers, counters):
             p.isa = layer.backend.level
             if isinstance(layer.spec.ffn, MoESpec):
@@ -184,12 +188,34 @@ class FusedStep:
                 self._keep += scratch
                 p.logits, p.wts, p.idx = (t.data_ptr() for t in scratch)
                 p.counts = cnt.data_ptr() if cnt is not None else None
+        self.d, self.out = layers[0].spec.attn_norm.numel(), native.StepOut()
+        self.out.norm, self.out.eps = _vec(out_norm, self._keep), eps
+        self.head = _stack(head, self._keep)
+        self.n_vocab = head.n_rows
         self._cache: Cache | None = None
-        self._bound: list[tuple[torch.Tensor, ...]] = []  # per layer: the state tensors its pointers point into
+        self._gdn: list[tuple[native.LayerPass, GDNState]] = []
+        self._bound: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # the tensors each GDN pass points into
         self._threads = -1
 
-    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """One token's row x [1, d] (float32, contiguous) through every layer, in place, at position pos."""
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
+
+    def _bind(self, cache: Cache) -> None:
+        self._cache, self._gdn = cache, []
+        for p, il in zip(self.ps, self.ils):
+            st = cache.gdn.get(il)
+            if st is None:
+                kv = cache.kv[il]
+                p.kc, p.vc = kv.k.data_ptr(), kv.v.data_ptr()
+            else:
+                self._gdn.append((p, st))
+        self._bound = [None] * len(self._gdn)
+
+    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+                 logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token's row x [1, d] (float32, contiguous) through every layer (in place, at position pos): the
+        post-norm hidden row [1, d] and, with `logits` (and a native head), the logits [1, V]."""
         b = self.layers[0].backend
         threads = b.threads if b.threads is not None else torch.get_num_threads()
         if threads != self._threads:
@@ -197,33 +223,34 @@ class FusedStep:
                 p.threads = threads
             self._threads = threads
         if cache is not self._cache:
-            self._cache, self._bound = cache, [() for _ in self.layers]
-        for i, (p, il) in enumerate(zip(self.ps, self.ils)):
-            st = cache.gdn.get(il)
-            if st is None:
-                if not self._bound[i]:
-                    kv = cache.kv[il]
-                    p.kc, p.vc, p.window = kv.k.data_ptr(), kv.v.data_ptr(), None
-                    self._bound[i] = (kv.k,)
-                continue
+            self._bind(cache)
+        for i, (p, st) in enumerate(self._gdn):
             bound = self._bound[i]
-            if not bound or bound[0] is not st.conv or bound[1] is not st.ssm:
+            if bound is None or bound[0] is not st.conv or bound[1] is not st.ssm:
                 if not st.conv.is_contiguous() or st.conv.untyped_storage().nbytes() != st.conv.nbytes:
                     st.conv = st.conv.clone()  # its own storage: written in place (a window's view may be read)
                 p.conv, p.window, p.s_in = st.conv.data_ptr(), None, st.ssm.data_ptr()
                 p.s_out, p.q, p.k, p.v, p.beta, p.decay = p.s_in, None, None, None, None, None
                 self._bound[i] = (st.conv, st.ssm)
+        h = torch.empty(1, self.d)
+        lg = torch.empty(1, self.n_vocab) if logits and self.head is not None else None
+        out = self.out
+        out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
+        out.head = ctypes.pointer(self.head) if lg is not None else None
         cos, sin = rope
         native.decoder_layers(self.ws, self.ps, x, pos, cos.data_ptr() + pos * cos.stride(0) * cos.element_size(),
-                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size())
+                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size(), out)
+        return h, lg
 
 
-def fuse_step(layers: list[FusedLayer | None], ils: list[int],
-              counters: list[torch.Tensor | None]) -> FusedStep | None:
-    """The fused layers as one call per decode step, or None where a layer is not fused or reports to an observer."""
-    if not layers or any(layer is None or layer.backend.observer is not None for layer in layers):
+def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[torch.Tensor | None],
+              out_norm: torch.Tensor, eps: float, head: Linear) -> FusedStep | None:
+    """The fused layers, the final norm and (where its product is native) the head as one call per decode step; None
+    where a layer is not fused or reports to an observer, or the norm is not a float32 CPU tensor."""
+    if not layers or any(layer is None or layer.backend.observer is not None for layer in layers) \
+            or not _floats(out_norm):
         return None
-    return FusedStep(layers, ils, counters)  # type: ignore[arg-type]
+    return FusedStep(layers, ils, counters, out_norm, eps, head)  # type: ignore[arg-type]
 
 
 def _stack(lin: Linear | None, keep: list) -> native.ExpertStack | None:
