@@ -46,11 +46,18 @@ def _passes(path, backend: ops.Backend, hooked: bool, observed: bool = True,
     keep(model.forward(list(range(5, 30)), cache, logit_rows="all", hook=hook))
     for t in (40, 41, 42):
         keep(model.forward([t], cache, logit_rows="all", hook=hook))
+    keep(model.forward([43, 44, 45], cache, logit_rows="last", hook=hook))  # a short pass without captured states
     verify = model.forward([7, 8, 9, 10], cache, logit_rows="all", capture=True, hook=hook)
     keep(verify)
     cache.commit(verify.captured, 1)  # type: ignore[arg-type]
     cache.truncate(cache.pos - 2)
     keep(model.forward([3], cache, logit_rows="all", hook=hook))
+    keep(model.forward([11, 12, 13, 14], cache, logit_rows="all", hook=hook))  # the verify's size, uncaptured
+    verify = model.forward([15, 16, 17, 18], cache, logit_rows="all", capture=True, hook=hook)
+    keep(verify)
+    cache.commit(verify.captured, 0)  # type: ignore[arg-type]
+    cache.truncate(cache.pos - 3)
+    keep(model.forward([19], cache, logit_rows="all", hook=hook))
     if model.mtp is not None:
         mc = model.mtp.new_cache(128)
         h = outs[0]
@@ -80,9 +87,10 @@ def test_one_call_layer_gives_the_op_by_op_bits(model: str, backend: ops.Backend
 @pytest.mark.parametrize("backend", NATIVE[:1] + NATIVE[-1:], ids=lambda b: b.name)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_a_decode_step_in_one_call_gives_the_per_layer_bits(model: str, backend: ops.Backend) -> None:
-    """Without an observer a one-token pass runs every layer in one native call (ops.FusedStep: conv states written
-    in place, routing counted natively); its logits, hidden rows, later passes (a verify and commit after it, a
-    decode after the commit) and routing counts are those of a layer per call."""
+    """Without an observer a pass of up to 16 rows runs every layer, the final norm and the head in one native call
+    (ops.FusedStep: conv states written in place, or a verify's kept for its commit; routing counted natively); its
+    logits, hidden rows, captured states (through a commit and the decode after it) and routing counts are those of
+    a layer per call."""
     path = MODELS[model]()
     per_layer, _, counts = _passes(path, replace(backend, threads=2), hooked=False)
     steps: list = []

@@ -426,11 +426,15 @@ class Qwen35Model:
             x = self.embed(ids)
             cb("inp_embd", -1, x)
             step = self._step
-            if n == 1 and hook is None and not capture and isinstance(step, ops.FusedStep):
-                want = logit_rows != "none"  # every layer, the final norm and the head in one native call
-                h, logits = step(x, cache, pos, self.rope(x.device), want)
-                res = ForwardResult(h, logits, None) if logits is not None or not want else \
-                    ForwardResult(h, ops.linear(h, self.output), None)
+            if n <= STEP_ROWS and hook is None and not chunked and isinstance(step, ops.FusedStep):
+                # decode steps and verify passes: every layer, the final norm and the head in one native call
+                want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
+                h, logits = step(x, cache, pos, self.rope(x.device), want, cap)
+                if want and logits is None:
+                    logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
+                elif logits is not None and logit_rows == "last":
+                    logits = logits[-1:]
+                res = ForwardResult(h, logits, cap)
             else:
                 res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
             if not self._linked and all(layer.fusion_decided for layer in self.layers):

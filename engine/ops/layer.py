@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -162,85 +163,139 @@ class FusedLayer:
         return after_capture
 
 
-class FusedStep:
-    """A decode step's fused layers, then the final norm and the LM head, in one native call (layer.c
-    decoder_layers). What FusedLayer does in Python per layer and pass — operands, scratch, a new conv window and the
-    state's rebinding, the routing counts — is done once here: the passes' operands stay set between steps and are
-    refreshed only for a state the cache rebound (after a verify, a commit, a reset); each GDN layer writes its new
-    conv state over the old one (in place, so the state must own its storage: made so when rebound); each MoE layer
-    counts its routed ids into `counters`. One-token passes without captured states (a verify keeps its per-layer
-    calls: its states are views a commit reads). After a step's ~100 MB of weights the interpreter's own code and
-    objects are out of the caches, and each Python op after the layers cost tens of microseconds: the norm and the
-    head run in the same call (where the head's product is native)."""
+class _Passes:
+    """FusedStep's passes of one kind — a size n, with or without captured states — the LayerPass array and what its
+    pointers point into, set once (a kind of its own for each: a short prompt's pass of a verify's size must not
+    leave the verify's windows unset)."""
 
-    def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
-                 out_norm: torch.Tensor, eps: float, head: Linear):
-        self.layers, self.ils, self.counters = layers, ils, counters
-        n = len(layers)
-        self.ws = (ctypes.c_void_p * n)(*[ctypes.addressof(layer.w) for layer in layers])
-        self.ps = (native.LayerPass * n)()
-        self._keep: list = []
-        for p, layer, cnt in zip(self.ps, layers, counters):
+    def __init__(self, step: FusedStep, n: int):
+        self.n = n
+        self.ps = (native.LayerPass * len(step.layers))()
+        self.keep: list[torch.Tensor] = []
+        for p, layer, cnt in zip(self.ps, step.layers, step.counters):
             p.isa = layer.backend.level
             if isinstance(layer.spec.ffn, MoESpec):
                 e_n, k = layer.spec.ffn.experts.n_expert, layer.spec.ffn.k_used
-                scratch = (torch.empty(1, e_n), torch.empty(1, k), torch.empty(1, k, dtype=torch.long))
-                self._keep += scratch
+                scratch = (torch.empty(n, e_n), torch.empty(n, k), torch.empty(n, k, dtype=torch.long))
+                self.keep += scratch
                 p.logits, p.wts, p.idx = (t.data_ptr() for t in scratch)
                 p.counts = cnt.data_ptr() if cnt is not None else None
-        self.d, self.out = layers[0].spec.attn_norm.numel(), native.StepOut()
-        self.out.norm, self.out.eps = _vec(out_norm, self._keep), eps
-        self.head = _stack(head, self._keep)
-        self.n_vocab = head.n_rows
-        self._cache: Cache | None = None
-        self._gdn: list[tuple[native.LayerPass, GDNState]] = []
-        self._bound: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # the tensors each GDN pass points into
-        self._threads = -1
+        self.threads = -1
+        self.cache: Cache | None = None
+        self.gdn: list[tuple[native.LayerPass, GDNState, GDNSpec, int]] = []  # a GDN layer's pass, state, spec, index
+        self.bound: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # in-place passes: the states pointed into
+        self.captures: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # capture passes: window, inputs
 
-    @property
-    def has_head(self) -> bool:
-        return self.head is not None
-
-    def _bind(self, cache: Cache) -> None:
-        self._cache, self._gdn = cache, []
-        for p, il in zip(self.ps, self.ils):
+    def bind(self, cache: Cache, layers: list[FusedLayer], ils: list[int]) -> None:
+        self.cache, self.gdn = cache, []
+        for p, layer, il in zip(self.ps, layers, ils):
             st = cache.gdn.get(il)
             if st is None:
                 kv = cache.kv[il]
                 p.kc, p.vc = kv.k.data_ptr(), kv.v.data_ptr()
             else:
-                self._gdn.append((p, st))
-        self._bound = [None] * len(self._gdn)
+                self.gdn.append((p, st, layer.spec.mixer, il))  # type: ignore[arg-type]
+        self.bound = [None] * len(self.gdn)
+        self.captures = []
+
+
+class FusedStep:
+    """A decode step's (or a verify pass's) fused layers, then the final norm and the LM head, in one native call
+    (layer.c decoder_layers). What FusedLayer does in Python per layer and pass — operands, scratch, the conv
+    window and the state's rebinding, the routing counts — is done once here: each pass size keeps its operands set
+    between passes. A pass without captured states refreshes only the states the cache rebound (after a verify, a
+    commit, a reset) and each GDN layer writes its new conv state over the old one (in place, so the state must own
+    its storage: made so when rebound). A verify (captured states) gives each GDN layer a window and recurrence
+    inputs kept for its size — the captured states view them, valid until the next verify of that size, as a
+    commit follows each verify — and swaps the recurrent state with its spare as FusedLayer does. Each MoE layer
+    counts its routed ids into `counters`. After a step's ~100 MB of weights the interpreter's own code and objects
+    are out of the caches and each Python op after the layers cost tens of microseconds: the norm and the head run
+    in the same call (where the head's product is native)."""
+
+    def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
+                 out_norm: torch.Tensor, eps: float, head: Linear):
+        self.layers, self.ils, self.counters = layers, ils, counters
+        self.ws = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.w) for layer in layers])
+        self._keep: list = []
+        self.d, self.out = layers[0].spec.attn_norm.numel(), native.StepOut()
+        self.out.norm, self.out.eps = _vec(out_norm, self._keep), eps
+        self.head = _stack(head, self._keep)
+        self.n_vocab = head.n_rows
+        self._passes: dict[tuple[int, bool], _Passes] = {}
+
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
 
     def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
-                 logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token's row x [1, d] (float32, contiguous) through every layer (in place, at position pos): the
-        post-norm hidden row [1, d] and, with `logits` (and a native head), the logits [1, V]."""
+                 logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pass's rows x [n, d] (float32, contiguous) through every layer (in place, at positions pos…pos+n−1): the
+        post-norm hidden rows [n, d] and, with `logits` (and a native head), the logits [n, V]; with `capture`, the
+        GDN states after every position go there (as FusedLayer's)."""
+        n = x.shape[0]
+        ps = self._passes.get((n, capture is not None))
+        if ps is None:
+            ps = self._passes[(n, capture is not None)] = _Passes(self, n)
         b = self.layers[0].backend
         threads = b.threads if b.threads is not None else torch.get_num_threads()
-        if threads != self._threads:
-            for p in self.ps:
+        if threads != ps.threads:
+            for p in ps.ps:
                 p.threads = threads
-            self._threads = threads
-        if cache is not self._cache:
-            self._bind(cache)
-        for i, (p, st) in enumerate(self._gdn):
-            bound = self._bound[i]
+            ps.threads = threads
+        if cache is not ps.cache:
+            ps.bind(cache, self.layers, self.ils)
+        after = self._in_place(ps) if capture is None else self._captured(ps, capture)
+        h = torch.empty(n, self.d)
+        lg = torch.empty(n, self.n_vocab) if logits and self.head is not None else None
+        out = self.out
+        out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
+        out.head = ctypes.pointer(self.head) if lg is not None else None
+        cos, sin = rope
+        native.decoder_layers(self.ws, ps.ps, x, pos, cos.data_ptr() + pos * cos.stride(0) * cos.element_size(),
+                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size(), out)
+        if after is not None:
+            after()
+        return h, lg
+
+    @staticmethod
+    def _in_place(ps: _Passes) -> None:
+        for i, (p, st, _, _) in enumerate(ps.gdn):
+            bound = ps.bound[i]
             if bound is None or bound[0] is not st.conv or bound[1] is not st.ssm:
                 if not st.conv.is_contiguous() or st.conv.untyped_storage().nbytes() != st.conv.nbytes:
                     st.conv = st.conv.clone()  # its own storage: written in place (a window's view may be read)
                 p.conv, p.window, p.s_in = st.conv.data_ptr(), None, st.ssm.data_ptr()
                 p.s_out, p.q, p.k, p.v, p.beta, p.decay = p.s_in, None, None, None, None, None
-                self._bound[i] = (st.conv, st.ssm)
-        h = torch.empty(1, self.d)
-        lg = torch.empty(1, self.n_vocab) if logits and self.head is not None else None
-        out = self.out
-        out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
-        out.head = ctypes.pointer(self.head) if lg is not None else None
-        cos, sin = rope
-        native.decoder_layers(self.ws, self.ps, x, pos, cos.data_ptr() + pos * cos.stride(0) * cos.element_size(),
-                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size(), out)
-        return h, lg
+                ps.bound[i] = (st.conv, st.ssm)
+
+    def _captured(self, ps: _Passes, capture: CapturedStates) -> Callable[[], None]:
+        n = ps.n
+        if not ps.captures:
+            for p, _, m, _ in ps.gdn:
+                kk, c = m.taps.shape
+                ins = (torch.empty(n, m.hk, m.dk), torch.empty(n, m.hk, m.dk), torch.empty(n, m.hv, m.dv),
+                       torch.empty(n, m.hv), torch.empty(n, m.hv))
+                window = torch.empty(kk - 1 + n, c)
+                p.window = window.data_ptr()
+                p.q, p.k, p.v, p.beta, p.decay = (t.data_ptr() for t in ins)
+                ps.captures.append((window, ins))
+        swaps = []
+        for i, ((p, st, _, _), (window, _)) in enumerate(zip(ps.gdn, ps.captures)):
+            if not st.conv.is_contiguous() or st.conv.untyped_storage().data_ptr() == window.untyped_storage().data_ptr():
+                st.conv = st.conv.clone()  # a view of this window (a verify not yet committed): read before overwritten
+            if st.spare is None:
+                st.spare = torch.empty_like(st.ssm)
+            p.conv, p.s_in, p.s_out = st.conv.data_ptr(), st.ssm.data_ptr(), st.spare.data_ptr()
+            swaps.append((st, st.ssm, st.spare))
+        backend = self.layers[0].backend
+
+        def after() -> None:
+            for (st, start, live), (_, _, m, il), (window, ins) in zip(swaps, ps.gdn, ps.captures):
+                st.conv = window[n:]
+                st.ssm, st.spare = live, start
+                capture.conv[il] = ConvSteps(window, m.taps.shape[0])
+                capture.ssm[il] = state_replay(start, live, ins, backend)
+        return after
 
 
 def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[torch.Tensor | None],
