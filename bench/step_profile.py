@@ -372,6 +372,7 @@ def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.
                   "threads_idle_share": r["threads_idle"]["idle_share"],
                   "threads_runqueue_wait_share": r["threads_idle"]["runqueue_wait_share"]}
     r["split_uniform"] = {k: v * p for k, v in prof["shares"].items()}
+    r["plain_path"] = "one native call" if isinstance(plain.model._step, ops.FusedStep) else "a call per layer"
     r["instrumentation_overhead"] = {"observer": o["median_s"] / p - 1,
                                      "observer_and_profiler": prof["median_pass"]["wall_s"] / p - 1}
     after = probe(args.threads)["best_gb_s"]
@@ -498,6 +499,10 @@ def main() -> None:
             "pass": "N=1: forward([t], logit_rows='all'); N=4: forward(4 tokens, logit_rows='all', capture=True) "
                     "as a speculative verify; cache rewound to a 64-token context before each pass, untimed",
             "kernel": "sum of OpEvent.seconds from a backend observer (observed passes, median)",
+            "plain_path": "how the plain model ran the pass: a pass of up to 16 rows is one native call for the "
+                          "whole trunk (ops.FusedStep) where nothing observes it, while the observed model runs a "
+                          "call per layer: its kernel seconds then exceed the plain pass (kernel_s is capped at "
+                          "pass_s, and the split reads kernel ≈ 100%: the Python around the one call is inside it)",
             "torch_outside": "torch.profiler CPU events, self CPU time, midpoint inside the pass and outside "
                              "every engine op interval (marker after each op on the profiler clock)",
             "python": "pass wall − kernel − torch_outside",
