@@ -24,6 +24,8 @@ from engine.metrics import cuda_status
 from engine.ops import triton_attention, triton_q
 from engine.ops.backend import TRITON, triton_runs
 from engine.ops.experts import Experts, moe_experts
+from engine.ops.linear import GEMV_ROWS
+from engine.speculative.depth import MAX_DEPTH
 from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
 from tests.test_quant import random_tensor
@@ -107,9 +109,13 @@ def test_linear_binds_the_triton_types_and_runs_long_passes_in_bfloat16() -> Non
     q3 = _blocks(QT.Q3_K, (16, 256))  # a type it has no kernel for
     assert ops.bind(QTensor(q3.raw.to(DEV), QT.Q3_K, (16, 256)), TRITON).kind == "dequant"
     ref = w.dequantize().double()
-    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(6))
     short = ops.linear(x[:3].to(DEV), lin).cpu()  # ≤ GEMV_ROWS: float32 GEMV
     assert torch.allclose(short.double(), x[:3].double() @ ref.T, rtol=1e-5, atol=1e-4)
+    # a verify at the deepest draft is still a GEMV: each of its rows has a one-row pass's bits
+    assert GEMV_ROWS >= MAX_DEPTH + 1
+    verify = ops.linear(x[:MAX_DEPTH + 1].to(DEV), lin).cpu()
+    assert torch.equal(verify[MAX_DEPTH], ops.linear(x[MAX_DEPTH:MAX_DEPTH + 1].to(DEV), lin).cpu()[0])
     long = ops.linear(x.to(DEV), lin).cpu()  # a prefill chunk: bfloat16 weights and activations into matmul
     want = x.to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
     assert torch.allclose(long.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))

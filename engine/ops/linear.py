@@ -140,7 +140,9 @@ class NativeLinear(Linear):
         return y.reshape(*x.shape[:-1], n_out)
 
 
-GEMV_ROWS = 8  # TritonLinear: passes of up to this many rows (decode, MTP verify) run the batch-invariant GEMV
+# TritonLinear: passes of up to this many rows run the batch-invariant GEMV: every decode step and verify pass (up to
+# speculative.MAX_DEPTH + 1 = 9 rows: a verify at depth 8 in bfloat16 would not have a decode step's bits)
+GEMV_ROWS = 16
 BF16_TILE_ELEMENTS = 1 << 24  # TritonLinear, longer passes: weight values dequantized to bfloat16 at a time
 
 
