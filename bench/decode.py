@@ -72,12 +72,36 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def final_stats(eng, ids: list[int], gen):  # type: ignore[no-untyped-def]
+    """Run one reply of ours to the end: its final Stats event."""
+    from engine.generate import Stats
+
+    final = None
+    for ev in eng.generate(ids, gen):
+        if isinstance(ev, Stats) and ev.final:
+            final = ev
+    assert final is not None
+    return final
+
+
+def run_record(final) -> dict:  # type: ignore[no-untyped-def]
+    """One reply's figures from its final Stats (tokens, TTFT, prefill and decode seconds, MTP counters)."""
+    sp = final.speculative
+    out = {"prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
+           "ttft_s": final.ttft_s, "prefill_s": final.prefill_tokens / final.prefill_tok_s,
+           "decode_tokens": max(final.generated_tokens - 1, 0), "decode_s": final.elapsed_s - final.ttft_s}
+    if sp is not None:
+        out.update({"drafted": sp.drafted, "accepted": sp.accepted, "verify_steps": sp.verify_steps,
+                    "plain_steps": sp.plain_steps, "mean_accepted_length": sp.mean_accepted_length})
+    return out
+
+
 def run_ours(spec: dict) -> dict:
     import engine  # noqa: F401  (first, as the app and the CLI import it: it sets torch's OpenMP wait policy)
     import torch
 
     from engine import ops
-    from engine.generate import EngineConfig, GenerationConfig, Stats, load
+    from engine.generate import EngineConfig, GenerationConfig, load
     from engine.sampling import SamplingConfig
 
     threads = spec["threads"]
@@ -93,19 +117,7 @@ def run_ours(spec: dict) -> dict:
         eng.reset()  # no reuse of the previous prompt's cache
         gen = GenerationConfig(max_tokens=n, sampling=greedy, mtp=spec["mtp"], draft=spec["draft"],
                                stats_interval_s=3600.0)  # only the final Stats: no periodic UI statistics
-        final = None
-        for ev in eng.generate(ids, gen):
-            if isinstance(ev, Stats) and ev.final:
-                final = ev
-        assert final is not None
-        sp = final.speculative
-        out = {"prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
-               "ttft_s": final.ttft_s, "prefill_s": final.prefill_tokens / final.prefill_tok_s,
-               "decode_tokens": max(final.generated_tokens - 1, 0), "decode_s": final.elapsed_s - final.ttft_s}
-        if sp is not None:
-            out.update({"drafted": sp.drafted, "accepted": sp.accepted, "verify_steps": sp.verify_steps,
-                        "plain_steps": sp.plain_steps})
-        return out
+        return run_record(final_stats(eng, ids, gen))
 
     if spec["warmup"]:
         one(spec["warmup_prompt"], WARMUP_TOKENS)

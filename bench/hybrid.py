@@ -208,7 +208,7 @@ def run_ours(spec: dict) -> dict:
     import torch
 
     from engine import ops
-    from engine.generate import EngineConfig, GenerationConfig, Stats, load
+    from engine.generate import EngineConfig, GenerationConfig, load
     from engine.placement import ModelSizes, PlacementConfig, plan_placement
     from engine.sampling import SamplingConfig
     from engine.storage.modelfile import open_model
@@ -247,20 +247,9 @@ def run_ours(spec: dict) -> dict:
     def one(ids: list[int], n: int, mtp: bool) -> dict:
         eng.reset()  # no reuse of the previous prompt's cache
         gen = GenerationConfig(max_tokens=n, sampling=greedy, mtp=mtp, draft=None, stats_interval_s=3600.0)
-        final = None
-        for ev in eng.generate(ids, gen):
-            if isinstance(ev, Stats) and ev.final:
-                final = ev
-        assert final is not None
+        final = decode.final_stats(eng, ids, gen)
         last["cache"], last["usage"] = final.expert_cache, final.expert_usage
-        sp = final.speculative
-        r = {"prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
-             "ttft_s": final.ttft_s, "prefill_s": final.prefill_tokens / final.prefill_tok_s,
-             "decode_tokens": max(final.generated_tokens - 1, 0), "decode_s": final.elapsed_s - final.ttft_s}
-        if sp is not None:
-            r.update({"drafted": sp.drafted, "accepted": sp.accepted, "verify_steps": sp.verify_steps,
-                      "plain_steps": sp.plain_steps, "mean_accepted_length": sp.mean_accepted_length})
-        return r
+        return decode.run_record(final)
 
     if spec["warmup"]:
         one(spec["warmup_prompt"], WARMUP_TOKENS, False)

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import ops
 from engine.cache import Cache
-from engine.events import EngineConfig, GenerationConfig, Stats, Token
+from engine.events import EngineConfig
 from engine.generate import Engine, load
 from engine.models import step_graph
 from engine.ops import triton_attention
@@ -24,6 +24,7 @@ from engine.ops.attention import attention_torch
 from engine.ops.backend import TRITON, triton_runs
 from engine.errors import InvalidParameterError
 from tests.fixtures import TINY_MOE, fixture_path
+from tests.test_speculative import _gen
 
 DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
 CUDA = DEV.type == "cuda"
@@ -188,17 +189,10 @@ def test_greedy_mtp_equals_plain_with_step_graphs() -> None:
         e.tokenizer.eog_ids = frozenset()
     prompt = np.random.default_rng(3).integers(0, 380, 4).tolist()
 
-    def run(eng: Engine, **kw) -> tuple[list[int], Stats | None]:  # type: ignore[no-untyped-def]
-        eng.reset()
-        toks, final = [], None
-        for ev in eng.generate(prompt, GenerationConfig(max_tokens=6, **kw)):
-            toks += ev.ids if isinstance(ev, Token) else []
-            final = ev if isinstance(ev, Stats) and ev.final else final
-        return toks, final
-
-    plain, _ = run(graphed, mtp=False)
-    assert len(plain) == 6 and run(eager, mtp=False)[0] == plain
-    spec, final = run(graphed, mtp=True, draft=2)
+    plain = _gen(graphed, prompt, max_tokens=6, mtp=False)[0]
+    assert len(plain) == 6 and _gen(eager, prompt, max_tokens=6, mtp=False)[0] == plain
+    graphed.reset()
+    spec, _, final, _ = _gen(graphed, prompt, max_tokens=6, mtp=True, draft=2)
     assert spec == plain and final is not None and final.speculative.verify_steps > 0
 
 

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine import ops
-from engine.events import EngineConfig, GenerationConfig, Stats, Token
+from engine.events import EngineConfig
 from engine.expert_cache import ExpertCache
 from engine.generate import load
 from engine.metrics import cuda_status
@@ -29,6 +29,7 @@ from engine.speculative.depth import MAX_DEPTH
 from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
 from tests.test_quant import random_tensor
+from tests.test_speculative import _gen
 
 DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
 TYPES = [pytest.param(t, id=t.name) for t in triton_q.TYPES]
@@ -164,17 +165,10 @@ def test_greedy_mtp_equals_plain_on_the_triton_backend() -> None:
     assert "triton" in kinds and not kinds & {"native", "int8"}
     prompt = np.random.default_rng(1).integers(0, 380, 5).tolist()
 
-    def run(**kw) -> tuple[list[int], GenerationConfig]:  # type: ignore[no-untyped-def]
-        eng.reset()
-        toks, final = [], None
-        for ev in eng.generate(prompt, GenerationConfig(max_tokens=7, **kw)):
-            toks += ev.ids if isinstance(ev, Token) else []
-            final = ev if isinstance(ev, Stats) and ev.final else final
-        return toks, final
-
-    plain, _ = run(mtp=False)
+    plain = _gen(eng, prompt, max_tokens=7, mtp=False)[0]
     assert len(plain) == 7
-    spec_toks, final = run(mtp=True, draft=2)
+    eng.reset()
+    spec_toks, _, final, _ = _gen(eng, prompt, max_tokens=7, mtp=True, draft=2)
     assert spec_toks == plain and final.speculative.verify_steps > 0  # verify passes of 3 rows ran
 
 

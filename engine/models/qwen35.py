@@ -464,10 +464,6 @@ class Qwen35Model:
             if x.device != layer.device:
                 x = x.to(layer.device)
             x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
-        return self._final(x, logit_rows, cb, cap)
-
-    def _final(self, x: torch.Tensor, logit_rows: str, cb: Hook, cap: CapturedStates | None) -> ForwardResult:
-        """The final norm and the LM head over the last layer's rows."""
         h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)
         logits = None

@@ -56,46 +56,6 @@ static void unpack_q6_k(const uint8_t *b, Block *o) {
     }
 }
 
-/* Rows ids[0..n) of a Q4_K, Q5_K, Q6_K or Q8_0 matrix (row_bytes per row, k values) as float32 into out [n, k]: a
- * prompt's or a step's token embeddings. The arithmetic of engine/storage/qtensor.py's dequantization, so the bits
- * are the same: Q4_K/Q5_K q·(d·sc) − dmin·m; Q6_K (q − 32)·(d·sc); Q8_0 q·d. Returns 0, -1 for another type,
- * -2 for an id outside [0, n_rows). */
-int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
-                 int64_t k, float *out) {
-    if (qtype != T_Q4_K && qtype != T_Q5_K && qtype != T_Q6_K && qtype != T_Q8_0) return -1;
-    for (int64_t r = 0; r < n; r++)
-        if (ids[r] < 0 || ids[r] >= n_rows) return -2;
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = w + ids[r] * row_bytes;
-        float *o = out + r * k;
-        if (qtype == T_Q8_0) {
-            for (int64_t b = 0; b < k / 32; b++) {
-                const uint8_t *blk = row + b * 34;
-                const float d = fp16_to_f32(blk);
-                for (int i = 0; i < 32; i++) o[b * 32 + i] = (float)(int8_t)blk[2 + i] * d;
-            }
-            continue;
-        }
-        Block u;
-        for (int64_t b = 0; b < k / QK_K; b++) {
-            const uint8_t *blk = row + b * (qtype == T_Q4_K ? 144 : qtype == T_Q5_K ? 176 : 210);
-            float *ob = o + b * QK_K;
-            if (qtype == T_Q6_K) {
-                unpack_q6_k(blk, &u);
-                for (int i = 0; i < QK_K; i++) ob[i] = (float)((int)u.v[i] - 32) * (u.d * (float)u.lane[i / 4]);
-                continue;
-            }
-            if (qtype == T_Q4_K) unpack_q4_k(blk, &u);
-            else unpack_q5_k(blk, &u);
-            for (int i = 0; i < QK_K; i++) {
-                const float ds = u.d * (float)u.lane[i / 4], dm = u.dmin * (float)u.corr[i / 16];
-                ob[i] = (float)u.v[i] * ds - dm;
-            }
-        }
-    }
-    return 0;
-}
-
 /* ---- Σ_lanes lane_scale · (4-value dot product), exact int32 -------------------------------------- */
 
 static int32_t dot_scalar(const Block *w, const int8_t *x) {
@@ -405,6 +365,44 @@ static const KType *k_type(int qtype) {
     for (size_t i = 0; i < sizeof K_TYPES / sizeof K_TYPES[0]; i++)
         if (K_TYPES[i].qtype == qtype) return K_TYPES + i;
     return NULL;
+}
+
+/* Rows ids[0..n) of a Q4_K, Q5_K, Q6_K or Q8_0 matrix (row_bytes per row, k values) as float32 into out [n, k]: a
+ * prompt's or a step's token embeddings. The arithmetic of engine/storage/qtensor.py's dequantization, so the bits
+ * are the same: Q4_K/Q5_K q·(d·sc) − dmin·m; Q6_K (q − 32)·(d·sc); Q8_0 q·d. Returns 0, -1 for another type,
+ * -2 for an id outside [0, n_rows). */
+int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
+                 int64_t k, float *out) {
+    const KType *t = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K ? k_type(qtype) : NULL;
+    if (!t && qtype != T_Q8_0) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= n_rows) return -2;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = w + ids[r] * row_bytes;
+        float *o = out + r * k;
+        if (!t) {  /* Q8_0: blocks of 32, an fp16 scale then 32 int8 */
+            for (int64_t b = 0; b < k / QK8_0; b++) {
+                const uint8_t *blk = row + b * (2 + QK8_0);
+                const float d = fp16_to_f32(blk);
+                for (int i = 0; i < QK8_0; i++) o[b * QK8_0 + i] = (float)(int8_t)blk[2 + i] * d;
+            }
+            continue;
+        }
+        Block u;
+        for (int64_t b = 0; b < k / QK_K; b++) {
+            float *ob = o + b * QK_K;
+            t->unpack(row + b * t->bytes, &u);
+            for (int i = 0; i < QK_K; i++) {
+                if (t->has_min) {  /* Q4_K, Q5_K */
+                    const float ds = u.d * (float)u.lane[i / 4], dm = u.dmin * (float)u.corr[i / 16];
+                    ob[i] = (float)u.v[i] * ds - dm;
+                } else {  /* Q6_K: stored q + 32 */
+                    ob[i] = (float)((int)u.v[i] - 32) * (u.d * (float)u.lane[i / 4]);
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 /* Weight rows [r0, r1) of one matrix (rows of row_bytes) times activation rows xrow[0..m) (0..m when

@@ -150,17 +150,10 @@ class FusedLayer:
                 st.conv = window[n:]
             return after
         live = st.spare if st.spare is not None else torch.empty_like(S)
-        ins = (torch.empty(n, m.hk, m.dk), torch.empty(n, m.hk, m.dk), torch.empty(n, m.hv, m.dv),
-               torch.empty(n, m.hv), torch.empty(n, m.hv))
+        ins = _recurrence_inputs(m, n)
         p.s_in, p.s_out = S.data_ptr(), live.data_ptr()
         p.q, p.k, p.v, p.beta, p.decay = (t.data_ptr() for t in ins)
-
-        def after_capture() -> None:
-            st.conv = window[n:]
-            st.ssm, st.spare = live, S
-            capture.conv[il] = ConvSteps(window, kk)
-            capture.ssm[il] = state_replay(S, live, ins, self.backend)
-        return after_capture
+        return lambda: _keep_captured(st, window, n, S, live, ins, capture, il, self.backend)
 
 
 class _Passes:
@@ -223,10 +216,6 @@ class FusedStep:
         self.n_vocab = head.n_rows
         self._passes: dict[tuple[int, bool], _Passes] = {}
 
-    @property
-    def has_head(self) -> bool:
-        return self.head is not None
-
     def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pass's rows x [n, d] (float32, contiguous) through every layer (in place, at positions pos…pos+n−1): the
@@ -273,8 +262,7 @@ class FusedStep:
         if not ps.captures:
             for p, _, m, _ in ps.gdn:
                 kk, c = m.taps.shape
-                ins = (torch.empty(n, m.hk, m.dk), torch.empty(n, m.hk, m.dk), torch.empty(n, m.hv, m.dv),
-                       torch.empty(n, m.hv), torch.empty(n, m.hv))
+                ins = _recurrence_inputs(m, n)
                 window = torch.empty(kk - 1 + n, c)
                 p.window = window.data_ptr()
                 p.q, p.k, p.v, p.beta, p.decay = (t.data_ptr() for t in ins)
@@ -290,11 +278,8 @@ class FusedStep:
         backend = self.layers[0].backend
 
         def after() -> None:
-            for (st, start, live), (_, _, m, il), (window, ins) in zip(swaps, ps.gdn, ps.captures):
-                st.conv = window[n:]
-                st.ssm, st.spare = live, start
-                capture.conv[il] = ConvSteps(window, m.taps.shape[0])
-                capture.ssm[il] = state_replay(start, live, ins, backend)
+            for (st, start, live), (_, _, _, il), (window, ins) in zip(swaps, ps.gdn, ps.captures):
+                _keep_captured(st, window, n, start, live, ins, capture, il, backend)
         return after
 
 
@@ -306,6 +291,23 @@ def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[to
             or not _floats(out_norm):
         return None
     return FusedStep(layers, ils, counters, out_norm, eps, head)  # type: ignore[arg-type]
+
+
+def _recurrence_inputs(m: GDNSpec, n: int) -> tuple[torch.Tensor, ...]:
+    """Where a verify's recurrence inputs go (q, k [n, H_k, d_k], v [n, H_v, d_v], β, e^g [n, H_v]): kept for the
+    states a commit re-runs."""
+    return (torch.empty(n, m.hk, m.dk), torch.empty(n, m.hk, m.dk), torch.empty(n, m.hv, m.dv),
+            torch.empty(n, m.hv), torch.empty(n, m.hv))
+
+
+def _keep_captured(st: GDNState, window: torch.Tensor, n: int, start: torch.Tensor, live: torch.Tensor,
+                   ins: tuple[torch.Tensor, ...], capture: CapturedStates, il: int, backend: Backend) -> None:
+    """After a native verify pass of n rows over one GDN layer (from state `start` into `live`, its conv window and
+    recurrence inputs kept): the layer's states, and the per-position ones a commit reads."""
+    st.conv = window[n:]
+    st.ssm, st.spare = live, start
+    capture.conv[il] = ConvSteps(window, window.shape[0] - n + 1)
+    capture.ssm[il] = state_replay(start, live, ins, backend)
 
 
 def _stack(lin: Linear | None, keep: list) -> native.ExpertStack | None:

@@ -237,8 +237,9 @@ def _signatures() -> list[tuple[object, dict[str, str], dict[str, int]]]:
 
 
 def compile_ahead(arch: int) -> dict[str, int]:
-    """Compile every kernel (these and engine.ops.triton_attention's) for CUDA compute capability `arch` (e.g. 90) without a GPU; cubin bytes by kernel.
-    Needs the compiled (not interpreted) kernels: run with TRITON_INTERPRET unset."""
+    """Compile every kernel (these and engine.ops.triton_attention's) for CUDA compute capability `arch` (e.g. 90)
+    without a GPU; cubin bytes by kernel. Needs the compiled (not interpreted) kernels: run with TRITON_INTERPRET
+    unset."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
