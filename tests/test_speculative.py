@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from engine import ops
-from engine.events import Done, EngineConfig, GenerationConfig, Stats, Token
+from engine.events import EngineConfig, GenerationConfig, Token
 from engine.generate import load
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import Draft, MTPDrafter, accept_sampling
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
+from tests.generation import collect as _gen
 from tests.oracle_llama import llama_mtp
 from tests.test_parity import NEAR_TIE, kl_ref_ours
 
@@ -66,19 +67,6 @@ def _engine(spec: FixtureSpec, n_ctx: int = 1024):
     eng = load(fixture_path(spec), EngineConfig(n_ctx=n_ctx))
     eng.tokenizer.eog_ids = frozenset()  # random fixtures emit end ids by chance
     return eng
-
-
-def _gen(eng, prompt, **kw) -> tuple[list[int], list[bool], Stats, Done]:
-    toks, flags, final, done = [], [], None, None
-    for ev in eng.generate(prompt, GenerationConfig(**kw)):
-        if isinstance(ev, Token):
-            toks += ev.ids
-            flags += [ev.accepted_draft] * len(ev.ids)
-        elif isinstance(ev, Stats) and ev.final:
-            final = ev
-        elif isinstance(ev, Done):
-            done = ev
-    return toks, flags, final, done
 
 
 class OracleDrafter(MTPDrafter):

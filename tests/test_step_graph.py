@@ -24,7 +24,7 @@ from engine.ops.attention import attention_torch
 from engine.ops.backend import TRITON, triton_runs
 from engine.errors import InvalidParameterError
 from tests.fixtures import TINY_MOE, fixture_path
-from tests.test_speculative import _gen
+from tests.generation import collect
 
 DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
 CUDA = DEV.type == "cuda"
@@ -189,10 +189,10 @@ def test_greedy_mtp_equals_plain_with_step_graphs() -> None:
         e.tokenizer.eog_ids = frozenset()
     prompt = np.random.default_rng(3).integers(0, 380, 4).tolist()
 
-    plain = _gen(graphed, prompt, max_tokens=6, mtp=False)[0]
-    assert len(plain) == 6 and _gen(eager, prompt, max_tokens=6, mtp=False)[0] == plain
+    plain = collect(graphed, prompt, max_tokens=6, mtp=False)[0]
+    assert len(plain) == 6 and collect(eager, prompt, max_tokens=6, mtp=False)[0] == plain
     graphed.reset()
-    spec, _, final, _ = _gen(graphed, prompt, max_tokens=6, mtp=True, draft=2)
+    spec, _, final, _ = collect(graphed, prompt, max_tokens=6, mtp=True, draft=2)
     assert spec == plain and final is not None and final.speculative.verify_steps > 0
 
 
@@ -204,6 +204,6 @@ def test_step_graphs_are_chosen_where_the_trunk_allows_them() -> None:
     with pytest.raises(ValueError, match="cannot run this model: layer 0 runs on the"):
         load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=native, step_graphs="on"))
     with pytest.raises(ValueError, match="not resident in Triton's kernels"):  # F32 experts: no Triton product
-        load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=TRITON, step_graphs="on"))
+        load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="on"))
     with pytest.raises(InvalidParameterError, match="step graphs must be"):
         load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, step_graphs="always"))

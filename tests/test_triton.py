@@ -28,8 +28,8 @@ from engine.ops.linear import GEMV_ROWS
 from engine.speculative.depth import MAX_DEPTH
 from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
+from tests.generation import collect
 from tests.test_quant import random_tensor
-from tests.test_speculative import _gen
 
 DEV = torch.device("cuda" if triton_runs("cuda") else "cpu")
 TYPES = [pytest.param(t, id=t.name) for t in triton_q.TYPES]
@@ -165,10 +165,10 @@ def test_greedy_mtp_equals_plain_on_the_triton_backend() -> None:
     assert "triton" in kinds and not kinds & {"native", "int8"}
     prompt = np.random.default_rng(1).integers(0, 380, 5).tolist()
 
-    plain = _gen(eng, prompt, max_tokens=7, mtp=False)[0]
+    plain = collect(eng, prompt, max_tokens=7, mtp=False)[0]
     assert len(plain) == 7
     eng.reset()
-    spec_toks, _, final, _ = _gen(eng, prompt, max_tokens=7, mtp=True, draft=2)
+    spec_toks, _, final, _ = collect(eng, prompt, max_tokens=7, mtp=True, draft=2)
     assert spec_toks == plain and final.speculative.verify_steps > 0  # verify passes of 3 rows ran
 
 

@@ -96,6 +96,14 @@ class _Builder:
                             mixer, self.ffn(p, il, dev), hp.rms_eps, dev, backend)
 
 
+def _indexed(dev: torch.device) -> torch.device:
+    """`cuda` as `cuda:N`, the device tensors placed there report: device comparisons (step graphs' "one device"
+    test among them) would otherwise see two devices."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
                plan: Plan | None = None, backend: ops.Backend | None = None,
                on_layer: Callable[[int, int], None] | None = None, step_graphs: str = "auto") -> Qwen35Model:
@@ -108,11 +116,11 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
     backend = backend or ops.default_backend()
     cpu = torch.device("cpu")
     if plan is None:
-        acc = torch.device(device)
+        acc = _indexed(torch.device(device))
         layer_devices = [acc] * hp.n_layer
         out_dev = mtp_dev = acc
     else:
-        acc = torch.device(plan.device)
+        acc = _indexed(torch.device(plan.device))
         layer_devices = [acc if on else cpu for on in plan.layer_on_gpu]
         out_dev = acc if plan.output_on_gpu else cpu
         mtp_dev = acc if plan.mtp_on_gpu else cpu

@@ -1,0 +1,37 @@
+"""bench/cuda_profile.py without a GPU: its refusal without CUDA, and its measurement and JSON on the CPU (wall
+times only: no kernels are launched there)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures import fixture_path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench/cuda_profile.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_refuses_in_one_line_without_cuda(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "p.json")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout.strip().startswith("bench/cuda_profile.py: no CUDA device here")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_cpu_run_writes_the_per_step_figures(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(fixture_path()), "--device", "cpu",
+                        "--graphs", "off", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert list(d["settings"]) == ["off"] and d["model"]["file"] == fixture_path().name
+    s = d["settings"]["off"]
+    assert s["per_decode_step"]["wall_ms"] > 0 and s["runs"]["17"]["wall_ms"] > s["runs"]["1"]["wall_ms"]
+    assert s["per_decode_step"]["kernels"] == 0 and s["top_kernels_over_the_long_run"] == []  # none on a CPU
+    assert s["step_graphs"] == {"used": False, "captures": 0, "replays": 0}
