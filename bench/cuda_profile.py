@@ -1,13 +1,15 @@
 """Where a CUDA decode step's time goes: kernels per step, GPU-busy time per step against wall time, top kernels.
 
-    python bench/cuda_profile.py [--model embedded|qwen36-35b|PATH] [--graphs off,auto] [--dir ~/.cache/foretell-bench]
-                                 [--device cuda] [--out bench/results/cuda_profile.json]
+    python bench/cuda_profile.py [--model embedded|qwen36-35b|PATH] [--graphs off,auto] [--modes plain,mtp]
+                                 [--dir ~/.cache/foretell-bench] [--device cuda] [--out bench/results/cuda_profile.json]
 
 For each step-graph setting (`--graphs`: `off` runs op by op, `auto` replays the captured step), one load of the
 model (every layer and expert resident on `--device`), an untimed 8-token warm-up, then two greedy generations from
 the same 64-token prompt under torch.profiler (CPU and CUDA activity): 1 token and 17 tokens. Their difference over
-16 is one decode step with the prefill cancelled: wall ms, kernels launched, summed kernel time (GPU busy) and its
-share of wall, and (op by op) the 15 kernels with the most device time over the 17-token run. A busy share well
+16 is one decoded token with the prefill cancelled: wall ms, kernels launched, summed kernel time (GPU busy) and its
+share of wall, and the 15 kernels with the most device time over the 17-token run. `--modes`: `plain` (MTP off),
+`mtp` (MTP at a fixed draft depth of 2, so drafts, verifies and commits run whatever their acceptance; per token,
+not per step), each with the trunk's and the MTP head's step-graph captures and replays over the two runs. A busy share well
 under 100 % means launches and host work leave the GPU idle; a kernel's µs per call against its bytes says whether
 the kernel itself reads at the memory's speed.
 
@@ -39,6 +41,7 @@ EMBEDDED = ROOT / "resources" / "models" / "foretell-demo.gguf"
 PROMPT = list(range(100, 164))
 SHORT, LONG = 1, 17
 TOP = 15
+DRAFT = 2  # the MTP mode's fixed depth
 
 
 def model_path(name: str, cache_dir: Path) -> Path:
@@ -50,7 +53,7 @@ def model_path(name: str, cache_dir: Path) -> Path:
     return Path(name)
 
 
-def profiled(eng, n: int, cuda: bool) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+def profiled(eng, n: int, cuda: bool, mtp: bool) -> tuple[float, object]:  # type: ignore[no-untyped-def]
     """Wall seconds and the profile of one greedy generation of n tokens from PROMPT."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +63,7 @@ def profiled(eng, n: int, cuda: bool) -> tuple[float, object]:  # type: ignore[n
         torch.cuda.synchronize()
     with profile(activities=acts) as prof:
         t = time.perf_counter()
-        collect(eng, PROMPT, max_tokens=n, mtp=False)
+        collect(eng, PROMPT, max_tokens=n, mtp=mtp, draft=DRAFT if mtp else None)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
@@ -73,31 +76,45 @@ def kernels(prof) -> list:  # type: ignore[no-untyped-def]
     return [a for a in prof.key_averages() if a.device_type == DeviceType.CUDA]
 
 
-def measure(path: Path, graphs: str, device: str) -> dict:
+def graph_counts(eng) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    head = eng.model.mtp.step_graphs if eng.model.mtp is not None else None
+    return {f"{who}{k}": getattr(g, k) if g is not None else 0
+            for who, g in (("", eng.model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
+
+
+def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
     cuda = device.startswith("cuda")
     t = time.perf_counter()
     eng = load(str(path), EngineConfig(n_ctx=512, device=device, step_graphs=graphs))
     load_s = time.perf_counter() - t
     eng.tokenizer.eog_ids = frozenset()  # every run decodes exactly its tokens
-    collect(eng, PROMPT, max_tokens=8, mtp=False)  # kernels compiled, graphs captured
-    runs = {n: profiled(eng, n, cuda) for n in (SHORT, LONG)}
-    per = {}
-    for n, (wall, prof) in runs.items():
-        ks = kernels(prof)
-        per[n] = {"wall_ms": wall * 1e3, "kernels": sum(a.count for a in ks),
-                  "kernel_ms": sum(a.self_device_time_total for a in ks) / 1e3}
-    steps = LONG - SHORT
-    step = {k: (per[LONG][k] - per[SHORT][k]) / steps for k in ("wall_ms", "kernels", "kernel_ms")}
-    step["gpu_busy_share"] = step["kernel_ms"] / step["wall_ms"] if step["wall_ms"] > 0 else None
-    step["us_per_kernel"] = step["kernel_ms"] * 1e3 / step["kernels"] if step["kernels"] else None
-    top = sorted(kernels(runs[LONG][1]), key=lambda a: -a.self_device_time_total)[:TOP]
-    sg = eng.model.step_graphs
-    out = {"load_s": load_s, "runs": {str(n): v for n, v in per.items()}, "per_decode_step": step,
-           "step_graphs": {"used": sg is not None, "captures": sg.captures if sg else 0,
-                           "replays": sg.replays if sg else 0},
-           "top_kernels_over_the_long_run": [
-               {"name": a.key, "calls": a.count, "total_ms": a.self_device_time_total / 1e3,
-                "us_per_call": a.self_device_time_total / a.count if a.count else None} for a in top]}
+    out: dict = {"load_s": load_s, "step_graphs": {"used": eng.model.step_graphs is not None,
+                                                   "head_used": eng.model.mtp is not None
+                                                   and eng.model.mtp.step_graphs is not None}, "modes": {}}
+    for mode in modes:
+        mtp = mode == "mtp"
+        if mtp and eng.drafter is None:
+            out["modes"][mode] = {"skipped": "the model has no MTP block"}
+            continue
+        collect(eng, PROMPT, max_tokens=8, mtp=mtp, draft=DRAFT if mtp else None)  # kernels compiled, graphs captured
+        g0 = graph_counts(eng)
+        runs = {n: profiled(eng, n, cuda, mtp) for n in (SHORT, LONG)}
+        per = {}
+        for n, (wall, prof) in runs.items():
+            ks = kernels(prof)
+            per[n] = {"wall_ms": wall * 1e3, "kernels": sum(a.count for a in ks),
+                      "kernel_ms": sum(a.self_device_time_total for a in ks) / 1e3}
+        toks = LONG - SHORT
+        tok = {k: (per[LONG][k] - per[SHORT][k]) / toks for k in ("wall_ms", "kernels", "kernel_ms")}
+        tok["gpu_busy_share"] = tok["kernel_ms"] / tok["wall_ms"] if tok["wall_ms"] > 0 else None
+        tok["us_per_kernel"] = tok["kernel_ms"] * 1e3 / tok["kernels"] if tok["kernels"] else None
+        top = sorted(kernels(runs[LONG][1]), key=lambda a: -a.self_device_time_total)[:TOP]
+        out["modes"][mode] = {
+            "runs": {str(n): v for n, v in per.items()}, "per_decoded_token": tok,
+            "step_graphs": {k: v - g0[k] for k, v in graph_counts(eng).items()},
+            "top_kernels_over_the_long_run": [
+                {"name": a.key, "calls": a.count, "total_ms": a.self_device_time_total / 1e3,
+                 "us_per_call": a.self_device_time_total / a.count if a.count else None} for a in top]}
     del eng
     if cuda:
         torch.cuda.empty_cache()
@@ -108,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--graphs", default="off,auto", help="step-graph settings, comma-separated (off, auto, on)")
+    ap.add_argument("--modes", default="plain,mtp", help="plain (MTP off) and/or mtp (fixed depth 2)")
     ap.add_argument("--dir", default=str(Path.home() / ".cache" / "foretell-bench"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_profile.json"))
@@ -122,19 +140,22 @@ def main() -> None:
                     "machine": machine_info(torch.get_num_threads()), "torch": torch.__version__,
                     "model": {"name": args.model, "file": path.name, "gib": path.stat().st_size / 2**30,
                               "ready_s": time.perf_counter() - t},
-                    "method": f"greedy, EOS ignored, {len(PROMPT)}-token prompt; per decode step = "
-                              f"({LONG}-token run − {SHORT}-token run) / {LONG - SHORT}, both under torch.profiler",
+                    "method": f"greedy, EOS ignored, {len(PROMPT)}-token prompt; per decoded token = "
+                              f"({LONG}-token run − {SHORT}-token run) / {LONG - SHORT}, both under torch.profiler; "
+                              f"mtp at draft depth {DRAFT}",
                     "settings": {}}
     if args.device.startswith("cuda"):
         import triton
         p = torch.cuda.get_device_properties(0)
         result["gpu"] = {"name": p.name, "vram_mib": p.total_memory >> 20, "triton": triton.__version__}
     for graphs in args.graphs.split(","):
-        r = measure(path, graphs, args.device)
+        r = measure(path, graphs, args.device, args.modes.split(","))
         result["settings"][graphs] = r
-        s = r["per_decode_step"]
-        print(f"{args.model} step graphs {graphs}: {s['wall_ms']:.2f} ms a step, {s['kernels']:.0f} kernels, "
-              f"GPU busy {s['kernel_ms']:.2f} ms", flush=True)
+        for mode, m in r["modes"].items():
+            if "per_decoded_token" in m:
+                s = m["per_decoded_token"]
+                print(f"{args.model} step graphs {graphs}, {mode}: {s['wall_ms']:.2f} ms a token, {s['kernels']:.0f} "
+                      f"kernels, GPU busy {s['kernel_ms']:.2f} ms; graphs {m['step_graphs']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

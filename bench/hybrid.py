@@ -22,7 +22,8 @@ Configurations (`--configs`, comma-separated; each name is '-'-joined tokens):
              total) cached on the GPU; `load` / `cpu`: the miss policy (load the expert to the GPU, or compute it
              on the CPU; default load). `c0` is no cache at all (every expert on the CPU, either policy).
   `nograph`  decode steps op by op (EngineConfig.step_graphs="off"); otherwise they are replayed from CUDA graphs
-             where the placement allows it (resident; recorded as `step_graphs` with captures and replays).
+             where the placement allows it (resident; recorded as `step_graphs`: whether the trunk and the MTP head
+             have them, and captures and replays of each, in all and per mode).
   e.g. `resident,moe-c0,moe-c64-load,moe-c64-cpu,moe-c2048MiB-cpu,ngl20,ngl20-moe-c16-cpu`.
 `auto` (the default) sweeps, for a model with L layers and E experts per layer: resident, resident-nograph,
 moe-c{E/4}-load, moe-c{E/4}-cpu, moe-c{E/16}-load, moe-c{E/16}-cpu, moe-c0, ngl{L/2}; for files under 2 GiB also a
@@ -257,7 +258,7 @@ def run_ours(spec: dict) -> dict:
         if mode == "mtp" and eng.drafter is None:
             out["modes"][mode] = {"skipped": "the model has no MTP block"}
             continue
-        cache0, usage0 = last["cache"], last["usage"]
+        cache0, usage0, graphs0 = last["cache"], last["usage"], _graph_counts(eng)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -265,6 +266,7 @@ def run_ours(spec: dict) -> dict:
         res = {"prompts": runs}
         if cuda:
             res["vram_peak_mib"] = torch.cuda.max_memory_allocated() / MiB
+        res["step_graphs"] = {k: v - graphs0[k] for k, v in _graph_counts(eng).items()}  # this mode's captures, replays
         res["expert_cache"] = _cache_delta(last["cache"], cache0)
         usage = _usage_delta(last["usage"], usage0)
         if res["expert_cache"] is not None:  # what a static cache of each layer's hottest experts would have hit
@@ -278,8 +280,16 @@ def run_ours(spec: dict) -> dict:
     out["peak_rss_mib"] = decode._peak_rss_mib()
     graphs = eng.model.step_graphs
     out["step_graphs"] = {"setting": spec.get("step_graphs", "auto"), "used": graphs is not None,
-                          "captures": graphs.captures if graphs else 0, "replays": graphs.replays if graphs else 0}
+                          "head_used": eng.model.mtp is not None and eng.model.mtp.step_graphs is not None,
+                          **_graph_counts(eng)}
     return out
+
+
+def _graph_counts(eng) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Captures and replays so far of the trunk's step graphs and the MTP head's (0 where it has none)."""
+    head = eng.model.mtp.step_graphs if eng.model.mtp is not None else None
+    return {f"{who}{k}": getattr(g, k) if g is not None else 0
+            for who, g in (("", eng.model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
 
 
 def _dev_type(dev: dict) -> str:
@@ -486,7 +496,7 @@ def summarise_mode(res: dict, mode: str) -> dict:
         return dict(m)
     s = decode.summarise({"prompts": m["prompts"], "load_s": res["load_s"], "peak_rss_mib": res["peak_rss_mib"],
                           "wall_s": res["wall_s"]})
-    for k in ("vram_peak_mib", "expert_cache", "routing_top_share"):
+    for k in ("vram_peak_mib", "step_graphs", "expert_cache", "routing_top_share"):
         if k in m:
             s[k] = m[k]
     return s

@@ -32,6 +32,8 @@ def test_a_cpu_run_writes_the_per_step_figures(tmp_path: Path) -> None:
     d = json.loads(out.read_text())
     assert list(d["settings"]) == ["off"] and d["model"]["file"] == fixture_path().name
     s = d["settings"]["off"]
-    assert s["per_decode_step"]["wall_ms"] > 0 and s["runs"]["17"]["wall_ms"] > s["runs"]["1"]["wall_ms"]
-    assert s["per_decode_step"]["kernels"] == 0 and s["top_kernels_over_the_long_run"] == []  # none on a CPU
-    assert s["step_graphs"] == {"used": False, "captures": 0, "replays": 0}
+    assert s["step_graphs"] == {"used": False, "head_used": False} and list(s["modes"]) == ["plain", "mtp"]
+    for m in s["modes"].values():
+        assert m["per_decoded_token"]["wall_ms"] > 0 and m["runs"]["17"]["wall_ms"] > m["runs"]["1"]["wall_ms"]
+        assert m["per_decoded_token"]["kernels"] == 0 and m["top_kernels_over_the_long_run"] == []  # none on a CPU
+        assert m["step_graphs"] == {"captures": 0, "replays": 0, "head_captures": 0, "head_replays": 0}

@@ -74,11 +74,12 @@ def test_standin_sweep_writes_hit_rates(tmp_path: Path) -> None:
                                                                               "moe-c4-cpu"}
     for name, c in m["configs"].items():
         assert c["plan_summary"].startswith(f"{m['n_layer']}/{m['n_layer']} layers on GPU")  # the CUDA plan
-        assert c["ours"]["step_graphs"] == {"setting": "auto", "used": False, "captures": 0, "replays": 0}  # CPU
+        none = {"captures": 0, "replays": 0, "head_captures": 0, "head_replays": 0}  # CPU: no graphs
+        assert c["ours"]["step_graphs"] == {"setting": "auto", "used": False, "head_used": False, **none}
         for mode in ("plain", "mtp"):
             s = c["ours"][mode]
             assert s["decode_tok_s"] > 0 and s["prefill_tok_s"] > 0 and s["ttft_ms"] > 0
-            assert s["generated_per_prompt"] == [6]
+            assert s["generated_per_prompt"] == [6] and s["step_graphs"] == none
             ec = s.get("expert_cache")
             if name == "resident":
                 assert ec is None
