@@ -168,6 +168,10 @@ def test_recorded_passes_are_capturable() -> None:
         hc.pos += 1
     assert traces[0] == traces[1] and traces[2] == traces[3] and traces[4] == traces[5] == traces[6]
     assert len(traces[0]) > 50 and any(name == "index_copy_" for name, _ in traces[0] + traces[4])
+    # index rows and the IQ4_NL codebook are kept (engine.ops.indices, triton_q._kvalues): made in no pass, so a
+    # replay launches no kernel (or host copy) for them
+    assert not {name for t in traces for name, _ in t} & {"arange", "zeros_like", "repeat_interleave", "lift_fresh",
+                                                         "lift_fresh_copy"}
 
 
 def _trace(graphs: step_graph.StepGraphs | None, inputs: tuple[torch.Tensor, ...], cache: Cache, rows: str,

@@ -23,12 +23,13 @@ from engine.ops.norms import l2_norm
 # Batch invariance: ATen runs pointwise transcendentals (exp, rsqrt, sigmoid…) on SIMD lanes for most
 # elements but in scalar code for a tensor's tail, and the two can differ in the last bit; a [N, 4]
 # tensor is all tail at N = 1 and all SIMD at N = 8. So norms use sqrt and division (correctly rounded
-# on both paths), per-token gates are computed per token, and `pointwise` pads small rows.
+# on both paths), per-token gates are computed per token, and `pointwise` pads small rows on the CPU. A CUDA
+# kernel computes every element with the same code (vectorizing only its loads), so rows there go as they are.
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for x [N, L], with each row padded to 64 elements so every element takes the SIMD path."""
+    """fn(x) for x [N, L]; on the CPU each row padded to 64 elements so every element takes the SIMD path."""
     n, length = x.shape
-    if length % 64 == 0:
+    if length % 64 == 0 or x.device.type == "cuda":
         return fn(x)
     padded = torch.zeros(n, length + (-length) % 64, dtype=x.dtype, device=x.device)
     padded[:, :length] = x

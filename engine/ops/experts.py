@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from engine.expert_cache import ExpertCache
-from engine.ops import native, torch_int8
+from engine.ops import indices, native, torch_int8
 from engine.ops.activations import quantize, round_for
 from engine.ops.backend import Backend, OpEvent
 from engine.ops.delta_rule import pointwise
@@ -246,7 +246,7 @@ def _run(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ex: Experts,
     if kq and cache is None:  # the whole pass in one native call
         return _routed_native(x, idx, w, ex)
     if ex.kind == "triton" and cache is None:  # every (token, slot) pair its own product: nothing read back
-        tokens = torch.arange(n, device=x.device).repeat_interleave(k)
+        tokens = indices.repeated(n, k, x.device)
         y = _Triton(x, tokens, ex.meta()).products(ex.raw_stacks(), idx.reshape(-1), tokens)
         return reduce_slots(y.view(n, k, -1), w)
     starts = None
@@ -446,7 +446,7 @@ class _Triton:
         g = triton_q.gemv_pairs(stacks[0], qg, f, d, x, mats, tokens)
         u = triton_q.gemv_pairs(stacks[1], qu, f, d, x, mats, tokens)
         h = F.silu(g) * u
-        return triton_q.gemv_pairs(stacks[2], qd, d, f, h, mats, torch.arange(h.shape[0], device=h.device))
+        return triton_q.gemv_pairs(stacks[2], qd, d, f, h, mats, indices.arange(h.shape[0], h.device))
 
     def __call__(self, positions: list[int], gather, dev: torch.device) -> None:  # type: ignore[no-untyped-def]
         """positions: indices into the pass's sorted experts; gather(positions) → the raw stacks and the positions'

@@ -25,7 +25,7 @@ import time
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.ops import native, torch_int8
+from engine.ops import indices, native, torch_int8
 from engine.ops.activations import act_format, quantize, round_for
 from engine.ops.backend import ISA_LEVEL, Backend, OpEvent
 from engine.storage.pages import huge_empty, release_pages
@@ -158,8 +158,7 @@ class TritonLinear(Linear):
         n = x2.shape[0]
         raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
         if n <= GEMV_ROWS:
-            at = torch.arange(n, device=x2.device)
-            y = triton_q.gemv_pairs(raw, w.qtype, n_out, k, x2, torch.zeros_like(at), at)
+            y = triton_q.gemv_pairs(raw, w.qtype, n_out, k, x2, indices.zeros(n, x2.device), indices.arange(n, x2.device))
             return y.reshape(*x.shape[:-1], n_out)
         step = tile_rows(w, BF16_TILE_ELEMENTS)  # fixed by the weight alone: results do not depend on the tiling
         rows = raw.reshape(n_out, -1)

@@ -147,7 +147,10 @@ def binds(qtype: QT, n_cols: int) -> bool:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def _kvalues(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's codebook on the device, made once: a fresh one was a host-to-device copy in every product call (and,
+    made inside a graph capture, a copy from host memory freed before the replay)."""
     return torch.tensor(gq.IQ4_NL.kvalues, dtype=torch.float32, device=device)
 
 
