@@ -21,7 +21,7 @@ from engine.events import EngineConfig
 from engine.expert_cache import ExpertCache
 from engine.generate import load
 from engine.metrics import cuda_status
-from engine.ops import triton_attention, triton_q
+from engine.ops import triton_attention, triton_norm, triton_q
 from engine.ops.backend import TRITON, triton_runs
 from engine.ops.experts import Experts, moe_experts
 from engine.ops.linear import GEMV_ROWS
@@ -196,5 +196,32 @@ def test_every_kernel_compiles_ahead_of_time_for_every_gpu_generation() -> None:
     built = json.loads(r.stdout)
     assert sorted(map(int, built)) == sorted(triton_q.ARCHS) == [80, 86, 89, 90, 120]
     for arch, kernels in built.items():
-        assert len(kernels) == 2 * len(triton_q.TYPES) + len(triton_attention.AOT_SHAPES), arch
+        assert len(kernels) == 2 * len(triton_q.TYPES) + len(triton_attention.AOT_SHAPES) + \
+            len(triton_norm.AOT_FORMS), arch
         assert all(n > 1000 for n in kernels.values()), arch
+
+
+@pytest.mark.parametrize("l2,weight,gate,d", [(False, True, False, 256), (False, True, True, 128),
+                                              (True, False, False, 128), (False, True, False, 96)])
+def test_norm_rows_match_the_torch_twins_and_are_batch_invariant(l2: bool, weight: bool, gate: bool, d: int) -> None:
+    from engine.ops import norms
+
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(5, 3, d, generator=g) * 3
+    w = 1 + 0.1 * torch.randn(d, generator=g) if weight else None
+    gt = torch.rand(5, 3, d, generator=g) if gate else None
+    post = 0.125 if l2 else 1.0
+    got = triton_norm.norm_rows(x.to(DEV), None if w is None else w.to(DEV), None if gt is None else gt.to(DEV),
+                                1e-6, l2, post).cpu()
+    if l2:
+        want = norms.l2_norm_torch(x.double(), 1e-6) * post
+    else:
+        want = norms.rms_norm_torch(x.double(), w.double(), 1e-6) * (gt.double() if gate else 1)  # type: ignore[union-attr]
+    assert got.shape == x.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    one = triton_norm.norm_rows(x[2:3, 1:2].to(DEV), None if w is None else w.to(DEV),
+                                None if gt is None else gt[2:3, 1:2].to(DEV), 1e-6, l2, post).cpu()
+    assert torch.equal(one[0, 0], got[2, 1])  # a row of a pass has its one-row pass's bits
+    # the ops the Triton backend's layers call go through it
+    y = norms.rms_norm(x.to(DEV), (w if w is not None else torch.ones(d)).to(DEV), 1e-6, TRITON).cpu()
+    assert torch.equal(y, triton_norm.norm_rows(x.to(DEV), (w if w is not None else torch.ones(d)).to(DEV), None,
+                                                1e-6, False).cpu())

@@ -1,5 +1,6 @@
 """Per-row transforms: RMSNorm (with an optional gate, as the Gated DeltaNet output uses it), the L2 norm of the
-delta rule's queries and keys, and RoPE, natively in one call each, or by their torch twins.
+delta rule's queries and keys, and RoPE, natively in one call each, in one Triton kernel each on the Triton backend
+(the norms: engine/ops/triton_norm.py), or by their torch twins.
 
 The native form sums squares in double as ggml does (engine/native/norm.c); the twins are the plain torch
 formulas (differentiable: training runs them). Both are per-row, so a pass over N rows gives each row the bits of a
@@ -29,6 +30,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, backend: Backend,
     """RMSNorm of x [..., d] with weight w [d]; times `gate` (x's shape: a gate already through its activation)."""
     if _native(backend, x, w, gate):
         return native.norm_rows(x, w, gate, eps, l2=False)
+    if _triton(backend, x, w, gate):
+        from engine.ops import triton_norm
+
+        return triton_norm.norm_rows(x, w, gate, eps, l2=False)
     y = rms_norm_torch(x, w, eps)
     return y if gate is None else y * gate
 
@@ -37,6 +42,10 @@ def l2_norm(x: torch.Tensor, eps: float, backend: Backend, scale: float = 1.0) -
     """x [..., d] / max(‖x‖, eps) per row, times `scale`."""
     if _native(backend, x):
         return native.norm_rows(x, None, None, eps, l2=True, post=scale)
+    if _triton(backend, x):
+        from engine.ops import triton_norm
+
+        return triton_norm.norm_rows(x, None, None, eps, l2=True, post=scale)
     y = l2_norm_torch(x, eps)
     return y if scale == 1.0 else y * scale
 
@@ -60,3 +69,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int, back
 
 def _native(backend: Backend, *ts: torch.Tensor | None) -> bool:
     return backend.native and _floats(*(t for t in ts if t is not None))
+
+
+def _triton(backend: Backend, *ts: torch.Tensor | None) -> bool:
+    """The Triton backend's kernel: float32 rows, not training (the torch twins are the differentiable form)."""
+    return backend.kind == "triton" and all(t.dtype == torch.float32 and not t.requires_grad
+                                            for t in ts if t is not None)

@@ -240,17 +240,17 @@ def _signatures() -> list[tuple[object, dict[str, str], dict[str, int]]]:
 
 
 def compile_ahead(arch: int) -> dict[str, int]:
-    """Compile every kernel (these and engine.ops.triton_attention's) for CUDA compute capability `arch` (e.g. 90)
+    """Compile every kernel (these, engine.ops.triton_attention's and triton_norm's) for CUDA compute capability `arch` (e.g. 90)
     without a GPU; cubin bytes by kernel. Needs the compiled (not interpreted) kernels: run with TRITON_INTERPRET
     unset."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.ops import triton_attention
+    from engine.ops import triton_attention, triton_norm
 
     kernels = [(fn, sig, const, QT(const["QTYPE"]).name) for fn, sig, const in _signatures()]
     sizes = {}
-    for fn, sig, const, tag in kernels + triton_attention.signatures():
+    for fn, sig, const, tag in kernels + triton_attention.signatures() + triton_norm.signatures():
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32))
         sizes[f"{fn.__name__}[{tag}]"] = len(k.asm["cubin"])  # type: ignore[attr-defined]
     return sizes
