@@ -147,10 +147,7 @@ def binds(qtype: QT, n_cols: int) -> bool:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
 def _kvalues(device: torch.device) -> torch.Tensor:
-    """IQ4_NL's codebook on the device, made once: a fresh one was a host-to-device copy in every product call (and,
-    made inside a graph capture, a copy from host memory freed before the replay)."""
     return torch.tensor(gq.IQ4_NL.kvalues, dtype=torch.float32, device=device)
 
 
@@ -240,9 +237,9 @@ def _signatures() -> list[tuple[object, dict[str, str], dict[str, int]]]:
 
 
 def compile_ahead(arch: int) -> dict[str, int]:
-    """Compile every kernel (these, engine.ops.triton_attention's and triton_norm's) for CUDA compute capability `arch` (e.g. 90)
-    without a GPU; cubin bytes by kernel. Needs the compiled (not interpreted) kernels: run with TRITON_INTERPRET
-    unset."""
+    """Compile every kernel (these, engine.ops.triton_attention's and triton_norm's) for CUDA compute capability
+    `arch` (e.g. 90) without a GPU; cubin bytes by kernel. Needs the compiled (not interpreted) kernels: run with
+    TRITON_INTERPRET unset."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
