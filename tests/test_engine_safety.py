@@ -11,7 +11,8 @@ from engine.errors import EngineBusyError
 from engine.events import Done, EngineConfig, GenerationConfig, Token
 from engine.generate import load
 from tests.fixtures import TINY_MOE, fixture_path
-from tests.test_speculative import OracleDrafter, _gen
+from tests.generation import collect
+from tests.test_speculative import OracleDrafter
 
 
 def _engine():
@@ -25,7 +26,7 @@ PROMPT = np.random.default_rng(3).integers(0, 380, 20).tolist()
 
 @pytest.fixture(scope="module")
 def truth() -> list[int]:
-    toks, _, _, _ = _gen(_engine(), PROMPT, max_tokens=80, mtp=False)
+    toks, _, _, _ = collect(_engine(), PROMPT, max_tokens=80, mtp=False)
     return toks
 
 
@@ -48,10 +49,10 @@ def test_abandoned_generator_inside_an_accepted_window_keeps_the_next_turn_exact
     # The engine recorded exactly what the consumer saw; the next turn reuses it and equals a fresh run.
     assert eng._seq == (PROMPT + got)[:len(eng._seq)] and len(eng._seq) >= len(PROMPT) + len(got) - 1
     turn2 = PROMPT + got + [11, 12, 13]
-    t2, _, final, _ = _gen(eng, turn2, max_tokens=12, mtp=True, draft=2)
+    t2, _, final, _ = collect(eng, turn2, max_tokens=12, mtp=True, draft=2)
     assert final.prefill_tokens < final.prompt_tokens
     fresh = _engine()
-    t2_plain, _, _, _ = _gen(fresh, turn2, max_tokens=12, mtp=False)
+    t2_plain, _, _, _ = collect(fresh, turn2, max_tokens=12, mtp=False)
     assert t2 == t2_plain
 
 
@@ -62,7 +63,7 @@ def test_abandoned_by_garbage_collection_releases_the_engine(truth) -> None:
     assert eng.busy
     del it  # CPython closes a dropped generator at once
     assert not eng.busy and eng.consistent()
-    toks, _, _, _ = _gen(eng, PROMPT, max_tokens=20, mtp=False)
+    toks, _, _, _ = collect(eng, PROMPT, max_tokens=20, mtp=False)
     assert toks == truth[:20]
 
 

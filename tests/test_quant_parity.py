@@ -23,10 +23,11 @@ import torch
 from engine.events import EngineConfig
 from engine.generate import load
 from tests.fixtures import KQUANT_MOE
+from tests.generation import collect
 from tests.oracle_llama import llama_logits
 from tests.quantized import FTYPES, UD_Q4_K_M, quantized_path, tensor_roles
 from tests.test_parity import kl_ref_ours, near_tie_agreement, our_logits
-from tests.test_speculative import OracleDrafter, _gen
+from tests.test_speculative import OracleDrafter
 
 # The routed experts' gate/up type each ftype gives on KQUANT_MOE (llama.cpp's choice): the type under test.
 MAIN_TYPE = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q3_K_M": "Q3_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS",
@@ -73,10 +74,10 @@ def test_greedy_with_mtp_is_self_consistent(ftype: str, tag: str | None) -> None
     eng = load(_path(ftype, tag), EngineConfig(n_ctx=256))
     eng.tokenizer.eog_ids = frozenset()  # random fixtures emit end ids by chance
     prompt = np.random.default_rng(3).integers(0, KQUANT_MOE.n_vocab - 3, 6).tolist()
-    plain, _, _, _ = _gen(eng, prompt, max_tokens=8, mtp=False)
+    plain, _, _, _ = collect(eng, prompt, max_tokens=8, mtp=False)
     eng.reset()
     eng.drafter = OracleDrafter(eng.drafter, plain, len(prompt), wrong_every=4)
-    with_mtp, _, final, _ = _gen(eng, prompt, max_tokens=8, mtp=True, draft=3)
+    with_mtp, _, final, _ = collect(eng, prompt, max_tokens=8, mtp=True, draft=3)
     assert with_mtp == plain and final.speculative.accepted >= 3  # verify windows of several tokens were kept
     m = eng.model
     seq = prompt + plain
