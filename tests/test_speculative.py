@@ -315,6 +315,60 @@ def test_auto_spaces_out_probes_that_keep_missing_and_resets_on_a_hit() -> None:
     assert c.probe_interval() == 32
 
 
+def test_auto_keeps_a_remembered_decode_cost_over_a_cold_first_step() -> None:
+    """A reply's first plain step runs cold: it must not replace the decode cost learned on earlier replies, or
+    drafting would look worth it and, while drafting, nothing would correct the figure."""
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    mem = AutoMemory(t_decode=0.010, t_verify={2: 0.016}, t_draft=0.005)
+    mem.accepted_at[0], mem.tried_at[0] = 30.0, 40.0  # drafts match 3 times in 4: depth 1 does not pay
+    c = DepthController(None, SpecStats(), memory=mem)
+    c.observe_decode(0.050)  # cold
+    assert c.t_decode == 0.010 and c.choose(100) == 0
+
+
+def test_auto_drafting_runs_a_plain_step_now_and_then_to_keep_its_yardstick_current() -> None:
+    """While drafting wins, every probe_every-th step is plain: its time updates the decode cost that drafting is
+    weighed against (a stale slow figure would keep auto drafting at a loss)."""
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    verify = {n: 0.016 + 0.008 * (n - 2) for n in range(2, 10)}  # each verify size measured
+    mem = AutoMemory(t_decode=0.050, t_verify=verify, t_draft=0.002)  # a stale, slow decode figure
+    mem.accepted_at[0] = mem.tried_at[0] = 40.0
+    c = DepthController(None, SpecStats(), probe_every=8, memory=mem)
+    ks = [c.choose(100) for _ in range(16)]
+    assert ks.count(0) == 2 and ks[7] == ks[15] == 0 and min(k for k in ks if k) >= 1
+    for _ in range(c.FIRST_DECODES + 10):
+        c.observe_decode(0.008)  # the plain steps it runs: decoding is in fact fast
+    assert c.t_decode < 0.012 and c.choose(100) == 0  # 1.98 tokens per 18 ms lose to one per 8 ms, and deeper
+
+
+def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> None:
+    """Drafts that match on a model too small to gain from them: no shadow probes (they would learn nothing), and
+    the real depth-1 steps that re-measure the costs come after 32, 64, 128, then 256 plain steps while each
+    confirms plain decoding; one that finds drafting worth it resets the interval."""
+    from engine.speculative import AutoMemory, DepthController, SpecStats
+
+    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.020 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.004)
+    mem.accepted_at[0], mem.tried_at[0] = 36.0, 40.0  # they match 9 times in 10
+    gaps, since = [], 0
+    for _reply in range(40):
+        c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+        for _ in range(24):
+            since += 1
+            assert not c.probe_now(100)
+            if c.choose(100):
+                gaps.append(since)
+                since = 0
+                c.observe_verify(2, 0.020, 1, 0.004)  # the same costs again: plain still wins
+        c.remember()
+    assert gaps == [32, 64, 128, 256, 256], gaps
+    c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+    c._remeasure = True
+    c.observe_verify(2, 0.008, 1, 0.002)  # now a verify is cheap: drafting pays
+    assert c.choose(100) == 1 and mem.remeasures_plain == 5 and c._stays == 0
+
+
 def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> None:
     """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
     the cost of drafting); the drafts are those of one pass over the whole backlog."""

@@ -63,17 +63,21 @@ class AutoMemory:
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
     probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
+    remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
 
 
 class DepthController:
     """Chooses the draft depth each step: fixed, or `auto` from running acceptance and measured costs.
 
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
-    acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft, against plain decoding
+    acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft (verify: the pass of K+1 rows,
+    acceptance and commit, as a plain step's time holds its sampling and bookkeeping), against plain decoding
     (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies; doubled up to 8×
     while probes keep missing) either draft one token as a shadow probe (compared with the trunk's own token, no
     verify pass), so acceptance can recover at the cost of one head pass, or — when drafts do match and only the
-    costs say no — take one real step at depth 1 whose verify time replaces the old one.
+    costs say no — take one real step at depth 1 whose verify time replaces the old one (doubled up to 8× likewise
+    while those steps keep confirming plain decoding). While drafting wins, every `probe_every`-th step runs plain,
+    so the decode cost it is weighed against stays current.
     """
 
     # Relative costs used instead of timings when decisions must be reproducible (seeded sampling): a
@@ -111,7 +115,9 @@ class DepthController:
             self._prior_tried = [0.0] * MAX_DEPTH
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
         self._misses = self.memory.probe_misses if self.memory is not None else 0
+        self._stays = self.memory.remeasures_plain if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
+        self._drafting = 0  # steps in a row at depth ≥ 1 (every probe_every-th runs plain, re-measuring it)
         self._decodes = 0
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
         self._probe_tried = 0
@@ -126,6 +132,7 @@ class DepthController:
         m.accepted_at, m.tried_at = acc, tried
         m.since_probe = self._since_probe
         m.probe_misses = self._misses
+        m.remeasures_plain = self._stays
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -135,8 +142,10 @@ class DepthController:
         if self.reproducible:
             return
         self._decodes += 1
-        if self._decodes <= self.FIRST_DECODES:  # the first step after a prefill runs cold: take the fastest
-            self.t_decode = seconds if self._decodes == 1 or self.t_decode is None else min(self.t_decode, seconds)
+        if self._decodes <= self.FIRST_DECODES:
+            # the first step after a prefill runs cold: take the fastest, a remembered figure included (replaced by a
+            # cold step, a slow figure could make drafting look worth it, and while drafting nothing corrects it)
+            self.t_decode = seconds if self.t_decode is None else min(self.t_decode, seconds)
         else:
             self.t_decode = self._ema(self.t_decode, seconds)
 
@@ -145,9 +154,14 @@ class DepthController:
             return
         # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
         self.t_verify[n] = seconds if self._remeasure else self._ema(self.t_verify.get(n), seconds)
-        self._remeasure = False
         if n_drafts:
             self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
+        if self._remeasure and self.t_decode is not None and self.t_draft is not None:
+            # one that confirms plain decoding spaces the next out (each costs the head's catch-up over the plain
+            # steps since the last and a verify): drafts that match on a model too small to gain from them
+            depth1 = (1.0 + self._alphas()[0]) / (self.t_verify[n] + self.t_draft)
+            self._stays = self._stays + 1 if depth1 <= 1.0 / self.t_decode else 0
+        self._remeasure = False
 
     def choose(self, room: int) -> int:
         """Depth for the next step, given `room` free positions in the context after the next token."""
@@ -158,13 +172,7 @@ class DepthController:
             return 0  # measure plain decoding first
         if self.t_draft is None:
             return 0  # a shadow probe (`probe_now`) measures the draft cost and first acceptance
-        # Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
-        # two drafts: an untried depth is first assumed as good as the one before, so auto explores it, and
-        # a few observations overrule the assumption.
-        alpha, prev = [], 0.5
-        for a, t in zip(*self._evidence()):
-            prev = (a + 2 * prev) / (t + 2)
-            alpha.append(prev)
+        alpha = self._alphas()
         best_k, best = 0, 1.0 / self.t_decode
         expect, prod = 1.0, 1.0
         for k in range(1, min(MAX_DEPTH, room) + 1):
@@ -176,24 +184,34 @@ class DepthController:
                 best_k, best = k, rate
         if best_k == 0:
             self._since_probe += 1
-            if self._since_probe >= self.probe_every and alpha[0] >= 0.5 and room >= 1 and not self.reproducible:
+            if self._since_probe >= self.probe_every << min(self._stays, self.MAX_PROBE_BACKOFF) and \
+                    alpha[0] >= 0.5 and room >= 1 and not self.reproducible:
                 # Drafts do match, only the measured costs say no: re-measure them with one real step at depth 1
-                # instead of a shadow probe (a first verify runs cold and can keep auto plain for good).
+                # instead of a shadow probe (a first verify runs cold and can keep auto plain for good); spaced out
+                # while re-measurements keep confirming plain decoding.
                 self._since_probe = 0
                 self._remeasure = True
                 return 1
+        elif not self.reproducible:
+            self._drafting += 1
+            if self._drafting >= self.probe_every:  # one plain step keeps the cost it is weighed against current
+                self._drafting = 0
+                return 0
         return best_k
 
     def probe_now(self, room: int) -> bool:
         """Whether this plain step should also draft one token with the head, to compare it with the trunk's
         own next token (a shadow probe: it costs one head pass, not a verify). Taken when depth 1 has no
-        evidence yet and then every `probe_every` plain steps, so acceptance can recover after a bad stretch
-        while a model whose drafts never match (random weights) pays almost nothing for speculation."""
+        evidence yet and then every `probe_every` plain steps while drafts miss, so acceptance can recover after
+        a bad stretch while a model whose drafts never match (random weights) pays almost nothing for speculation."""
         if self.fixed is not None or room < 1 or self.t_decode is None:
             return False
         if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
             return False
-        if self.t_draft is None or self._evidence()[1][0] == 0 or self._since_probe >= self.probe_interval():
+        first = self.t_draft is None or self._evidence()[1][0] == 0
+        # while drafts do match, only the costs keep auto plain: choose() re-measures those with a real depth-1
+        # step (spaced out while they confirm it), and a probe here would cost a head pass to learn nothing
+        if first or self._since_probe >= self.probe_interval() and self._alphas()[0] < 0.5:
             self._since_probe = 0
             return True
         return False
@@ -211,6 +229,16 @@ class DepthController:
             self.t_draft = self._ema(self.t_draft, draft_seconds)
         elif self.t_draft is None:
             self.t_draft = self.FIXED_DRAFT
+
+    def _alphas(self) -> list[float]:
+        """Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
+        two drafts: an untried depth is first assumed as good as the one before, so auto explores it, and a few
+        observations overrule the assumption."""
+        alpha, prev = [], 0.5
+        for a, t in zip(*self._evidence()):
+            prev = (a + 2 * prev) / (t + 2)
+            alpha.append(prev)
+        return alpha
 
     def _evidence(self) -> tuple[list[float], list[float]]:
         """Accepted and tried drafts by depth: this reply's verify steps and probes, plus the halved memory."""
