@@ -118,6 +118,11 @@ class DepthController:
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
         self._drafting = 0  # steps in a row at depth ≥ 1 (every probe_every-th runs plain, re-measuring it)
+        self._costs = 0  # bumped when a verify or draft cost changes (what _best_depth keeps depends on them)
+        self._best_key: tuple | None = None
+        self._best: tuple[int, float] = (0, 0.0)
+        self._alpha_key: tuple | None = None
+        self._alpha: list[float] = []
         self._decodes = 0
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
         self._probe_tried = 0
@@ -154,6 +159,7 @@ class DepthController:
             return
         # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
         self.t_verify[n] = seconds if self._remeasure else self._ema(self.t_verify.get(n), seconds)
+        self._costs += 1
         if n_drafts:
             self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
         if self._remeasure and self.t_decode is not None and self.t_draft is not None:
@@ -173,15 +179,8 @@ class DepthController:
         if self.t_draft is None:
             return 0  # a shadow probe (`probe_now`) measures the draft cost and first acceptance
         alpha = self._alphas()
-        best_k, best = 0, 1.0 / self.t_decode
-        expect, prod = 1.0, 1.0
-        for k in range(1, min(MAX_DEPTH, room) + 1):
-            prod *= alpha[k - 1]
-            expect += prod
-            t_ver = self.t_verify.get(k + 1) or self._extrapolate(k + 1)
-            rate = expect / (t_ver + k * self.t_draft)
-            if rate > best:
-                best_k, best = k, rate
+        k_draft, rate = self._best_depth(room)
+        best_k = k_draft if rate > 1.0 / self.t_decode else 0
         if best_k == 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_every << min(self._stays, self.MAX_PROBE_BACKOFF) and \
@@ -208,7 +207,7 @@ class DepthController:
             return False
         if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
             return False
-        first = self.t_draft is None or self._evidence()[1][0] == 0
+        first = self.t_draft is None or self._prior_tried[0] + self.stats.tried_at[0] + self._probe_tried == 0
         # while drafts do match, only the costs keep auto plain: choose() re-measures those with a real depth-1
         # step (spaced out while they confirm it), and a probe here would cost a head pass to learn nothing
         if first or self._since_probe >= self.probe_interval() and self._alphas()[0] < 0.5:
@@ -229,16 +228,38 @@ class DepthController:
             self.t_draft = self._ema(self.t_draft, draft_seconds)
         elif self.t_draft is None:
             self.t_draft = self.FIXED_DRAFT
+        self._costs += 1
+
+    def _best_depth(self, room: int) -> tuple[int, float]:
+        """The draft depth ≥ 1 with the most expected tokens per second, and that rate. Kept until a cost or the
+        evidence changes: a plain step moves only the decode cost it is compared with (choose runs every step)."""
+        key = (self._costs, self.stats.steps, self._probe_tried, min(MAX_DEPTH, room))
+        if key == self._best_key and self.t_verify:  # unmeasured verifies are costed in decode steps: not kept
+            return self._best
+        alpha, best_k, best = self._alphas(), 0, 0.0
+        expect, prod = 1.0, 1.0
+        for k in range(1, min(MAX_DEPTH, room) + 1):
+            prod *= alpha[k - 1]
+            expect += prod
+            t_ver = self.t_verify.get(k + 1) or self._extrapolate(k + 1)
+            rate = expect / (t_ver + k * self.t_draft)  # type: ignore[operator]
+            if rate > best:
+                best_k, best = k, rate
+        self._best_key, self._best = key, (best_k, best)
+        return self._best
 
     def _alphas(self) -> list[float]:
         """Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
         two drafts: an untried depth is first assumed as good as the one before, so auto explores it, and a few
-        observations overrule the assumption."""
-        alpha, prev = [], 0.5
-        for a, t in zip(*self._evidence()):
-            prev = (a + 2 * prev) / (t + 2)
-            alpha.append(prev)
-        return alpha
+        observations overrule the assumption. Kept until the evidence changes."""
+        key = (self.stats.steps, self._probe_tried)
+        if key != self._alpha_key:
+            alpha, prev = [], 0.5
+            for a, t in zip(*self._evidence()):
+                prev = (a + 2 * prev) / (t + 2)
+                alpha.append(prev)
+            self._alpha_key, self._alpha = key, alpha
+        return self._alpha
 
     def _evidence(self) -> tuple[list[float], list[float]]:
         """Accepted and tried drafts by depth: this reply's verify steps and probes, plus the halved memory."""
