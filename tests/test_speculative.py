@@ -317,14 +317,21 @@ def test_auto_spaces_out_probes_that_keep_missing_and_resets_on_a_hit() -> None:
 
 def test_auto_keeps_a_remembered_decode_cost_over_a_cold_first_step() -> None:
     """A reply's first plain step runs cold: it must not replace the decode cost learned on earlier replies, or
-    drafting would look worth it and, while drafting, nothing would correct the figure."""
+    drafting would look worth it and, while drafting, nothing would correct the figure; nor may one slow step
+    later on."""
     from engine.speculative import AutoMemory, DepthController, SpecStats
 
-    mem = AutoMemory(t_decode=0.010, t_verify={2: 0.016}, t_draft=0.005)
-    mem.accepted_at[0], mem.tried_at[0] = 30.0, 40.0  # drafts match 3 times in 4: depth 1 does not pay
+    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.016 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.005)
+    mem.accepted_at[0], mem.tried_at[0] = 30.0, 40.0  # drafts match 3 times in 4: no depth pays
     c = DepthController(None, SpecStats(), memory=mem)
     c.observe_decode(0.050)  # cold
     assert c.t_decode == 0.010 and c.choose(100) == 0
+    c.observe_decode(0.010)
+    c.observe_decode(0.300)  # one outlier later on (the collector, a page fault) counts at most double
+    assert c.t_decode == pytest.approx(0.012) and c.choose(100) == 0
+    for _ in range(12):
+        c.observe_decode(0.040)  # a lasting slowdown does come through
+    assert c.t_decode > 0.035
 
 
 def test_auto_drafting_runs_a_plain_step_now_and_then_to_keep_its_yardstick_current() -> None:

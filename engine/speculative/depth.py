@@ -151,8 +151,9 @@ class DepthController:
             # the first step after a prefill runs cold: take the fastest, a remembered figure included (replaced by a
             # cold step, a slow figure could make drafting look worth it, and while drafting nothing corrects it)
             self.t_decode = seconds if self.t_decode is None else min(self.t_decode, seconds)
-        else:
-            self.t_decode = self._ema(self.t_decode, seconds)
+        else:  # one slow step (a page fault, the collector) counts at most double: an outlier taken whole made
+            # drafting look worth it for hundreds of steps, as drafting steps re-measure plain ones only now and then
+            self.t_decode = self._ema(self.t_decode, min(seconds, 2.0 * self.t_decode))  # type: ignore[operator]
 
     def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float) -> None:
         if self.reproducible:
