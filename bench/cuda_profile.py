@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from bench.decode import git_info, machine_info  # noqa: E402
 from engine.events import EngineConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
+from engine.models import step_graph  # noqa: E402
 from tests.generation import collect  # noqa: E402
 
 EMBEDDED = ROOT / "resources" / "models" / "foretell-demo.gguf"
@@ -76,12 +77,6 @@ def kernels(prof) -> list:  # type: ignore[no-untyped-def]
     return [a for a in prof.key_averages() if a.device_type == DeviceType.CUDA]
 
 
-def graph_counts(eng) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    head = eng.model.mtp.step_graphs if eng.model.mtp is not None else None
-    return {f"{who}{k}": getattr(g, k) if g is not None else 0
-            for who, g in (("", eng.model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
-
-
 def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
     cuda = device.startswith("cuda")
     t = time.perf_counter()
@@ -97,7 +92,7 @@ def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
             out["modes"][mode] = {"skipped": "the model has no MTP block"}
             continue
         collect(eng, PROMPT, max_tokens=8, mtp=mtp, draft=DRAFT if mtp else None)  # kernels compiled, graphs captured
-        g0 = graph_counts(eng)
+        g0 = step_graph.counts(eng.model)
         runs = {n: profiled(eng, n, cuda, mtp) for n in (SHORT, LONG)}
         per = {}
         for n, (wall, prof) in runs.items():
@@ -111,7 +106,7 @@ def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
         top = sorted(kernels(runs[LONG][1]), key=lambda a: -a.self_device_time_total)[:TOP]
         out["modes"][mode] = {
             "runs": {str(n): v for n, v in per.items()}, "per_decoded_token": tok,
-            "step_graphs": {k: v - g0[k] for k, v in graph_counts(eng).items()},
+            "step_graphs": {k: v - g0[k] for k, v in step_graph.counts(eng.model).items()},
             "top_kernels_over_the_long_run": [
                 {"name": a.key, "calls": a.count, "total_ms": a.self_device_time_total / 1e3,
                  "us_per_call": a.self_device_time_total / a.count if a.count else None} for a in top]}

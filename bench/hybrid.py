@@ -210,6 +210,7 @@ def run_ours(spec: dict) -> dict:
 
     from engine import ops
     from engine.generate import EngineConfig, GenerationConfig, load
+    from engine.models import step_graph
     from engine.placement import ModelSizes, PlacementConfig, plan_placement
     from engine.sampling import SamplingConfig
     from engine.storage.modelfile import open_model
@@ -258,7 +259,7 @@ def run_ours(spec: dict) -> dict:
         if mode == "mtp" and eng.drafter is None:
             out["modes"][mode] = {"skipped": "the model has no MTP block"}
             continue
-        cache0, usage0, graphs0 = last["cache"], last["usage"], _graph_counts(eng)
+        cache0, usage0, graphs0 = last["cache"], last["usage"], step_graph.counts(eng.model)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -266,7 +267,8 @@ def run_ours(spec: dict) -> dict:
         res = {"prompts": runs}
         if cuda:
             res["vram_peak_mib"] = torch.cuda.max_memory_allocated() / MiB
-        res["step_graphs"] = {k: v - graphs0[k] for k, v in _graph_counts(eng).items()}  # this mode's captures, replays
+        # this mode's captures and replays
+        res["step_graphs"] = {k: v - graphs0[k] for k, v in step_graph.counts(eng.model).items()}
         res["expert_cache"] = _cache_delta(last["cache"], cache0)
         usage = _usage_delta(last["usage"], usage0)
         if res["expert_cache"] is not None:  # what a static cache of each layer's hottest experts would have hit
@@ -281,15 +283,8 @@ def run_ours(spec: dict) -> dict:
     graphs = eng.model.step_graphs
     out["step_graphs"] = {"setting": spec.get("step_graphs", "auto"), "used": graphs is not None,
                           "head_used": eng.model.mtp is not None and eng.model.mtp.step_graphs is not None,
-                          **_graph_counts(eng)}
+                          **step_graph.counts(eng.model)}
     return out
-
-
-def _graph_counts(eng) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """Captures and replays so far of the trunk's step graphs and the MTP head's (0 where it has none)."""
-    head = eng.model.mtp.step_graphs if eng.model.mtp is not None else None
-    return {f"{who}{k}": getattr(g, k) if g is not None else 0
-            for who, g in (("", eng.model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
 
 
 def _dev_type(dev: dict) -> str:

@@ -65,6 +65,13 @@ def _layer_unsupported(layer: DecoderLayer) -> str | None:
     return None
 
 
+def counts(model: Qwen35Model) -> dict[str, int]:
+    """Captures and replays so far of the trunk's step graphs and the MTP head's (0 where it has none)."""
+    head = model.mtp.step_graphs if model.mtp is not None else None
+    return {f"{who}{k}": getattr(g, k) if g is not None else 0
+            for who, g in (("", model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
+
+
 def attach(model: Qwen35Model, mode: str) -> None:
     """Give the model (and its MTP head, where it can) step graphs as `mode` says: "auto" where the trunk is wholly
     on a CUDA device and capturable, "on" also on the CPU (the recorded form run eagerly: tests), "off" never."""
