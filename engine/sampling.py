@@ -77,7 +77,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         if self.cfg.greedy:
-            return int(torch.argmax(self.penalized(logits, history)))
+            x = self.penalized(logits, history)
+            # numpy's argmax on a CPU row: the first maximum, as torch's, through far less dispatch (a decode step's
+            # sampling runs with the interpreter's caches cold after the step's weights)
+            return int(x.numpy().argmax()) if x.is_cpu and x.dtype == torch.float32 and x.dim() == 1 \
+                and not x.requires_grad else int(torch.argmax(x))
         return self.draw(self.distribution(logits, history))
 
     def draw(self, p: torch.Tensor) -> int:

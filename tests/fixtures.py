@@ -188,6 +188,10 @@ def snapshot(cache: Cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 def restore(cache: Cache, snap: dict[int, tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
     """The GDN states of `snap` back in `cache`, and its length set to `pos` (the KV rows past it are ignored)."""
     for i, (conv, ssm) in snap.items():
-        cache.gdn[i].set_conv(conv)  # a copy (the current one may view a pass's window that captures read)
-        cache.gdn[i].ssm.copy_(ssm)
+        st = cache.gdn[i]
+        if st.conv.is_contiguous() and st.conv.untyped_storage().nbytes() == st.conv.nbytes:
+            st.conv.copy_(conv)  # in place, as a decode step leaves it: the next step need not rebind its operands
+        else:
+            st.set_conv(conv)  # a copy of its own (the current one views a pass's window that captures read)
+        st.ssm.copy_(ssm)
     cache.pos = pos

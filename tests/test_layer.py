@@ -18,7 +18,7 @@ import torch
 from engine import ops
 from engine.models.build import load_model
 from engine.storage.modelfile import default_model_path, open_model
-from tests.fixtures import KQUANT_DENSE, TINY_MOE, UD_Q4_K_M_MOE, fixture_path
+from tests.fixtures import KQUANT_DENSE, TINY_MOE, UD_Q4_K_M_MOE, fixture_path, restore, snapshot
 
 NATIVE = [b for b in ops.available_backends() if b.native]
 MODELS = {
@@ -99,6 +99,32 @@ def test_a_decode_step_in_one_call_gives_the_per_layer_bits(model: str, backend:
     for i, (a, b) in enumerate(zip(per_layer, stepped)):
         assert torch.equal(a, b), f"output {i}: max difference {(a - b).abs().max().item()}"
     assert counts.keys() == step_counts.keys() and all(torch.equal(counts[k], step_counts[k]) for k in counts)
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native backend")
+def test_a_step_given_token_ids_makes_their_embedding_rows_and_refuses_an_id_outside_the_table() -> None:
+    """A fused step given token ids makes their embedding rows in its own native call, with ops.embedding's bits (a
+    tensor of ids, embedded in Python first, gives the same hidden rows and logits); an id outside the vocabulary is
+    an IndexError raised before any layer runs, and the cache is left as it was."""
+    model = load_model(open_model(fixture_path(UD_Q4_K_M_MOE)), n_ctx=64, backend=NATIVE[-1])
+    cache = model.new_cache(64)
+    model.forward(list(range(5, 30)), cache, logit_rows="none")
+    model.forward([40], cache)  # the layers are linked into one step after the first pass
+    assert isinstance(model._step, ops.FusedStep) and model._step.embeds
+    snap, pos = snapshot(cache), cache.pos
+    by_ids = model.forward([41, 42], cache, logit_rows="all")
+    restore(cache, snap, pos)
+    by_rows = model.forward(torch.tensor([41, 42]), cache, logit_rows="all")
+    assert torch.equal(by_ids.hidden, by_rows.hidden) and torch.equal(by_ids.logits, by_rows.logits)
+    restore(cache, snap, pos)
+    for bad in ([model.hp.n_vocab], [41, -1]):
+        with pytest.raises(IndexError, match="embedding table"):
+            model.forward(bad, cache, logit_rows="all")
+        assert cache.pos == pos
+        for i, (conv, ssm) in snap.items():
+            assert torch.equal(cache.gdn[i].conv, conv) and torch.equal(cache.gdn[i].ssm, ssm)
+    again = model.forward([41, 42], cache, logit_rows="all")
+    assert torch.equal(again.logits, by_ids.logits)
 
 
 def test_layers_that_cannot_run_in_one_call_run_op_by_op() -> None:

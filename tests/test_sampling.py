@@ -13,6 +13,24 @@ def test_greedy_and_temperature() -> None:
     assert torch.allclose(p, torch.softmax(logits / 0.5, 0))
 
 
+def test_greedy_picks_torch_argmax_on_every_kind_of_row() -> None:
+    """Greedy sampling of a CPU float32 row takes numpy's argmax (less dispatch on a cold decode step): the index
+    torch.argmax gives, the first maximum on a tie and the first NaN where there is one; other rows (a view of a
+    wider tensor, half precision, a row that needs grad) give the same."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(32768, generator=g) for _ in range(20)]
+    tie = torch.zeros(10)
+    tie[[3, 7]] = 5.0
+    nan = torch.arange(10, dtype=torch.float32)
+    nan[[4, 6]] = float("nan")
+    rows += [tie, nan, torch.full((5,), float("-inf")), torch.randn(4, 100, generator=g)[2],
+             torch.randn(100, generator=g).half(), torch.randn(100, generator=g, requires_grad=True)]
+    greedy = Sampler(SamplingConfig())
+    for r in rows:
+        assert greedy.sample(r, []) == int(torch.argmax(r))
+    assert greedy.sample(tie, []) == 3 and greedy.sample(nan, []) == 4
+
+
 def test_top_k_top_p_min_p() -> None:
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
     p = probs(logits, SamplingConfig(temperature=1.0, top_k=2))

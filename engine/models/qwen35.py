@@ -414,29 +414,35 @@ class Qwen35Model:
         logit_rows: "last", "all" or "none". capture: keep the GDN states after every position (verify).
         chunked: use the chunk-parallel delta rule (long prefills; equal to the recurrence to ~1e-6).
         """
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        n = ids.numel()
+        step = self._step
+        if isinstance(tokens, list) and isinstance(step, ops.FusedStep) and step.embeds and self.step_graphs is None:
+            ids, n = tokens, len(tokens)  # the step makes the embedding rows: no tensor of ids
+        else:
+            ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            n = ids.numel()
         pos = cache.pos
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
         if self.step_graphs is not None and hook is None and not chunked and n <= STEP_ROWS and cache.fixed:
             res = self.step_graphs.run((self.embed(ids),), cache, logit_rows, capture)
+        elif n <= STEP_ROWS and hook is None and not chunked and isinstance(step, ops.FusedStep):
+            # decode steps and verify passes: the embedding rows (where the step reads the table), every layer, the
+            # final norm and the head in one native call
+            want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
+            h, logits = step(ids if isinstance(ids, list) else self.embed(ids), cache, pos, self.rope(self.device),
+                             want, cap)
+            if want and logits is None:
+                logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
+            elif logits is not None and logit_rows == "last" and n > 1:
+                logits = logits[-1:]
+            res = ForwardResult(h, logits, cap)
         else:
+            if isinstance(ids, list):
+                ids = torch.tensor(ids, dtype=torch.long)
             cb = hook or _noop
             x = self.embed(ids)
             cb("inp_embd", -1, x)
-            step = self._step
-            if n <= STEP_ROWS and hook is None and not chunked and isinstance(step, ops.FusedStep):
-                # decode steps and verify passes: every layer, the final norm and the head in one native call
-                want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
-                h, logits = step(x, cache, pos, self.rope(x.device), want, cap)
-                if want and logits is None:
-                    logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
-                elif logits is not None and logit_rows == "last":
-                    logits = logits[-1:]
-                res = ForwardResult(h, logits, cap)
-            else:
-                res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
+            res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
             if not self._linked and all(layer.fusion_decided for layer in self.layers):
                 self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
             if self._linked and self._step is False:
@@ -453,7 +459,7 @@ class Qwen35Model:
         counters = [self.routing.counter(layer.il, self.hp.n_expert, cpu)
                     if isinstance(layer.ffn, MoE) and layer.ffn.stats is self.routing else None for layer in self.layers]
         return ops.fuse_step([layer.fused for layer in self.layers], [layer.il for layer in self.layers], counters,
-                             self.output_norm, self.hp.rms_eps, self.output)
+                             self.output_norm, self.hp.rms_eps, self.output, self.tok_embd)
 
     def rows_pass(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
                   chunked: bool = False, cb: Hook = _noop) -> ForwardResult:

@@ -256,6 +256,19 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     return rc;
 }
 
+/* Before a step's layers, where given: its rows' token embeddings, x ← rows ids of the table (dequant_rows, the
+ * bits of engine.ops.embedding), so a decode step's Python makes no embedding op (tens of microseconds each, run
+ * cold after the step's weights have gone through the caches). */
+typedef struct {
+    const uint8_t *table;
+    int64_t row_bytes, n_rows;
+    const int64_t *ids;  /* [n] */
+    int32_t qtype, pad;
+} StepIn;
+
+int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
+                 int64_t k, float *out);
+
 /* After a step's layers: the output norm into h [n, d] and, where head is given, the LM head's product into
  * logits [n, head->n_rows] (the final norm and head of engine.models.qwen35, the same kernels as the op-by-op
  * path's rms_norm and linear). */
@@ -266,11 +279,19 @@ typedef struct {
     float *h, *logits;
 } StepOut;
 
-/* A decode step's layers in one call: layer i over p[i] in order, each reading x [n, d] and leaving its output
- * there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as decoder_layer; on
- * an error, the layer's index in *failed. */
+/* A decode step's layers in one call: `in` when given, then layer i over p[i] in order, each reading x [n, d] and
+ * leaving its output there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as
+ * decoder_layer, or -5 for a token id outside the embedding table (-6: a table type dequant_rows does not read); on
+ * an error, the layer's index in *failed (-1: the embedding). */
 int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
-                   const float *cos_t, const float *sin_t, const StepOut *out, int64_t *failed) {
+                   const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
+    if (in) {
+        const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
+        if (rc) {
+            *failed = -1;
+            return rc == -2 ? -5 : -6;
+        }
+    }
     for (int64_t i = 0; i < n_layers; i++) {
         p[i].x = x, p[i].n = n, p[i].pos = pos, p[i].cos_t = cos_t, p[i].sin_t = sin_t;
         const int rc = decoder_layer(w[i], &p[i]);

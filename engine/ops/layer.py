@@ -22,7 +22,7 @@ from engine.ops.attention import _floats
 from engine.ops.backend import Backend, OpEvent
 from engine.ops.delta_rule import state_replay
 from engine.ops.experts import Experts, Shared
-from engine.ops.linear import Linear, NativeLinear, stack_of
+from engine.ops.linear import Linear, NativeLinear, Weight, native_rows, stack_of
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,11 @@ class _Passes:
                 p.logits, p.wts, p.idx = (t.data_ptr() for t in scratch)
                 p.counts = cnt.data_ptr() if cnt is not None else None
         self.threads = -1
+        self.inp: native.StepIn | None = None  # a step given token ids: they and the rows they become, kept here
+        if step.inp is not None:
+            self.ids, self.x = (ctypes.c_int64 * n)(), torch.empty(n, step.d)
+            self.inp = native.StepIn.from_buffer_copy(step.inp)
+            self.inp.ids = ctypes.addressof(self.ids)
         self.cache: Cache | None = None
         self.gdn: list[tuple[native.LayerPass, GDNState, GDNSpec, int]] = []  # a GDN layer's pass, state, spec, index
         self.bound: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # in-place passes: the states pointed into
@@ -206,22 +211,28 @@ class FusedStep:
     in the same call (where the head's product is native)."""
 
     def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
-                 out_norm: torch.Tensor, eps: float, head: Linear):
+                 out_norm: torch.Tensor, eps: float, head: Linear, embd: Weight | None = None):
         self.layers, self.ils, self.counters = layers, ils, counters
         self.ws = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.w) for layer in layers])
         self._keep: list = []
         self.d, self.out = layers[0].spec.attn_norm.numel(), native.StepOut()
         self.out.norm, self.out.eps = _vec(out_norm, self._keep), eps
         self.head = _stack(head, self._keep)
+        self._head = ctypes.pointer(self.head) if self.head is not None else None
         self.n_vocab = head.n_rows
+        self.inp = _step_in(embd, self.d, self._keep) if embd is not None else None
+        self.embeds = self.inp is not None  # __call__ takes token ids
+        self._rope: tuple = (None, 0, 0, 0)  # the RoPE tables last given: cos, its and sin's address, row bytes
         self._passes: dict[tuple[int, bool], _Passes] = {}
 
-    def __call__(self, x: torch.Tensor, cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, x: torch.Tensor | list[int], cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pass's rows x [n, d] (float32, contiguous) through every layer (in place, at positions pos…pos+n−1): the
         post-norm hidden rows [n, d] and, with `logits` (and a native head), the logits [n, V]; with `capture`, the
-        GDN states after every position go there (as FusedLayer's)."""
-        n = x.shape[0]
+        GDN states after every position go there (as FusedLayer's). Where the step `embeds`, x may be the pass's
+        token ids instead: their embedding rows are made in the same call."""
+        ids = x if isinstance(x, list) else None
+        n = len(ids) if ids is not None else x.shape[0]  # type: ignore[union-attr]
         ps = self._passes.get((n, capture is not None))
         if ps is None:
             ps = self._passes[(n, capture is not None)] = _Passes(self, n)
@@ -238,10 +249,16 @@ class FusedStep:
         lg = torch.empty(n, self.n_vocab) if logits and self.head is not None else None
         out = self.out
         out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
-        out.head = ctypes.pointer(self.head) if lg is not None else None
+        out.head = self._head if lg is not None else None
         cos, sin = rope
-        native.decoder_layers(self.ws, ps.ps, x, pos, cos.data_ptr() + pos * cos.stride(0) * cos.element_size(),
-                              sin.data_ptr() + pos * sin.stride(0) * sin.element_size(), out)
+        if cos is not self._rope[0]:
+            self._rope = (cos, cos.data_ptr(), sin.data_ptr(), cos.stride(0) * cos.element_size())
+        _, c0, s0, row = self._rope
+        if ids is not None:
+            ps.ids[:n] = ids
+            x = ps.x
+        native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, out,  # type: ignore[arg-type]
+                              ps.inp if ids is not None else None)
         if after is not None:
             after()
         return h, lg
@@ -284,13 +301,25 @@ class FusedStep:
 
 
 def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[torch.Tensor | None],
-              out_norm: torch.Tensor, eps: float, head: Linear) -> FusedStep | None:
-    """The fused layers, the final norm and (where its product is native) the head as one call per decode step; None
-    where a layer is not fused or reports to an observer, or the norm is not a float32 CPU tensor."""
+              out_norm: torch.Tensor, eps: float, head: Linear, embd: Weight | None = None) -> FusedStep | None:
+    """The fused layers, the final norm and (where its product is native) the head as one call per decode step, and
+    with `embd` (the token embeddings, where dequant_rows reads them) the step's embedding rows too; None where a
+    layer is not fused or reports to an observer, or the norm is not a float32 CPU tensor."""
     if not layers or any(layer is None or layer.backend.observer is not None for layer in layers) \
             or not _floats(out_norm):
         return None
-    return FusedStep(layers, ils, counters, out_norm, eps, head)  # type: ignore[arg-type]
+    return FusedStep(layers, ils, counters, out_norm, eps, head, embd)  # type: ignore[arg-type]
+
+
+def _step_in(embd: Weight, d: int, keep: list) -> native.StepIn | None:
+    """layer.c's StepIn for the embedding table (its ids set per pass), or None where dequant_rows cannot read it."""
+    t = native_rows(embd)
+    if t is None or t.n_cols != d:
+        return None
+    keep.append(t.raw)
+    s = native.StepIn()
+    s.table, s.row_bytes, s.n_rows, s.qtype = t.raw.data_ptr(), t.raw.shape[1], t.raw.shape[0], int(t.qtype)
+    return s
 
 
 def _recurrence_inputs(m: GDNSpec, n: int) -> tuple[torch.Tensor, ...]:

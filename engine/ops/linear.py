@@ -298,14 +298,23 @@ def _stack(ws: tuple[Linear, ...]) -> Linear | None:
     return type(ws[0])(QTensor(raw, parts[0].qtype, (raw.shape[0], parts[0].n_cols)), ws[0].backend)
 
 
+def native_rows(w: Linear | Weight) -> QTensor | None:
+    """The table whose rows dequant_rows (engine/native/kquant.c) reads, or None: a 2-D CPU matrix of a type it
+    reads, with the bits of QTensor.dequantize."""
+    t = w.weight if isinstance(w, Linear) else w
+    if isinstance(t, QTensor) and int(t.qtype) in native.DEQUANT_ROW_TYPES and native.available() and t.raw.is_cpu \
+            and t.raw.dim() == 2 and t.raw.is_contiguous() and len(t.shape) == 2:
+        return t
+    return None
+
+
 def embedding(w: Linear | Weight, ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Rows `ids` of w (token embeddings) as float32, without touching the rest of the tensor."""
     t = w.weight if isinstance(w, Linear) else w
     if isinstance(t, torch.Tensor):
         return torch.nn.functional.embedding(ids.reshape(-1).to(t.device), t)
     idx = ids.reshape(-1).to(t.raw.device)
-    if int(t.qtype) in native.DEQUANT_ROW_TYPES and native.available() and t.raw.is_cpu and t.raw.dim() == 2 \
-            and t.raw.is_contiguous() and idx.dtype == torch.long and len(t.shape) == 2:
+    if idx.dtype == torch.long and native_rows(t) is not None:
         # natively: a step's one row in microseconds, where the torch form's ~20 small ops cost a decode step ~0.3 ms
         rows = native.dequant_rows(t.raw, int(t.qtype), idx, t.n_cols)
         return rows if device is None else rows.to(device)

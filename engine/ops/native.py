@@ -50,7 +50,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "dequant_rows": ([_C, _P, _I, _I, _P, _I, _I, _P], _C),
     "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
     "decoder_layer": ([_P, _P], _C),
-    "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P], _C),
+    "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P], _C),
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
@@ -406,20 +406,35 @@ def decoder_layer(w: LayerW, p: LayerPass) -> None:
         raise kind(msg)
 
 
+class StepIn(ctypes.Structure):
+    """layer.c's StepIn: a step's token ids, whose rows of the embedding table (a dequant_rows type) become x."""
+
+    _fields_ = [("table", _P), ("row_bytes", _I), ("n_rows", _I), ("ids", _P), ("qtype", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
 class StepOut(ctypes.Structure):
     """layer.c's StepOut: the output norm and LM head after a step's layers, and where their rows go."""
 
     _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", _STACK), ("h", _P), ("logits", _P)]
 
 
+_STEP_ERRORS = {-5: (IndexError, "a token id outside the embedding table"),
+                -6: (ValueError, "the embedding table's type is not one dequant_rows reads")}
+
+
 def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int, cos_t: int, sin_t: int,
-                   out: StepOut | None = None) -> None:
+                   out: StepOut | None = None, inp: StepIn | None = None) -> None:
     """engine/native/layer.c decoder_layers: the layers ws (pointers to LayerW) over their passes ps, in one call; x
     (float32 [n, d], contiguous) replaced by the last layer's output; cos_t/sin_t the addresses of the RoPE rows;
-    then `out` (the final norm and head) where given."""
+    then `out` (the final norm and head) where given. With `inp`, x's rows are first the embeddings of its ids."""
     failed = ctypes.c_int64(-1)
     rc = LIB.decoder_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
+                            ctypes.byref(inp) if inp is not None else None,
                             ctypes.byref(out) if out is not None else None, ctypes.byref(failed))
+    if rc in _STEP_ERRORS:
+        kind, msg = _STEP_ERRORS[rc]
+        raise kind(msg)
     if rc != 0:
         kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
         raise kind(f"layer {failed.value}: {msg}")

@@ -48,6 +48,11 @@ class MTPDrafter:
 
     def push(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
         """The trunk processed `tokens` and produced post-norm hidden rows `hidden` for them."""
+        if len(tokens) == 1:  # a plain decode step's: one row view, not an unbind of the rows
+            self.pending_tokens.append(int(tokens[0]))
+            self.pending_hidden.append(self.last_hidden)
+            self.last_hidden = hidden[0]
+            return
         for t, h in zip(tokens, hidden):
             self.pending_tokens.append(int(t))
             self.pending_hidden.append(self.last_hidden)
