@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -65,6 +66,37 @@ def test_calls_finish_with_a_core_taken(backend: ops.Backend) -> None:
     # one call is ~0.1 ms of work; a scheduler slice is a few ms. Without the caller finishing alone, calls waited
     # for the preempted worker's slice again and again; a handful of slices is the bound for the worst one.
     assert worst < 0.25, worst
+
+
+_SOLO_RULE = """
+from engine.ops import native
+ms = 1_000_000
+t = 1000 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 2 * ms, 0) == 0  # a good call
+assert native.pool_after_call(t, t + 1 * ms, t + 4 * ms, 0) == 0  # the caller waited 3 ms: a one-off
+t += 50 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 4 * ms, 0) == t + 4 * ms + 20 * ms  # the second: solo
+t += 30 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 2 * ms, 2 * ms) == t + 2 * ms + 40 * ms  # caller off its core
+t += 50 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 2 * ms, 0) == 0  # a good call: off, and back to 20 ms
+t += 1000 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 4 * ms, 0) == 0  # long after: a one-off again
+assert native.pool_after_call(t, t + 1 * ms, t + 5 * ms, 0) == t + 5 * ms + 20 * ms
+assert native.pool_after_call(t, t + 1 * ms, t + 2 * ms, 0) == 0
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native backend")
+def test_one_stall_alone_does_not_put_the_pool_on_one_thread() -> None:
+    """Solo mode's rule (pool.c after_call), fed call timings in a fresh process: one stall (a worker preempted for
+    3 ms, or the caller off its core) is a one-off and changes nothing; a second within 200 ms starts 20 ms of solo
+    mode, a third right after it 40 ms; a call without a stall ends it; a stall long after the last is again a
+    one-off."""
+    r = subprocess.run([sys.executable, "-c", _SOLO_RULE], capture_output=True, text=True, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_engine_makes_torch_threads_wait_passively_without_leaking_the_setting() -> None:

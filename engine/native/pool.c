@@ -164,6 +164,24 @@ static void start_workers(int n) {
 #define STALL_WINDOW_NS 200000000
 static int64_t LAST_STALL;  /* the last stall's time, or the end of the solo period it started (under CALL) */
 
+/* Solo mode after a call that started at t0, had the caller's own items done at t1 and ended at t2, the caller off
+ * its core for `lost` of it. A stall: a worker sat on a claimed item, or the caller lost its core for a good part of
+ * the call. Under CALL. */
+static void after_call(int64_t t0, int64_t t1, int64_t t2, int64_t lost) {
+    if (t2 - t1 > 2 * (t1 - t0) + 100000 || (lost > 50000 && 4 * lost > t2 - t0)) {
+        if (LAST_STALL && t2 - LAST_STALL < STALL_WINDOW_NS) {
+            SOLO_UNTIL = t2 + SOLO_NEXT;
+            LAST_STALL = SOLO_UNTIL;
+            SOLO_NEXT = SOLO_NEXT * 2 < SOLO_MAX_NS ? SOLO_NEXT * 2 : SOLO_MAX_NS;
+        } else {
+            LAST_STALL = t2;  /* a one-off until another follows */
+        }
+    } else {
+        SOLO_UNTIL = 0;
+        SOLO_NEXT = SOLO_NS;
+    }
+}
+
 /* Makes job generation gen's: its slot, one segment per thread, then STATE (sequentially consistent: after the
  * segments, before the caller reads SLEEPING). Under CALL. */
 static void publish(uint32_t gen, Job job) {
@@ -201,20 +219,18 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     }
     const int64_t t2 = clock_ns(), lost = (t2 - t0) - (cpu_ns() - c0);
     trace_add(TRACE_POOL_WAIT, t2 - t1, 0);
-    /* a stall: a worker sat on a claimed item, or the caller lost its core for a good part of the call */
-    if (t2 - t1 > 2 * (t1 - t0) + 100000 || (lost > 50000 && 4 * lost > t2 - t0)) {
-        if (LAST_STALL && t2 - LAST_STALL < STALL_WINDOW_NS) {
-            SOLO_UNTIL = t2 + SOLO_NEXT;
-            LAST_STALL = SOLO_UNTIL;
-            SOLO_NEXT = SOLO_NEXT * 2 < SOLO_MAX_NS ? SOLO_NEXT * 2 : SOLO_MAX_NS;
-        } else {
-            LAST_STALL = t2;  /* a one-off until another follows */
-        }
-    } else {
-        SOLO_UNTIL = 0;
-        SOLO_NEXT = SOLO_NS;
-    }
+    after_call(t0, t1, t2, lost);
     pthread_mutex_unlock(&CALL);
+}
+
+/* after_call for the tests: a call's timings (ns, as pool_run's) in, solo mode's end after them out (0: none) */
+int64_t pool_after_call(int64_t t0, int64_t t1, int64_t t2, int64_t lost) {
+    pthread_mutex_lock(&CALL);
+    if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
+    after_call(t0, t1, t2, lost);
+    const int64_t until = SOLO_UNTIL;
+    pthread_mutex_unlock(&CALL);
+    return until;
 }
 
 /* ---- prefetching in the serial gaps --------------------------------------------------------------------------

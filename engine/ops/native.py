@@ -56,6 +56,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "sigmoid_mul": ([_P, _P, _I], None),
     "trace_enable": ([_C], None),
     "trace_read": ([_P], _C),
+    "pool_after_call": ([_I, _I, _I, _I], _I),
 }
 
 
@@ -450,6 +451,12 @@ class TraceSection:
     seconds: float
     marks: int
     weight_bytes: int
+
+
+def pool_after_call(t0: int, t1: int, t2: int, lost: int) -> int:
+    """pool.c's solo-mode rule fed one call's timings (ns: start, the caller's own items done, end; the caller's time
+    off its core): when solo mode ends after it, 0 where it is off (tests/test_pool.py)."""
+    return int(LIB.pool_after_call(t0, t1, t2, lost))  # type: ignore[union-attr]
 
 
 def trace_start() -> None:
