@@ -90,10 +90,11 @@ ELEMENTWISE void sigmoid_mul(float *x, const float *g, int64_t n) {
 }
 
 static int threads_for(int64_t work, int threads) { return work >= (1 << 16) ? threads : 1; }
-/* Products (multiply-adds, or the experts' weight bytes) split between threads only from 2^19: below, a pool call's
+/* A layer's projections split between threads only from 2^19 multiply-adds (rows included): below, a pool call's
  * hand-over costs about what the second thread saves (Q8_0 on 2 threads: 256x1024 4.7 vs 4.7 us, 1024x1024 8.9 vs
- * 15.3), and on a host whose other tenants load it each hand-over costs far more (the embedded model's decode step,
- * all its layer products of 70-420 KB: 221 vs 347 us median in such a phase, A/B). */
+ * 15.3), and on a host whose other tenants load it each hand-over costs far more. The embedded model's 70-210 KB
+ * projections gained ~3 us per step from a second thread in a quiet phase; its experts (~420 KB a call) gained
+ * ~12 and keep threads_for. */
 static int threads_for_weights(int64_t work, int threads) { return work >= (1 << 19) ? threads : 1; }
 
 /* out [m, p->n_rows] = x [m, p->k] through stack p's one matrix */
@@ -225,7 +226,7 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
     }
     ExpertStack st[6] = {w->sg, w->su, w->sd, w->gate, w->up, w->down};
     const int64_t e_bytes = w->gate.expert_bytes + w->up.expert_bytes + w->down.expert_bytes;
-    const int th = threads_for_weights(n * w->k_used * e_bytes, p->threads);
+    const int th = threads_for(n * w->k_used * e_bytes, p->threads);
     for (int i = 0; i < 6; i++) st[i].threads = th;
     const int shared = w->shared_inp != NULL;
     const int rc = moe_layer(w->router, w->shared_inp, shared ? &st[0] : NULL, shared ? &st[1] : NULL,
