@@ -421,10 +421,11 @@ def _step_profile(d: dict) -> list[str]:
            f"{d['threads']} threads, {d['backend']}): {_read_bw(d):.1f} GB/s at the start; where a case measured it "
            "before and after its passes, its share is of the better of those two (machine GB/s). Shares are of the "
            "plain median pass; idle: the threads' idle share; GB/s: weight bytes read per pass / the pass's wall "
-           "time.", "",
+           "time; placement: where the host had put the threads, from their read bandwidth against one thread's "
+           "(split: each its own memory path, about twice one thread's; shared: little more than one thread's).", "",
            "| build | model | N | best ms | median ms | kernel | torch | python | idle | weight MB | GB/s | machine GB/s "
-           "| of machine |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| of machine | placement |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in runs:
         for mname, m in r["models"].items():
             for n, c in m["cases"].items():
@@ -434,7 +435,7 @@ def _step_profile(d: dict) -> list[str]:
                            f"{100 * s['torch_outside_share']:.0f}% | {100 * s['python_share']:.0f}% | "
                            f"{100 * s['threads_idle_share']:.0f}% | {b['weight_bytes'] / 1e6:.1f} | "
                            f"{b['per_pass_wall_gb_s']:.1f} | {b['machine_read_gb_s']:.1f} | "
-                           f"{100 * b['pass_wall_share_of_machine']:.0f}% |")
+                           f"{100 * b['pass_wall_share_of_machine']:.0f}% | {b.get('placement') or '–'} |")
     sections = [(mname, n, c["native_sections"]) for mname, m in d["models"].items() for n, c in m["cases"].items()
                 if c.get("native_sections")]
     if sections:

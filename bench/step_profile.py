@@ -360,6 +360,7 @@ def native_sections(plain: Runner, n: int, reps: int) -> dict | None:
 def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.Namespace,
          probe: ReadBandwidth) -> dict:
     before = probe(args.threads)["best_gb_s"]
+    one_before = probe(1)["best_gb_s"] if args.threads > 1 else None
     r = plain_and_observed(plain, observed, rec, n, args.reps, args.threads)
     r["native_sections"] = native_sections(plain, n, args.reps)
     r["profiled"] = prof = profiled(observed, rec, n, args.prof_reps)
@@ -376,14 +377,25 @@ def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.
     r["instrumentation_overhead"] = {"observer": o["median_s"] / p - 1,
                                      "observer_and_profiler": prof["median_pass"]["wall_s"] / p - 1}
     after = probe(args.threads)["best_gb_s"]
+    one_after = probe(1)["best_gb_s"] if args.threads > 1 else None
     bw = max(before, after)  # the better of the two: the share is not flattered by a slow moment
     nbytes = o["weight_bytes"]
     r["bandwidth"] = {"weight_bytes": nbytes, "per_pass_wall_gb_s": nbytes / p / 1e9,
                       "per_kernel_gb_s": nbytes / o["kernel_s"] / 1e9,
                       "per_weight_ops_gb_s": nbytes / o["weight_ops_s"] / 1e9,
                       "machine_read_gb_s": bw, "machine_read_before_after_gb_s": [before, after], "pass_wall_share_of_machine": nbytes / p / 1e9 / bw,
-                      "weight_ops_share_of_machine": nbytes / o["weight_ops_s"] / 1e9 / bw}
+                      "weight_ops_share_of_machine": nbytes / o["weight_ops_s"] / 1e9 / bw,
+                      "one_thread_read_before_after_gb_s": [one_before, one_after],
+                      "placement": placement(bw, max(one_before, one_after)) if one_before else None}
     return r
+
+
+def placement(threads_gb_s: float, one_gb_s: float) -> str:
+    """Where the host had put the threads, read from the bandwidth they get: "shared" when T threads read little
+    more than one (one memory path between them: on the CI VM 45-50 GB/s on 2, 35-40 on 1), "split" when they read
+    well over 1.5 times one (each its own path: 62-79 on 2, 32-36 on 1). The decode step does not speed up in the
+    split placement (7.2-7.9 ms either way on the mid fixture), so its share of the machine drops there."""
+    return "split" if threads_gb_s > 1.5 * one_gb_s else "shared"
 
 
 # --- output ----------------------------------------------------------------------------------------
@@ -401,12 +413,14 @@ def table(results: dict) -> str:
                 f"{mname:<10}{n:>2} {1e3 * c['plain']['best_s']:8.2f} {1e3 * c['plain']['median_s']:8.2f} | "
                 f"{100 * s['kernel_share']:5.1f}% {100 * s['torch_outside_share']:5.1f}% {100 * s['python_share']:5.1f}% | "
                 f"{100 * s['threads_idle_share']:4.1f}% {rq} | {b['weight_bytes'] / 1e6:8.2f} {b['per_pass_wall_gb_s']:9.2f} "
-                f"{b['per_weight_ops_gb_s']:9.2f} {100 * b['pass_wall_share_of_machine']:5.1f}% | "
+                f"{b['per_weight_ops_gb_s']:9.2f} {100 * b['pass_wall_share_of_machine']:5.1f}%"
+                f"{'*' if b.get('placement') == 'split' else ' '}| "
                 f"{100 * ov['observer']:4.0f}% {100 * ov['observer_and_profiler']:4.0f}%")
     lines.append("kernel/torch/python: shares of the plain median pass (see method.split_scaling); idle: thread idle "
                  "share of threads × wall, rq: the part of it spent waiting for a core; GB/s wall: weight bytes / "
                  "plain median, wops: / time of the weight-reading ops; %mach: wall GB/s over the measured read "
-                 "bandwidth; obs+/prof+: pass time added by the observer / observer + profiler")
+                 "bandwidth (*: measured in the split placement, see bandwidth.placement); obs+/prof+: pass time "
+                 "added by the observer / observer + profiler")
     lines.append("")
     lines.append("engine ops (observed passes, median ms per pass, calls):")
     for mname, m in results.items():
@@ -520,7 +534,9 @@ def main() -> None:
                          "seconds (per_kernel), / seconds of linear+linear_many+moe_experts+layer (per_weight_ops; "
                          "a fused layer's seconds include its recurrence or attention); "
                          "machine: torch.sum over a float32 buffer of random values, best of reps, 1e9 B/s, "
-                         "measured before and after each case's passes, the better of the two",
+                         "measured before and after each case's passes, the better of the two; placement: "
+                         "'split' where that is over 1.5 times the better one-thread figure measured beside it, "
+                         "else 'shared' (the host gives the two threads one memory path or one each)",
         },
         "models": results,
     }
