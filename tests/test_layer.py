@@ -101,7 +101,6 @@ def test_a_decode_step_in_one_call_gives_the_per_layer_bits(model: str, backend:
     assert counts.keys() == step_counts.keys() and all(torch.equal(counts[k], step_counts[k]) for k in counts)
 
 
-@pytest.mark.skipif(not NATIVE, reason="no native backend")
 def test_a_step_given_token_ids_makes_their_embedding_rows_and_refuses_an_id_outside_the_table() -> None:
     """A fused step given token ids makes their embedding rows in its own native call, with ops.embedding's bits (a
     tensor of ids, embedded in Python first, gives the same hidden rows and logits); an id outside the vocabulary is

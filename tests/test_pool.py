@@ -88,7 +88,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not NATIVE, reason="no native backend")
 def test_one_stall_alone_does_not_put_the_pool_on_one_thread() -> None:
     """Solo mode's rule (pool.c after_call), fed call timings in a fresh process: one stall (a worker preempted for
     3 ms, or the caller off its core) is a one-off and changes nothing; a second within 200 ms starts 20 ms of solo

@@ -49,6 +49,10 @@ def _noop(name: str, il: int, t: torch.Tensor) -> None:
     return None
 
 
+def _id_tensor(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+
+
 # --- norms and rotary embedding ------------------------------------------------------------------
 
 # Batch invariance: norms and RoPE (ops.rms_norm, ops.l2_norm, ops.rope) work row by row, and small per-token
@@ -414,33 +418,27 @@ class Qwen35Model:
         logit_rows: "last", "all" or "none". capture: keep the GDN states after every position (verify).
         chunked: use the chunk-parallel delta rule (long prefills; equal to the recurrence to ~1e-6).
         """
-        step = self._step
-        if isinstance(tokens, list) and isinstance(step, ops.FusedStep) and step.embeds and self.step_graphs is None:
-            ids, n = tokens, len(tokens)  # the step makes the embedding rows: no tensor of ids
-        else:
-            ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-            n = ids.numel()
-        pos = cache.pos
+        # a list stays one: a fused step that embeds takes the ids as they are (no tensor of them per decode step)
+        ids = tokens if isinstance(tokens, list) else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n, pos, step = len(ids), cache.pos, self._step
         if pos + n > cache.n_ctx:
             raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
         if self.step_graphs is not None and hook is None and not chunked and n <= STEP_ROWS and cache.fixed:
-            res = self.step_graphs.run((self.embed(ids),), cache, logit_rows, capture)
+            res = self.step_graphs.run((self.embed(_id_tensor(ids)),), cache, logit_rows, capture)
         elif n <= STEP_ROWS and hook is None and not chunked and isinstance(step, ops.FusedStep):
             # decode steps and verify passes: the embedding rows (where the step reads the table), every layer, the
             # final norm and the head in one native call
             want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
-            h, logits = step(ids if isinstance(ids, list) else self.embed(ids), cache, pos, self.rope(self.device),
-                             want, cap)
+            rows = ids if step.embeds and isinstance(ids, list) else self.embed(_id_tensor(ids))
+            h, logits = step(rows, cache, pos, self.rope(self.device), want, cap)
             if want and logits is None:
                 logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
             elif logits is not None and logit_rows == "last" and n > 1:
                 logits = logits[-1:]
             res = ForwardResult(h, logits, cap)
         else:
-            if isinstance(ids, list):
-                ids = torch.tensor(ids, dtype=torch.long)
             cb = hook or _noop
-            x = self.embed(ids)
+            x = self.embed(_id_tensor(ids))
             cb("inp_embd", -1, x)
             res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
             if not self._linked and all(layer.fusion_decided for layer in self.layers):

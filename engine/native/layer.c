@@ -95,7 +95,7 @@ static int threads_for(int64_t work, int threads) { return work >= (1 << 16) ? t
  * 15.3), and on a host whose other tenants load it each hand-over costs far more. The embedded model's 70-210 KB
  * projections gained ~3 us per step from a second thread in a quiet phase; its experts (~420 KB a call) gained
  * ~12 and keep threads_for. */
-static int threads_for_weights(int64_t work, int threads) { return work >= (1 << 19) ? threads : 1; }
+static int threads_for_projection(int64_t work, int threads) { return work >= (1 << 19) ? threads : 1; }
 
 /* out [m, p->n_rows] = x [m, p->k] through stack p's one matrix */
 static int project(ExpertStack p, const float *x, int64_t m, float *out, int threads, int isa) {
@@ -104,7 +104,7 @@ static int project(ExpertStack p, const float *x, int64_t m, float *out, int thr
     trace_mark(TRACE_ACT_QUANT, 0);
     if (rc == 0)
         quant_matmul(p.code, p.w, p.expert_bytes / p.n_rows, p.n_rows, r.q, r.d, r.bs, r.s, r.perm, p.k, m, out,
-                     p.n_rows, threads_for_weights(m * p.n_rows * p.k, threads), isa);
+                     p.n_rows, threads_for_projection(m * p.n_rows * p.k, threads), isa);
     trace_mark(TRACE_PROJECTION, p.expert_bytes);
     act_rows_free(&r);
     return rc;

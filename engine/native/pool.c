@@ -105,7 +105,9 @@ static int64_t cpu_ns(void) {  /* the calling thread's CPU time */
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static _Atomic int64_t SOLO_UNTIL, SOLO_NEXT;
+#define SOLO_NS 20000000  /* solo mode's first period and its longest (after_call) */
+#define SOLO_MAX_NS 1000000000
+static _Atomic int64_t SOLO_UNTIL, SOLO_NEXT = SOLO_NS;
 
 static void *worker_main(void *arg) {
     const int id = (int)(intptr_t)arg;
@@ -159,8 +161,6 @@ static void start_workers(int n) {
  * next 20 ms on one thread. So a stall starts solo mode only within STALL_WINDOW_NS of the one before it (or of the
  * end of the solo period that one started): a busy process stalls a call every few milliseconds and is caught at its
  * second stall. */
-#define SOLO_NS 20000000
-#define SOLO_MAX_NS 1000000000
 #define STALL_WINDOW_NS 200000000
 static int64_t LAST_STALL;  /* the last stall's time, or the end of the solo period it started (under CALL) */
 
@@ -194,7 +194,6 @@ static void publish(uint32_t gen, Job job) {
 
 void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
     if (n_threads > 1 && SOLO_UNTIL && clock_ns() < SOLO_UNTIL) n_threads = 1;
-    if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
     if (n_threads <= 1 || n_items <= 1) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
         return;
@@ -226,7 +225,6 @@ void pool_run(int n_threads, int64_t n_items, pool_fn fn, void *ctx) {
 /* after_call for the tests: a call's timings (ns, as pool_run's) in, solo mode's end after them out (0: none) */
 int64_t pool_after_call(int64_t t0, int64_t t1, int64_t t2, int64_t lost) {
     pthread_mutex_lock(&CALL);
-    if (!SOLO_NEXT) SOLO_NEXT = SOLO_NS;
     after_call(t0, t1, t2, lost);
     const int64_t until = SOLO_UNTIL;
     pthread_mutex_unlock(&CALL);

@@ -179,13 +179,12 @@ class DepthController:
             return 0  # measure plain decoding first
         if self.t_draft is None:
             return 0  # a shadow probe (`probe_now`) measures the draft cost and first acceptance
-        alpha = self._alphas()
         k_draft, rate = self._best_depth(room)
         best_k = k_draft if rate > 1.0 / self.t_decode else 0
         if best_k == 0:
             self._since_probe += 1
             if self._since_probe >= self.probe_every << min(self._stays, self.MAX_PROBE_BACKOFF) and \
-                    alpha[0] >= 0.5 and room >= 1 and not self.reproducible:
+                    room >= 1 and not self.reproducible and self._alphas()[0] >= 0.5:
                 # Drafts do match, only the measured costs say no: re-measure them with one real step at depth 1
                 # instead of a shadow probe (a first verify runs cold and can keep auto plain for good); spaced out
                 # while re-measurements keep confirming plain decoding.

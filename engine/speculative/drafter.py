@@ -48,15 +48,10 @@ class MTPDrafter:
 
     def push(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
         """The trunk processed `tokens` and produced post-norm hidden rows `hidden` for them."""
-        if len(tokens) == 1:  # a plain decode step's: one row view, not an unbind of the rows
-            self.pending_tokens.append(int(tokens[0]))
-            self.pending_hidden.append(self.last_hidden)
-            self.last_hidden = hidden[0]
-            return
-        for t, h in zip(tokens, hidden):
+        for i, t in enumerate(tokens):  # rows by index: iterating the tensor would unbind all its rows first
             self.pending_tokens.append(int(t))
             self.pending_hidden.append(self.last_hidden)
-            self.last_hidden = h
+            self.last_hidden = hidden[i]
 
     def catch_up(self) -> None:
         """Run the head over the queued rows now, in chunks and without logits: the MTP head's share of processing
