@@ -151,7 +151,10 @@ def main() -> None:
                 s = m["per_decoded_token"]
                 print(f"{args.model} step graphs {graphs}, {mode}: {s['wall_ms']:.2f} ms a token, {s['kernels']:.0f} "
                       f"kernels, GPU busy {s['kernel_ms']:.2f} ms; graphs {m['step_graphs']}", flush=True)
-    out = Path(args.out)
+    write_result(result, Path(args.out))
+
+
+def write_result(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -35,3 +35,17 @@ def test_a_cpu_run_writes_the_per_step_figures(tmp_path: Path) -> None:
         assert m["per_decoded_token"]["wall_ms"] > 0 and m["runs"]["17"]["wall_ms"] > m["runs"]["1"]["wall_ms"]
         assert m["per_decoded_token"]["kernels"] == 0 and m["top_kernels_over_the_long_run"] == []  # none on a CPU
         assert m["step_graphs"] == {"captures": 0, "replays": 0, "head_captures": 0, "head_replays": 0}
+
+
+def test_mtp_rounds_on_the_cpu_writes_every_mode_of_every_round(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench/mtp_rounds.py"), "--device", "cpu", "--rounds", "2",
+                        "--tokens", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert [(x["round"], x["mode"]) for x in d["rounds"]] == [(i, m) for i in range(2)
+                                                             for m in ("plain", "auto", "k1", "k2")]
+    for x in d["rounds"]:
+        assert x["tok_s"] > 0 and x["decode_tokens"] == 3 * 7
+        assert (x["drafted"] == 0) == (x["mode"] == "plain") or x["mode"] == "auto"
+        assert x["accepted"] <= x["drafted"]
