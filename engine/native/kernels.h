@@ -186,6 +186,7 @@ PairsJob pairs_job(int qtype, const uint8_t *w, int64_t expert_bytes, int64_t ro
                    int64_t k, const int64_t *xrow, int64_t n_groups, const int64_t *experts, const int64_t *starts,
                    float *out, int isa);
 void pairs_run(const PairsJob *jobs, int n_jobs, int n_threads);
+void pairs_group(const PairsJob *j, int64_t g, const PairsJob *then, int64_t then_g);
 
 /* iq_grid.c: the grid-codebook IQ types (ggml type ids) against Q8_K activation rows. rows_times_iq: weight rows
  * [r0, r1) (stored blocks, rows row_bytes apart) times activation rows xrow[0..m) (0..m when NULL) into

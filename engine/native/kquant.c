@@ -556,6 +556,26 @@ static void pairs_item(void *ctx, int64_t item) {
                j->out + p0 * j->n_rows, j->n_rows, j->isa, &next);
 }
 
+/* Group g of job j whole, chunk by chunk, on the calling thread: each chunk's kernel prefetches the next chunk's rows,
+ * the last one the first chunk of group then_g of job `then` (the matrix this thread reads next; NULL: none). The
+ * items of moe.c's small passes, each of which runs one expert's three products. */
+void pairs_group(const PairsJob *j, int64_t g, const PairsJob *then, int64_t then_g) {
+    const int64_t p0 = j->starts[g], p1 = j->starts[g + 1], n_rows = j->n_rows, rb = j->row_bytes;
+    const char *e = (const char *)expert_of(j, g);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ROW_CHUNK) {
+        const int64_t r1 = r0 + ROW_CHUNK < n_rows ? r0 + ROW_CHUNK : n_rows;
+        Ahead next = {0};
+        if (r1 < n_rows) {
+            next = (Ahead){e + r1 * rb, e + (r1 + ROW_CHUNK < n_rows ? r1 + ROW_CHUNK : n_rows) * rb, 0};
+        } else if (then) {
+            const char *t = (const char *)expert_of(then, then_g);
+            next = (Ahead){t, t + (ROW_CHUNK < then->n_rows ? ROW_CHUNK : then->n_rows) * then->row_bytes, 0};
+        }
+        rows_times(j->qtype, (const uint8_t *)e, rb, r0, r1, &j->a, j->xperm, j->xrow + p0, p1 - p0,
+                   j->out + p0 * n_rows, n_rows, j->isa, &next);
+    }
+}
+
 /* Several pair products in one pool call, their items one after the other (the MoE layer's gate and up products of
  * its routed and shared experts, then the down products): one wait for the threads instead of one per product. */
 void pairs_run(const PairsJob *jobs, int n_jobs, int n_threads) {

@@ -13,39 +13,51 @@ int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_e
 
 static int wants_perm(int code, int isa) { return code == T_Q4_K && isa_runs(isa, ISA_AVX512); }
 
-/* x [m, s->k] as the rows s's products take (kernels.h act_format); 0, or -1 when out of memory (act_rows_free
- * releases what was made either way). */
-int act_rows(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
+/* Buffers for m activation rows as stack s's products take them (kernels.h act_format): 0, or -1 when out of memory
+ * (act_rows_free releases what was made either way). act_fill then quantizes rows into them. */
+static int act_alloc(const ExpertStack *s, int64_t m, int isa, QRows *r) {
     const int64_t k = s->k;
     const int fmt = act_format(s->code);
     *r = (QRows){0};
-    if (fmt == ACT_F16 || fmt == ACT_BF16) {
-        r->q = malloc((size_t)(m * k) * 2);
-        if (!r->q) return -1;
-        round_half(x, m * k, fmt == ACT_BF16, (uint16_t *)r->q);
-        return 0;
-    }
+    if (fmt == ACT_F16 || fmt == ACT_BF16) return (r->q = malloc((size_t)(m * k) * 2)) ? 0 : -1;
     r->q = malloc((size_t)(m * k));
-    r->d = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
-    if (!r->q || !r->d) return -1;
-    if (fmt == ACT_Q8_0) {
-        quantize_q8_0(x, m, k, r->q, r->d);
-        return 0;
+    if (fmt == ACT_Q8_0 || fmt == ACT_Q8_1) {
+        r->d = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
+        if (fmt == ACT_Q8_1) r->s = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
+        return r->q && r->d && (fmt == ACT_Q8_0 || r->s) ? 0 : -1;
     }
-    if (fmt == ACT_Q8_1) {
-        r->s = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
-        if (!r->s) return -1;
-        quantize_q8_1(x, m, k, r->q, r->d, r->s);
-        return 0;
-    }
+    r->d = malloc((size_t)(m * (k / QK_K)) * sizeof(float));
     r->bs = malloc((size_t)(m * (k / 16)) * sizeof(int16_t));
-    if (!r->bs) return -1;
-    quantize_q8_k(x, m, k, r->q, r->d, r->bs, isa);
-    if (wants_perm(s->code, isa)) {
-        r->perm = malloc((size_t)(m * k));
-        if (!r->perm) return -1;
-        q8_k_to_q4_k_order(r->q, m, k, r->perm);
+    if (wants_perm(s->code, isa)) r->perm = malloc((size_t)(m * k));
+    return r->q && r->d && r->bs && (r->perm || !wants_perm(s->code, isa)) ? 0 : -1;
+}
+
+/* rows [r0, r1) of x [·, s->k] quantized into r's rows r0 … r1−1: each row on its own, so rows filled apart (by
+ * different threads) are the rows one call fills */
+static void act_fill(const ExpertStack *s, const float *x, int64_t r0, int64_t r1, int isa, QRows *r) {
+    const int64_t k = s->k, m = r1 - r0;
+    const float *xr = x + r0 * k;
+    switch (act_format(s->code)) {
+    case ACT_F16: case ACT_BF16:
+        round_half(xr, m * k, act_format(s->code) == ACT_BF16, (uint16_t *)r->q + r0 * k);
+        return;
+    case ACT_Q8_0:
+        quantize_q8_0(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0));
+        return;
+    case ACT_Q8_1:
+        quantize_q8_1(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0), r->s + r0 * (k / QK8_0));
+        return;
+    default:
+        quantize_q8_k(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK_K), r->bs + r0 * (k / 16), isa);
+        if (r->perm) q8_k_to_q4_k_order(r->q + r0 * k, m, k, r->perm + r0 * k);
     }
+}
+
+/* x [m, s->k] as the rows s's products take; 0, or -1 when out of memory (act_rows_free releases what was made
+ * either way). */
+int act_rows(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
+    if (act_alloc(s, m, isa, r)) return -1;
+    act_fill(s, x, 0, m, isa, r);
     return 0;
 }
 
@@ -73,6 +85,7 @@ typedef struct {
     float *g, *u, *o;
     QRows xg, xu, xh;
     int same;
+    PairsJob jg, ju, jd;  /* a small pass's products (run_whole) */
 } ExpertSet;
 
 /* groups the set's pairs by expert and quantizes x for its gate and up products: 0, -1 out of memory, -2 an expert
@@ -104,9 +117,91 @@ static void set_free(ExpertSet *s) {
     free(s->ints), free(s->g), free(s->u), free(s->o);
 }
 
+/* y[t] = Σ_s wts[t, s] · o[pair of (t, s)] of each set, the slots summed in order from 0 */
+static void reduce_sets(ExpertSet *sets, int n_sets, int64_t n) {
+    for (int i = 0; i < n_sets; i++) {
+        /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
+        const ExpertSet *s = &sets[i];
+        const int64_t d = s->down->n_rows, k = s->k_used;
+        for (int64_t p = 0; p < s->p_n; p++) s->tokens[s->order[p]] = p;
+        for (int64_t t = 0; t < n; t++) {
+            float *yt = s->y + t * d;
+            for (int64_t j = 0; j < d; j++) yt[j] = 0.f;
+            for (int64_t sl = 0; sl < k; sl++) {
+                const float ws = s->wts[t * k + sl], *os = s->o + s->tokens[t * k + sl] * d;
+                for (int64_t j = 0; j < d; j++) yt[j] += ws * os[j];
+            }
+        }
+    }
+}
+
+/* Passes of up to WHOLE_ROWS tokens (decode steps) run each expert whole as one work item: its gate and up products
+ * over its pairs, silu · up, those rows quantized for down, its down products. The layer's experts then take one
+ * pool call instead of two, and silu and the quantization run on every thread instead of on the caller between the
+ * calls: a decode step's experts are small (the embedded model's 100 KB, a 35B-A3B expert's 1.7 MB) beside the
+ * 1–2 µs a hand-over to the pool costs. The items go largest first (pairs × the expert's bytes), so claiming them
+ * in order evens the threads out. The kernels per row are the two-call form's, so are the bits. */
+#define WHOLE_ROWS 1
+
+typedef struct {
+    ExpertSet *set;
+    int64_t g, weight;
+} WholeItem;
+
+typedef struct {
+    const WholeItem *items;
+    int64_t n;
+    int isa;
+} Whole;
+
+static void whole_item(void *ctx, int64_t i) {
+    const Whole *w = ctx;
+    ExpertSet *s = w->items[i].set;
+    const int64_t g = w->items[i].g, p0 = s->starts[g], p1 = s->starts[g + 1], f = s->gate->n_rows;
+    pairs_group(&s->jg, g, &s->ju, g);
+    pairs_group(&s->ju, g, &s->jd, g);
+    silu_mul(s->g + p0 * f, s->u + p0 * f, (p1 - p0) * f);
+    act_fill(s->down, s->g, p0, p1, w->isa, &s->xh);
+    const WholeItem *nx = i + 1 < w->n ? &w->items[i + 1] : NULL;  /* likely this thread's next: its gate */
+    pairs_group(&s->jd, g, nx ? &nx->set->jg : NULL, nx ? nx->g : 0);
+}
+
+/* the sets' experts as whole items in one pool call (after set_begin); the bytes read into *bytes; 0 or -1 */
+static int run_whole(ExpertSet *sets, int n_sets, int threads, int isa, int64_t *bytes) {
+    int64_t n_items = 0;
+    for (int i = 0; i < n_sets; i++) n_items += sets[i].n_groups;
+    WholeItem *items = malloc((size_t)n_items * sizeof(WholeItem));
+    if (!items) return -1;
+    int64_t ni = 0;
+    for (int i = 0; i < n_sets; i++) {
+        ExpertSet *s = &sets[i];
+        if (act_alloc(s->down, s->p_n, isa, &s->xh)) {
+            free(items);
+            return -1;
+        }
+        for (int64_t p = 0; p < s->p_n; p++) s->self[p] = p;
+        s->jg = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
+        s->ju = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
+        s->jd = job(s->down, &s->xh, s->self, s, s->o, isa);
+        const int64_t eb = s->gate->expert_bytes + s->up->expert_bytes + s->down->expert_bytes;
+        for (int64_t g = 0; g < s->n_groups; g++) {
+            WholeItem it = {s, g, (s->starts[g + 1] - s->starts[g]) * eb};
+            int64_t j = ni++;
+            for (; j > 0 && items[j - 1].weight < it.weight; j--) items[j] = items[j - 1];  /* stable, largest first */
+            items[j] = it;
+        }
+        *bytes += s->n_groups * eb;
+    }
+    Whole w = {items, n_items, isa};
+    cpu_features();
+    pool_run(threads, n_items, whole_item, &w);
+    free(items);
+    return 0;
+}
+
 /* Up to two sets of experts over the same rows x [n, d]: every gate and up product in one pool call, every down
- * product in one more. Each expert's blocks are read once per pass whatever n is. Returns 0, -1 when out of memory,
- * -2 for an expert id out of range. */
+ * product in one more (one call in all for a small pass: run_whole). Each expert's blocks are read once per pass
+ * whatever n is. Returns 0, -1 when out of memory, -2 for an expert id out of range. */
 static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int isa) {
     PairsJob jobs[4];
     int64_t bytes = 0;
@@ -115,6 +210,14 @@ static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int 
     for (int i = 0; i < n_sets && rc == 0; i++) rc = set_begin(&sets[i], x, n, isa);
     if (rc) goto done;
     trace_mark(TRACE_ACT_QUANT, 0);
+    if (n <= WHOLE_ROWS) {
+        rc = run_whole(sets, n_sets, threads, isa, &bytes);
+        if (rc) goto done;
+        trace_mark(TRACE_EXPERT_PRODUCTS, bytes);
+        reduce_sets(sets, n_sets, n);
+        trace_mark(TRACE_EXPERT_MISC, 0);
+        goto done;
+    }
     for (int i = 0; i < n_sets; i++) {
         ExpertSet *s = &sets[i];
         jobs[2 * i] = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
@@ -146,20 +249,7 @@ static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int 
     trace_mark(TRACE_EXPERT_MISC, 0);
     pairs_run(jobs, n_sets, threads);
     trace_mark(TRACE_EXPERT_PRODUCTS, bytes);
-    for (int i = 0; i < n_sets; i++) {
-        /* pair p holds flat slot order[p] = t·k_used + s: place it, then sum each token's slots in order */
-        const ExpertSet *s = &sets[i];
-        const int64_t d = s->down->n_rows, k = s->k_used;
-        for (int64_t p = 0; p < s->p_n; p++) s->tokens[s->order[p]] = p;
-        for (int64_t t = 0; t < n; t++) {
-            float *yt = s->y + t * d;
-            for (int64_t j = 0; j < d; j++) yt[j] = 0.f;
-            for (int64_t sl = 0; sl < k; sl++) {
-                const float ws = s->wts[t * k + sl], *os = s->o + s->tokens[t * k + sl] * d;
-                for (int64_t j = 0; j < d; j++) yt[j] += ws * os[j];
-            }
-        }
-    }
+    reduce_sets(sets, n_sets, n);
     trace_mark(TRACE_EXPERT_MISC, 0);
 done:
     for (int i = 0; i < n_sets; i++) set_free(&sets[i]);
