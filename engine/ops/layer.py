@@ -23,6 +23,7 @@ from engine.ops.backend import Backend, OpEvent
 from engine.ops.delta_rule import state_replay
 from engine.ops.experts import Experts, Shared
 from engine.ops.linear import Linear, NativeLinear, Weight, native_rows, stack_of
+from engine.ops.thread_choice import ThreadChoice
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ class FusedStep:
     commit follows each verify — and swaps the recurrent state with its spare as FusedLayer does. Each MoE layer
     counts its routed ids into `counters`. After a step's ~100 MB of weights the interpreter's own code and objects
     are out of the caches and each Python op after the layers cost tens of microseconds: the norm and the head run
-    in the same call (where the head's product is native)."""
+    in the same call (where the head's product is native). The thread count of each pass size follows the passes'
+    measured times (engine/ops/thread_choice.py: all of the backend's threads, or fewer where they are faster)."""
 
     def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
                  out_norm: torch.Tensor, eps: float, head: Linear, embd: Weight | None = None):
@@ -224,6 +226,7 @@ class FusedStep:
         self.embeds = self.inp is not None  # __call__ takes token ids
         self._rope: tuple = (None, 0, 0, 0)  # the RoPE tables last given: cos, its and sin's address, row bytes
         self._passes: dict[tuple[int, bool], _Passes] = {}
+        self.threads = ThreadChoice()  # one thread or more, per pass size, from the passes' times
 
     def __call__(self, x: torch.Tensor | list[int], cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -237,7 +240,7 @@ class FusedStep:
         if ps is None:
             ps = self._passes[(n, capture is not None)] = _Passes(self, n)
         b = self.layers[0].backend
-        threads = b.threads if b.threads is not None else torch.get_num_threads()
+        threads = self.threads.pick(n, b.threads if b.threads is not None else torch.get_num_threads())
         if threads != ps.threads:
             for p in ps.ps:
                 p.threads = threads
@@ -257,8 +260,10 @@ class FusedStep:
         if ids is not None:
             ps.ids[:n] = ids
             x = ps.x
+        t0 = time.perf_counter_ns()
         native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, out,  # type: ignore[arg-type]
                               ps.inp if ids is not None else None)
+        self.threads.observe(n, threads, time.perf_counter_ns() - t0)
         if after is not None:
             after()
         return h, lg
