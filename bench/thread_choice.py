@@ -9,7 +9,9 @@ buffer, best of 3: bench/step_profile.py's measure), then one greedy reply of `-
 prompt) with the step's thread choice replaced by one that always answers `--threads`, and one with the engine's
 own choice (kept across iterations, as an engine keeps it), which goes first alternating by iteration. Per reply: µs per decoded token (the first token's step
 excluded), and the chosen count after it. Iterations are split by placement: "split" where `--threads` threads read
-over 1.5 times one thread (each core its own memory path), else "shared"; the medians of each are the summary.
+over 1.5 times one thread (each core its own memory path), "contended" where they read less than one thread (a core
+taken by something outside the process: the host's other tenants), else "shared"; the medians of each are the
+summary. `--resummarize PATH` recomputes an earlier result's summary from its iterations by these rules.
 """
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ EMBEDDED = ROOT / "resources/models/foretell-demo.gguf"
 SPLIT = 1.5  # `threads` threads reading over this many times one thread's bandwidth: the split placement
 
 
+def placement(one: float, all_: float) -> str:
+    return "split" if all_ > SPLIT * one else "contended" if all_ < one else "shared"
+
+
+def summarize(rows: list[dict], threads: int) -> dict:
+    out = {}
+    for pl in ("shared", "split", "contended"):
+        sel = [r for r in rows if placement(r["read_gb_s_1"], r[f"read_gb_s_{threads}"]) == pl]
+        if sel:
+            fm, cm = statistics.median(r["fixed_us"] for r in sel), statistics.median(r["chosen_us"] for r in sel)
+            out[pl] = {"iterations": len(sel), "fixed_us_median": fm, "chosen_us_median": cm,
+                       "chosen_over_fixed": cm / fm}
+    return out
+
+
 class Fixed(ThreadChoice):
     """Always the backend's count: the step as it ran before the choice."""
 
@@ -57,7 +74,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--resummarize", help="an earlier result's JSON: its summary recomputed from its iterations")
     args = ap.parse_args()
+    if args.resummarize:
+        d = json.loads(Path(args.resummarize).read_text())
+        for r in d["iterations"]:
+            r["placement"] = placement(r["read_gb_s_1"], r[f"read_gb_s_{d['threads']}"])
+        d["summary"] = summarize(d["iterations"], d["threads"])
+        d["resummarized"] = "python bench/thread_choice.py --resummarize " + args.resummarize
+        write_result(d, Path(args.resummarize))
+        return
     if args.model == "embedded":
         path = EMBEDDED
     elif args.model == "mid":  # bench/synthetic.py's mid-size MoE, written once (as bench/decode.py does)
@@ -111,16 +137,10 @@ def main() -> None:
         f, c = got["fixed"], got["chosen"]
         step.threads = chosen
         rows.append({"read_gb_s_1": round(one, 2), f"read_gb_s_{args.threads}": round(all_, 2),
-                     "placement": "split" if all_ > SPLIT * one else "shared", "fixed_us": round(f, 2),
+                     "placement": placement(one, all_), "fixed_us": round(f, 2),
                      "chosen_us": round(c, 2), "chosen_count": chosen.current(1), "switches": chosen.switches})
         print(json.dumps(rows[-1]), flush=True)
-    summary = {}
-    for pl in ("shared", "split"):
-        sel = [r for r in rows if r["placement"] == pl]
-        if sel:
-            fm, cm = statistics.median(r["fixed_us"] for r in sel), statistics.median(r["chosen_us"] for r in sel)
-            summary[pl] = {"iterations": len(sel), "fixed_us_median": fm, "chosen_us_median": cm,
-                           "chosen_over_fixed": cm / fm}
+    summary = summarize(rows, args.threads)
     result = {"command": "python bench/thread_choice.py " + " ".join(sys.argv[1:]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
               "machine": machine_info(args.threads), "model": path.name, "tokens": args.tokens,

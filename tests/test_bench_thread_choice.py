@@ -17,7 +17,8 @@ def test_a_short_run_writes_the_iterations_and_the_summary(tmp_path: Path) -> No
     d = json.loads(out.read_text())
     assert d["model"] == "foretell-demo.gguf" and d["threads"] == 2 and d["iterations"]
     for it in d["iterations"]:
-        assert it["placement"] == ("split" if it["read_gb_s_2"] > 1.5 * it["read_gb_s_1"] else "shared")
+        one, two = it["read_gb_s_1"], it["read_gb_s_2"]
+        assert it["placement"] == ("split" if two > 1.5 * one else "contended" if two < one else "shared")
         assert it["fixed_us"] > 0 and it["chosen_us"] > 0 and it["chosen_count"] in (1, 2)
-    assert set(d["summary"]) <= {"shared", "split"} and sum(s["iterations"] for s in d["summary"].values()) == \
+    assert set(d["summary"]) <= {"shared", "split", "contended"} and sum(s["iterations"] for s in d["summary"].values()) == \
         len(d["iterations"])
