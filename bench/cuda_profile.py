@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.decode import git_info, machine_info  # noqa: E402
+from bench.decode import git_info, machine_info, write_result  # noqa: E402
 from engine.events import EngineConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
 from engine.models import step_graph  # noqa: E402
@@ -152,12 +152,6 @@ def main() -> None:
                 print(f"{args.model} step graphs {graphs}, {mode}: {s['wall_ms']:.2f} ms a token, {s['kernels']:.0f} "
                       f"kernels, GPU busy {s['kernel_ms']:.2f} ms; graphs {m['step_graphs']}", flush=True)
     write_result(result, Path(args.out))
-
-
-def write_result(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

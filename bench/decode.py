@@ -84,6 +84,13 @@ def final_stats(eng, ids: list[int], gen):  # type: ignore[no-untyped-def]
     return final
 
 
+def write_result(result: dict, out: Path) -> None:
+    """A benchmark's JSON into `out` (its folder made), and a line saying so."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def run_record(final) -> dict:  # type: ignore[no-untyped-def]
     """One reply's figures from its final Stats (tokens, TTFT, prefill and decode seconds, MTP counters)."""
     sp = final.speculative

@@ -24,8 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import decode  # noqa: E402
-from bench.cuda_profile import write_result  # noqa: E402
-from bench.decode import git_info, machine_info  # noqa: E402
+from bench.decode import git_info, machine_info, write_result  # noqa: E402
 from bench.hybrid import prompts_for  # noqa: E402
 from engine.events import EngineConfig, GenerationConfig  # noqa: E402
 from engine.generate import load  # noqa: E402

@@ -393,9 +393,10 @@ def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.
 def placement(threads_gb_s: float, one_gb_s: float) -> str:
     """Where the host had put the threads, read from the bandwidth they get: "shared" when T threads read little
     more than one (one memory path between them: on the CI VM 45-50 GB/s on 2, 35-40 on 1), "split" when they read
-    well over 1.5 times one (each its own path: 62-79 on 2, 32-36 on 1). The decode step does not speed up in the
-    split placement (7.2-7.9 ms either way on the mid fixture), so its share of the machine drops there."""
-    return "split" if threads_gb_s > 1.5 * one_gb_s else "shared"
+    well over 1.5 times one (each its own path: 62-79 on 2, 32-36 on 1), "contended" when they read less than one (a
+    core taken from outside the process: 33 on 2, 41 on 1). The decode step does not speed up in the split placement
+    (7.2-7.9 ms either way on the mid fixture), so its share of the machine drops there."""
+    return "split" if threads_gb_s > 1.5 * one_gb_s else "contended" if threads_gb_s < one_gb_s else "shared"
 
 
 # --- output ----------------------------------------------------------------------------------------
@@ -536,7 +537,8 @@ def main() -> None:
                          "machine: torch.sum over a float32 buffer of random values, best of reps, 1e9 B/s, "
                          "measured before and after each case's passes, the better of the two; placement: "
                          "'split' where that is over 1.5 times the better one-thread figure measured beside it, "
-                         "else 'shared' (the host gives the two threads one memory path or one each)",
+                         "'contended' where it is below it, else 'shared' (the host gives the two threads one memory "
+                         "path or one each, or something outside the process takes a core)",
         },
         "models": results,
     }

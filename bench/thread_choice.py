@@ -4,14 +4,14 @@ one process, with the host's placement measured before each pair.
     python bench/thread_choice.py [--model embedded|mid|PATH] [--seconds 90] [--tokens 200] [--threads 2]
                                   [--out bench/results/thread_choice_<model>.json]
 
-Each iteration: the machine's read bandwidth on 1 and on `--threads` threads (torch.sum over a 512 MiB float32
-buffer, best of 3: bench/step_profile.py's measure), then one greedy reply of `--tokens` tokens (EOS ignored, a fixed
+Each iteration: the machine's read bandwidth on 1 and on `--threads` threads (bench/step_profile.py's ReadBandwidth:
+torch.sum over a 512 MiB float32 buffer, best of 3), then one greedy reply of `--tokens` tokens (EOS ignored, a fixed
 prompt) with the step's thread choice replaced by one that always answers `--threads`, and one with the engine's
 own choice (kept across iterations, as an engine keeps it), which goes first alternating by iteration. Per reply: µs per decoded token (the first token's step
-excluded), and the chosen count after it. Iterations are split by placement: "split" where `--threads` threads read
-over 1.5 times one thread (each core its own memory path), "contended" where they read less than one thread (a core
-taken by something outside the process: the host's other tenants), else "shared"; the medians of each are the
-summary. `--resummarize PATH` recomputes an earlier result's summary from its iterations by these rules.
+excluded), and the chosen count after it. Iterations are split by bench/step_profile.py's placement: "split" where
+`--threads` threads read over 1.5 times one thread (each core its own memory path), "contended" where they read less
+than one thread (a core taken by something outside the process: the host's other tenants), else "shared"; the
+medians of each are the summary. `--resummarize PATH` recomputes an earlier result's summary from its iterations by these rules.
 """
 from __future__ import annotations
 
@@ -30,26 +30,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402,F401  (first, as the app and the CLI import it: torch's OpenMP wait policy)
-from bench.cuda_profile import write_result  # noqa: E402
-from bench.decode import git_info, machine_info  # noqa: E402
+from bench.decode import git_info, machine_info, write_result  # noqa: E402
+from bench.step_profile import ReadBandwidth, placement  # noqa: E402
 from engine.events import EngineConfig, GenerationConfig, Token  # noqa: E402
 from engine.generate import load  # noqa: E402
 from engine.ops.thread_choice import ThreadChoice  # noqa: E402
 from engine.sampling import SamplingConfig  # noqa: E402
-from engine.storage.pages import huge_empty  # noqa: E402
 
 EMBEDDED = ROOT / "resources/models/foretell-demo.gguf"
-SPLIT = 1.5  # `threads` threads reading over this many times one thread's bandwidth: the split placement
-
-
-def placement(one: float, all_: float) -> str:
-    return "split" if all_ > SPLIT * one else "contended" if all_ < one else "shared"
-
-
 def summarize(rows: list[dict], threads: int) -> dict:
     out = {}
     for pl in ("shared", "split", "contended"):
-        sel = [r for r in rows if placement(r["read_gb_s_1"], r[f"read_gb_s_{threads}"]) == pl]
+        sel = [r for r in rows if placement(r[f"read_gb_s_{threads}"], r["read_gb_s_1"]) == pl]
         if sel:
             fm, cm = statistics.median(r["fixed_us"] for r in sel), statistics.median(r["chosen_us"] for r in sel)
             out[pl] = {"iterations": len(sel), "fixed_us_median": fm, "chosen_us_median": cm,
@@ -79,7 +71,7 @@ def main() -> None:
     if args.resummarize:
         d = json.loads(Path(args.resummarize).read_text())
         for r in d["iterations"]:
-            r["placement"] = placement(r["read_gb_s_1"], r[f"read_gb_s_{d['threads']}"])
+            r["placement"] = placement(r[f"read_gb_s_{d['threads']}"], r["read_gb_s_1"])
         d["summary"] = summarize(d["iterations"], d["threads"])
         d["resummarized"] = "python bench/thread_choice.py --resummarize " + args.resummarize
         write_result(d, Path(args.resummarize))
@@ -97,18 +89,10 @@ def main() -> None:
     greedy = SamplingConfig(temperature=0.0, top_k=1)
     prompt = list(range(300, 364)) if args.model != "embedded" else \
         eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. Once upon a time")
-    buf = huge_empty(512 << 20).view(torch.float32).uniform_(generator=torch.Generator().manual_seed(0))
+    read = ReadBandwidth(512, 3)
 
     def read_gb_s(threads: int) -> float:
-        torch.set_num_threads(threads)
-        buf.sum()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - t0)
-        torch.set_num_threads(args.threads)
-        return buf.numel() * 4 / best / 1e9
+        return read(threads)["best_gb_s"]
 
     def reply_us() -> float:
         eng.reset()
@@ -137,7 +121,7 @@ def main() -> None:
         f, c = got["fixed"], got["chosen"]
         step.threads = chosen
         rows.append({"read_gb_s_1": round(one, 2), f"read_gb_s_{args.threads}": round(all_, 2),
-                     "placement": placement(one, all_), "fixed_us": round(f, 2),
+                     "placement": placement(all_, one), "fixed_us": round(f, 2),
                      "chosen_us": round(c, 2), "chosen_count": chosen.current(1), "switches": chosen.switches})
         print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows, args.threads)

@@ -85,11 +85,17 @@ typedef struct {
     float *g, *u, *o;
     QRows xg, xu, xh;
     int same;
-    PairsJob jg, ju, jd;  /* a small pass's products (run_whole) */
+    PairsJob jg, ju, jd;  /* the gate, up and down products (set_begin) */
 } ExpertSet;
 
-/* groups the set's pairs by expert and quantizes x for its gate and up products: 0, -1 out of memory, -2 an expert
- * id out of range */
+static PairsJob job(const ExpertStack *st, const QRows *x, const int64_t *xrow, const ExpertSet *s, float *out,
+                    int isa) {
+    return pairs_job(st->code, st->w, st->expert_bytes, st->expert_bytes / st->n_rows, st->n_rows, x->q, x->d, x->bs,
+                     x->s, x->perm, st->k, xrow, s->n_groups, s->experts, s->starts, out, isa);
+}
+
+/* groups the set's pairs by expert, quantizes x for its gate and up products, makes room for the down products'
+ * input rows and sets the three products' jobs: 0, -1 out of memory, -2 an expert id out of range */
 static int set_begin(ExpertSet *s, const float *x, int64_t n, int isa) {
     const int64_t p_n = s->p_n = n * s->k_used, f = s->gate->n_rows, d = s->down->n_rows, ne = s->n_expert;
     s->ints = malloc((size_t)(3 * p_n + 3 * ne + 1) * sizeof(int64_t));
@@ -103,13 +109,12 @@ static int set_begin(ExpertSet *s, const float *x, int64_t n, int isa) {
     if (act_rows(s->gate, x, n, isa, &s->xg)) return -1;
     /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
     s->same = act_format(s->up->code) == act_format(s->gate->code) && (s->xg.perm || !wants_perm(s->up->code, isa));
-    return !s->same && act_rows(s->up, x, n, isa, &s->xu) ? -1 : 0;
-}
-
-static PairsJob job(const ExpertStack *st, const QRows *x, const int64_t *xrow, const ExpertSet *s, float *out,
-                    int isa) {
-    return pairs_job(st->code, st->w, st->expert_bytes, st->expert_bytes / st->n_rows, st->n_rows, x->q, x->d, x->bs,
-                     x->s, x->perm, st->k, xrow, s->n_groups, s->experts, s->starts, out, isa);
+    if ((!s->same && act_rows(s->up, x, n, isa, &s->xu)) || act_alloc(s->down, p_n, isa, &s->xh)) return -1;
+    for (int64_t p = 0; p < p_n; p++) s->self[p] = p;  /* the down products read pair p's own row */
+    s->jg = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
+    s->ju = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
+    s->jd = job(s->down, &s->xh, s->self, s, s->o, isa);
+    return 0;
 }
 
 static void set_free(ExpertSet *s) {
@@ -175,14 +180,6 @@ static int run_whole(ExpertSet *sets, int n_sets, int threads, int isa, int64_t 
     int64_t ni = 0;
     for (int i = 0; i < n_sets; i++) {
         ExpertSet *s = &sets[i];
-        if (act_alloc(s->down, s->p_n, isa, &s->xh)) {
-            free(items);
-            return -1;
-        }
-        for (int64_t p = 0; p < s->p_n; p++) s->self[p] = p;
-        s->jg = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
-        s->ju = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
-        s->jd = job(s->down, &s->xh, s->self, s, s->o, isa);
         const int64_t eb = s->gate->expert_bytes + s->up->expert_bytes + s->down->expert_bytes;
         for (int64_t g = 0; g < s->n_groups; g++) {
             WholeItem it = {s, g, (s->starts[g + 1] - s->starts[g]) * eb};
@@ -220,8 +217,7 @@ static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int 
     }
     for (int i = 0; i < n_sets; i++) {
         ExpertSet *s = &sets[i];
-        jobs[2 * i] = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
-        jobs[2 * i + 1] = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
+        jobs[2 * i] = s->jg, jobs[2 * i + 1] = s->ju;
         bytes += s->n_groups * (s->gate->expert_bytes + s->up->expert_bytes);
     }
     pairs_run(jobs, 2 * n_sets, threads);
@@ -237,15 +233,13 @@ static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int 
             down[nd++] = (Ahead){e, e + sets[i].down->expert_bytes, 0};
         }
     pool_prefetch(threads, down, nd);
-    for (int i = 0; i < n_sets && rc == 0; i++) {
+    for (int i = 0; i < n_sets; i++) {
         ExpertSet *s = &sets[i];
         silu_mul(s->g, s->u, s->p_n * s->gate->n_rows);
-        if (act_rows(s->down, s->g, s->p_n, isa, &s->xh)) rc = -1;
-        for (int64_t p = 0; p < s->p_n; p++) s->self[p] = p;
-        jobs[i] = job(s->down, &s->xh, s->self, s, s->o, isa);
+        act_fill(s->down, s->g, 0, s->p_n, isa, &s->xh);
+        jobs[i] = s->jd;
         bytes += s->n_groups * s->down->expert_bytes;
     }
-    if (rc) goto done;
     trace_mark(TRACE_EXPERT_MISC, 0);
     pairs_run(jobs, n_sets, threads);
     trace_mark(TRACE_EXPERT_PRODUCTS, bytes);

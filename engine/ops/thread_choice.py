@@ -48,7 +48,7 @@ class _Size:
     since: int = 0  # passes on the current count since the last probe
     probe: int | None = None  # the count a running probe tries
     probe_ns: list[int] = field(default_factory=list)
-    up: bool = False  # the next probe's direction, where both neighbours exist
+    probes: int = 0  # probes so far: where the count has two neighbours, they are tried in turn
 
 
 class ThreadChoice:
@@ -71,11 +71,9 @@ class ThreadChoice:
         if s.probe is None and s.since >= s.every and len(s.recent) >= 3:
             counts = ladder(threads)
             i = counts.index(s.count)
-            lower = counts[i - 1] if i > 0 else None
-            higher = counts[i + 1] if i + 1 < len(counts) else None
-            s.probe = (higher if s.up and higher is not None else lower) if lower is not None else higher
-            s.up = not s.up
-            s.probe_ns = []
+            near = [counts[j] for j in (i - 1, i + 1) if 0 <= j < len(counts)]  # lower first
+            s.probe, s.probe_ns = near[s.probes % len(near)], []
+            s.probes += 1
         return s.probe if s.probe is not None else s.count
 
     def observe(self, n: int, threads: int, ns: int) -> None:
@@ -83,10 +81,9 @@ class ThreadChoice:
         s = self._sizes.get(n)
         if s is None:
             return
-        if s.probe is None or threads != s.probe:
-            if threads == s.count:
-                s.recent.append(ns)
-                s.since += 1
+        if s.probe is None:
+            s.recent.append(ns)
+            s.since += 1
             return
         s.probe_ns.append(ns)
         now = statistics.median(s.recent)
