@@ -2,9 +2,10 @@
 (Settings, Metrics, Model); both panels can be closed and brought back from the View menu, and the layout is
 remembered. It fits a 1366×768 screen (works from 1024×640): every tall panel scrolls.
 
-All engine work goes through `EngineController` (its own thread, queued signals). Nothing the user made is
-lost: completed messages are saved as soon as they complete, an edit or a regenerate adds a new version of
-that turn (‹ 1/2 › in the chat switches), a stopped reply is kept and marked, a delete can be undone, and a
+All engine work goes through `EngineController` (its own thread, queued signals); the conversation itself — what
+is shown, edited, sent and saved — is `ChatSession` (app/session.py), which the window draws. Nothing the user
+made is lost: completed messages are saved as soon as they complete, an edit or a regenerate adds a new version
+of that turn (‹ 1/2 › in the chat switches), a stopped reply is kept and marked, a delete can be undone, and a
 model is replaced only once the new file has been checked.
 """
 from __future__ import annotations
@@ -24,12 +25,12 @@ from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
 from app import remote
 from app.library import LibraryPanel, scan
-from app.reply_stats import footer, mtp_mode, stats_dict
+from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
+from app.session import ChatSession, ModelInfo, stopped_early
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
-from app.store import Store, StoredMessage, StoreError
+from app.store import Store, StoredMessage
 from app.worker import EngineController
-from engine.chat import Message
 from engine.events import Stats
 
 LAYOUT_VERSION = 2  # restoreState refuses a layout saved by another version of the panels
@@ -65,16 +66,8 @@ class MainWindow(QMainWindow):
         self.store, self.qs = store, qsettings
         self.settings: AppSettings = load_settings(qsettings)
         self.engine = EngineController(self)
-        self.conv_id: int | None = None
-        self.generating = False
+        self.session = ChatSession(store, lambda msg: self.show_error("Conversation history", msg))
         self.loading: str | None = None  # the file being loaded
-        self.model_info: dict | None = None
-        self.last_stats: Stats | None = None
-        self.editing: StoredMessage | None = None  # the user message being edited (its turn gets a new version)
-        self.reply_parent: int | None = None  # the user message the running reply answers
-        self.reply_mode = "off"
-        self.shown: list[StoredMessage] = []  # the messages in the chat view, as stored
-        self.deleted: int | None = None  # the conversation an Undo would bring back
         self._library_stale = True
         self.errors: list[str] = []  # every error shown, for tests and the smoke test
         self._build()
@@ -88,6 +81,23 @@ class MainWindow(QMainWindow):
         last = next(iter(self.settings.recent_models), None)
         self._fallback = model is None and last is not None and Path(last).exists()
         self.load_model(model if model is not None or not self._fallback else last)
+
+    # What the smoke test, the screenshots and the tests watch: the session's, read-only.
+    @property
+    def generating(self) -> bool:
+        return self.session.generating
+
+    @property
+    def conv_id(self) -> int | None:
+        return self.session.conv_id
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self.session.model
+
+    @property
+    def last_stats(self) -> Stats | None:
+        return self.session.last_stats
 
     # -- layout --------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -347,7 +357,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_loaded(self, info: dict) -> None:
-        self.model_info = info
+        self.session.model = ModelInfo.of(info)
         self.loading = None
         self.progress.setVisible(False)
         self.cancel_load_btn.setVisible(False)
@@ -397,7 +407,7 @@ class MainWindow(QMainWindow):
             return
         self.progress.setRange(0, 100)
         if self.model_info is not None:
-            self._set_state(f"Ready — kept {self.model_info['name']}")
+            self._set_state(f"Ready — kept {self.model_info.name}")
         else:
             self._set_state("No model loaded")
             self.info.setText("No model loaded")
@@ -417,7 +427,7 @@ class MainWindow(QMainWindow):
         self.progress.setVisible(False)
         self.cancel_load_btn.setVisible(False)
         self.cancel_load_btn.setEnabled(True)
-        kept = f" — kept {self.model_info['name']}" if self.model_info is not None else " — no model loaded"
+        kept = f" — kept {self.model_info.name}" if self.model_info is not None else " — no model loaded"
         self._set_state(f"Loading cancelled{kept}")
         if self.model_info is None:
             self.info.setText("No model loaded")
@@ -477,8 +487,7 @@ class MainWindow(QMainWindow):
     def refresh_conversations(self) -> None:
         self.conv_list.blockSignals(True)
         self.conv_list.clear()
-        convs = self._stored(self.store.conversations, self.search.text() or None) or []
-        for c in convs:
+        for c in self.session.conversations(self.search.text() or None):
             item = QListWidgetItem(c.title)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
             self.conv_list.addItem(item)
@@ -499,26 +508,27 @@ class MainWindow(QMainWindow):
             self.refresh_conversations()
 
     def open_conversation(self, conv_id: int) -> None:
-        self.conv_id = conv_id
-        self.qs.setValue("last_conversation", conv_id)
-        self._cancel_edit_state()
-        self.shown = list(self._stored(self.store.messages, conv_id))
-        self.chat.set_messages([self._view(m) for m in self.shown])
+        self.session.open(conv_id)
+        self._show_conversation()
+
+    def _show_conversation(self) -> None:
+        """Draw the session's open conversation (opened, reread, or switched to another version)."""
+        self.qs.setValue("last_conversation", self.conv_id)
+        self.edit_banner.setVisible(False)
+        self.chat.set_messages([self._view(m) for m in self.session.shown])
         self._update_buttons()
 
     def _view(self, m: StoredMessage) -> ViewMessage:
-        versions = list(self._stored(self.store.versions, m.id)) or [m.id]
         return ViewMessage(m.role, m.content, [(m.content, False)], footer(m.stats) if m.role == "assistant" else "",
-                           version=(versions.index(m.id) + 1, len(versions)),
-                           stopped=m.stats.get("stop_reason") in ("stopped", "interrupted"))
+                           version=self.session.version_of(m), stopped=stopped_early(m.stats.get("stop_reason", "")))
 
     def new_conversation(self) -> None:
-        if self.generating:
-            return
-        self.conv_id = None
+        if self.session.new():
+            self._show_empty()
+
+    def _show_empty(self) -> None:
         self.qs.remove("last_conversation")
-        self._cancel_edit_state()
-        self.shown = []
+        self.edit_banner.setVisible(False)
         self.chat.set_messages([])
         self.refresh_conversations()
         self.prompt.setFocus()
@@ -528,37 +538,31 @@ class MainWindow(QMainWindow):
             return
         title, ok = QInputDialog.getText(self, "Rename", "Title:", text=self.store.conversation(self.conv_id).title)
         if ok:
-            self._stored(self.store.rename, self.conv_id, title)
+            self.session.rename(title)
             self.refresh_conversations()
 
     def delete_conversation(self) -> None:
         """Delete at once, with Undo in the status bar (the store purges it when next opened)."""
-        if self.conv_id is None or self.generating:
+        conv = self.session.delete()
+        if conv is None:
             return
-        conv = self._stored(self.store.conversation, self.conv_id)
-        if conv is _FAILED or self._stored(self.store.delete, self.conv_id) is _FAILED:
-            return
-        title, self.deleted = conv.title, self.conv_id
-        self.new_conversation()
-        self.statusBar().showMessage(f"Deleted “{title}”", 20_000)
+        self._show_empty()
+        self.statusBar().showMessage(f"Deleted “{conv.title}”", 20_000)
         self.undo_btn.setVisible(True)
         self.undo_timer.start()
 
     def undo_delete(self) -> None:
-        if self.deleted is None:
+        if not self.session.undo_delete():
             return
-        if self._stored(self.store.undelete, self.deleted) is _FAILED:
-            return
-        conv, self.deleted = self.deleted, None
         self.undo_btn.setVisible(False)
         self.statusBar().clearMessage()
-        self.open_conversation(conv)
+        self._show_conversation()
         self.refresh_conversations()
 
     def export_meta(self) -> dict:
         s = self.settings
-        return {"model": self.model_info["name"] if self.model_info else None,
-                "model_file": self.model_info["path"] if self.model_info else None,
+        m = self.model_info
+        return {"model": m.name if m else None, "model_file": m.path if m else None,
                 "exported": dt.datetime.now().isoformat(timespec="seconds"),
                 "settings": {"mtp": mtp_mode(s.mtp, s.draft), "temperature": s.temperature, "top_k": s.top_k,
                              "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
@@ -594,47 +598,40 @@ class MainWindow(QMainWindow):
 
     # -- chatting ----------------------------------------------------------------------------------
     def send(self) -> None:
-        text = self.prompt.toPlainText().strip()
-        if not text or self.generating or self.model_info is None or self.loading:
+        if self.loading:
             return
-        if self.conv_id is None:
-            conv = self._stored(self.store.new_conversation, text[:48].replace("\n", " "))
-            if conv is _FAILED:
-                return  # the text stays in the input; the error says why
-            self.conv_id = conv.id
+        started = self.conv_id is None
+        posted = self.session.post(self.prompt.toPlainText().strip())
+        if started and self.conv_id is not None:  # this message started a conversation: reopened next time
             self.qs.setValue("last_conversation", self.conv_id)
-        parent = self.editing.parent_id if self.editing is not None else ...  # editing: a sibling, the old one stays
-        msg = self._stored(lambda: self.store.add_message(self.conv_id, "user", text, parent_id=parent))
-        if msg is _FAILED:
-            return  # the text stays in the input
-        self._cancel_edit_state()
+        if not posted:
+            return  # the text stays in the input; an error says why where the store failed
+        self.edit_banner.setVisible(False)
         self.prompt.clear()
         self.refresh_conversations()
-        history = self._stored(self.store.messages, self.conv_id)
-        if history is not _FAILED:
-            self._run(history, msg.id)
+        self._reply()
 
     def ask_example(self, question: str) -> None:
         self.prompt.setPlainText(question)
         self.send()
 
-    def _run(self, history: list[StoredMessage], parent: int) -> None:
-        """Show `history` and generate the reply to it (a child of message `parent`)."""
-        self.shown = history
-        self.chat.set_messages([self._view(m) for m in history])
-        msgs = [Message(m.role, m.content) for m in history]
-        if self.settings.system_prompt.strip():
-            msgs = [Message("system", self.settings.system_prompt.strip())] + msgs
+    def regenerate(self) -> None:
+        """A new version of the last reply; the old one stays (‹ › switches)."""
+        self._reply()
+
+    def _reply(self) -> None:
+        """Show the branch the session answers and ask the engine for the reply."""
+        s = self.settings
+        msgs = self.session.reply(s.system_prompt, mtp_mode(s.mtp, s.draft))
+        if msgs is None:
+            return
+        self.chat.set_messages([self._view(m) for m in self.session.shown])
         self.chat.add_message("assistant")
-        self.reply_parent = parent
-        self.reply_mode = mtp_mode(self.settings.mtp, self.settings.draft)
-        self.metrics.begin_reply(self.reply_mode)
-        self.generating = True
-        self.last_stats = None
+        self.metrics.begin_reply(self.session.reply_mode)
         self._set_state("Waiting for the first token…")
         self._update_buttons()
         self.prompt.setFocus()
-        self.engine.generate(msgs, self.settings.generation_config())
+        self.engine.generate(msgs, s.generation_config())
 
     def stop(self) -> None:
         if self.generating:
@@ -645,52 +642,28 @@ class MainWindow(QMainWindow):
             self.cancel_load()
         elif self.generating:
             self.stop()
-        elif self.editing is not None:
+        elif self.session.editing is not None:
             self.cancel_edit()
-
-    def regenerate(self) -> None:
-        """A new version of the last reply; the old one stays (‹ › switches)."""
-        if self.generating or self.conv_id is None or self.model_info is None:
-            return
-        msgs = self._stored(self.store.messages, self.conv_id) or []
-        if msgs and msgs[-1].role == "assistant":
-            msgs = msgs[:-1]
-        if msgs and msgs[-1].role == "user":
-            self._run(msgs, msgs[-1].id)
-
-    def edit_last(self) -> None:
-        users = [i for i, m in enumerate(self.shown) if m.role == "user"]
-        if users:
-            self.edit_message(users[-1])
 
     @Slot(int)
     def edit_message(self, index: int) -> None:
         """Put user message `index` in the input. Nothing is removed: sending adds a new version of that turn."""
-        if self.generating or not 0 <= index < len(self.shown) or self.shown[index].role != "user":
-            return
-        self.editing = self.shown[index]
-        self.edit_banner.setVisible(True)
-        self.prompt.setPlainText(self.editing.content)
-        self.prompt.setFocus()
+        msg = self.session.edit(index)
+        if msg is not None:
+            self.edit_banner.setVisible(True)
+            self.prompt.setPlainText(msg.content)
+            self.prompt.setFocus()
 
     def cancel_edit(self) -> None:
-        if self.editing is not None:
-            self._cancel_edit_state()
+        if self.session.cancel_edit():
+            self.edit_banner.setVisible(False)
             self.prompt.clear()
             self.prompt.setFocus()
 
-    def _cancel_edit_state(self) -> None:
-        self.editing = None
-        self.edit_banner.setVisible(False)
-
     @Slot(int, int)
     def switch_version(self, index: int, step: int) -> None:
-        if self.generating or self.conv_id is None or not 0 <= index < len(self.shown):
-            return
-        versions = list(self._stored(self.store.versions, self.shown[index].id))
-        k = versions.index(self.shown[index].id) + step if versions else -1
-        if 0 <= k < len(versions) and self._stored(self.store.show_version, versions[k]) is not _FAILED:
-            self.open_conversation(self.conv_id)
+        if self.session.switch_version(index, step):
+            self._show_conversation()
             self.prompt.setFocus()
 
     def highlight_drafts(self, on: bool) -> None:
@@ -707,17 +680,17 @@ class MainWindow(QMainWindow):
 
     @Slot(str, bool)
     def _on_token(self, _text: str, _acc: bool) -> None:
-        if self.generating and not self.state_label.text().startswith("Generating"):
+        if self.session.token_arrived():
             self.progress.setVisible(False)
             self._set_state("Generating…")
 
     @Slot(object)
     def on_stats(self, st: Stats) -> None:
-        self.last_stats = st
+        self.session.last_stats = st
         self.metrics.push_stats(st)
-        if self.model_info and self.model_info["context"]:
+        if self.model_info and self.model_info.context:
             self.context_label.setText(f"context {st.prompt_tokens + st.generated_tokens:,} of "
-                                       f"{self.model_info['context']:,} tokens")
+                                       f"{self.model_info.context:,} tokens")
         # The MTP-off estimate for the charts: the plain steps (depth 0) that auto takes and times.
         sp = st.speculative
         if sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
@@ -726,20 +699,11 @@ class MainWindow(QMainWindow):
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:
         self.chat.flush()
-        reply = self.chat.last_reply()
-        stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model_info["name"] if self.model_info else "")
-        self.generating = False  # first: a failed save below must not leave the window "generating"
-        if self.conv_id is not None and self.reply_parent is not None and (reply or reason != "context_overflow"):
-            # On failure the reply stays in the window (not saved), and the error says so.
-            saved = self._stored(lambda: self.store.add_message(self.conv_id, "assistant", reply, stats,
-                                                                parent_id=self.reply_parent),
-                                 note="The reply is shown but was not saved.")
-            if saved is not _FAILED:
-                self.shown = self.shown + [saved]
-                versions = self._stored(self.store.versions, saved.id) or [saved.id]
-                last = self.chat.messages[-1]
-                last.version, last.stopped = (len(versions), len(versions)), reason in ("stopped", "interrupted")
-        self.chat.set_footer(footer(stats))
+        done = self.session.finish(self.chat.last_reply(), reason)
+        if done.saved is not None:  # else the reply stays in the window (not saved), and an error says so
+            last = self.chat.messages[-1]
+            last.version, last.stopped = (done.versions, done.versions), done.stopped
+        self.chat.set_footer(footer(done.stats))
         self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
         self.progress.setVisible(False)
         self._update_buttons()
@@ -752,11 +716,11 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def on_failed(self, msg: str) -> None:
-        self.generating = False
+        self.session.fail()  # the partial reply was never saved: show what is stored
         self.progress.setVisible(False)
         self._set_state("Ready")
         if self.conv_id is not None:
-            self.open_conversation(self.conv_id)  # the partial reply was never saved: show what is stored
+            self._show_conversation()
         self._update_buttons()
         self.show_error("Generation failed", msg, retry=True)
 
@@ -765,14 +729,6 @@ class MainWindow(QMainWindow):
         self.settings = s
         save_settings(self.qs, s)
         self.apply_theme(s.theme)
-
-    def _stored(self, call, *args, note: str = ""):  # type: ignore[no-untyped-def]
-        """call(*args) on the store; on StoreError the error is shown and _FAILED returned (the app goes on)."""
-        try:
-            return call(*args)
-        except StoreError as e:
-            self.show_error("Conversation history", f"{e} {note}".strip())
-            return _FAILED
 
     def show_error(self, title: str, msg: str, retry: bool = False) -> None:
         """A message box that leaves the window live; `retry` adds a Retry button (a new version of the reply)."""
@@ -814,7 +770,7 @@ class MainWindow(QMainWindow):
         ready = self.model_info is not None and self.loading is None
         self.send_btn.setEnabled(ready and not self.generating)
         self.stop_btn.setEnabled(self.generating)
-        self.regen_btn.setEnabled(ready and not self.generating and bool(self.shown))
+        self.regen_btn.setEnabled(ready and not self.generating and bool(self.session.shown))
         for b in (self.rename_btn, self.delete_btn, self.export_btn):
             b.setEnabled(self.conv_id is not None and not self.generating)
         self.export_action.setEnabled(self.conv_id is not None)
@@ -826,15 +782,3 @@ class MainWindow(QMainWindow):
         save_settings(self.qs, self.settings)
         super().closeEvent(e)
 
-
-class _Failed:
-    """What _stored returns when the store failed: falsy and empty, so a failed read reads as no rows."""
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(())
-
-
-_FAILED = _Failed()

@@ -107,7 +107,7 @@ def test_the_app_shows_it_in_the_model_panel(qtbot, tmp_path: Path) -> None:
     must, _ = _expected(path)
     win = _window(qtbot, tmp_path, str(path))
     assert win.model_info is not None, win.errors
-    shown = [n for n in win.model_info["notices"] if "native" in n]
+    shown = [n for n in win.model_info.notices if "native" in n]
     assert len(shown) == (1 if must else 0)
     if must:
         assert shown[0] in win.info.text() and all(t in shown[0] for t in must)

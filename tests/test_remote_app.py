@@ -50,7 +50,7 @@ def test_chat_through_llama_server_with_acceptance_in_the_charts(qtbot, tmp_path
     win.settings.max_tokens = 8
     _connect(qtbot, win, RemoteConfig(llama_url, name="llama box"))
     info = win.model_info
-    assert info["remote"] and info["server"] == "llama.cpp" and "llama.cpp server" in win.info.text()
+    assert info.remote and info.server == "llama.cpp" and "llama.cpp server" in win.info.text()
     assert win.windowTitle() == "Foretell — llama box" and win.device_label.text() == "remote llama.cpp"
     form = win.settings_panel.form
     assert not form.isRowVisible(win.settings_panel.expert_cache) and not form.isRowVisible(win.settings_panel.device)
@@ -66,7 +66,7 @@ def test_chat_through_llama_server_with_acceptance_in_the_charts(qtbot, tmp_path
     # back to a local model: the local settings come back
     win.load_model(str(fixture_path(TINY_MOE)))
     qtbot.waitUntil(lambda: win.loading is None, timeout=30_000)
-    assert not win.model_info.get("remote") and form.isRowVisible(win.settings_panel.expert_cache)
+    assert not win.model_info.remote and form.isRowVisible(win.settings_panel.expert_cache)
 
 
 def test_cut_reply_is_kept_marked_and_retried_in_one_click(qtbot, tmp_path: Path) -> None:
@@ -99,5 +99,5 @@ def test_failed_connection_keeps_the_current_engine(qtbot, tmp_path: Path) -> No
     port = s.getsockname()[1]
     s.close()
     _connect(qtbot, win, RemoteConfig(f"127.0.0.1:{port}"))
-    assert "refused" in win.errors[-1] and win.model_info["architecture"] == "qwen35moe"
+    assert "refused" in win.errors[-1] and win.model_info.architecture == "qwen35moe"
     assert win.send_btn.isEnabled() and win.progress.maximum() == 100

@@ -39,7 +39,7 @@ def _focus(qtbot, win: MainWindow) -> None:
 def test_edit_and_regenerate_make_versions_and_nothing_is_lost(qtbot, tmp_path: Path) -> None:
     win = _window(qtbot, tmp_path)
     _focus(qtbot, win)
-    assert win.model_info["architecture"] == "qwen35moe" and "qwen35moe" in win.info.text()
+    assert win.model_info.architecture == "qwen35moe" and "qwen35moe" in win.info.text()
     win.settings.max_tokens = 16
     _send(qtbot, win, "Hello there")
     msgs = win.store.messages(win.conv_id)
@@ -87,7 +87,7 @@ def test_edit_and_regenerate_make_versions_and_nothing_is_lost(qtbot, tmp_path: 
     win2 = MainWindow(store, qs)  # no model named
     qtbot.addWidget(win2)
     qtbot.waitUntil(lambda: win2.model_info is not None or bool(win2.errors), timeout=30_000)
-    assert win2.model_info["path"] == str(fixture_path(TINY_MOE)) and win2.conv_id == conv
+    assert win2.model_info.path == str(fixture_path(TINY_MOE)) and win2.conv_id == conv
     assert "Second question" in win2.chat.toPlainText() and win2.conv_list.count() == 1
 
 
@@ -198,7 +198,7 @@ def test_welcome_status_prefill_delete_undo_and_export(qtbot, tmp_path: Path) ->
     win = _window(qtbot, tmp_path)
     text = win.chat.toPlainText()
     assert "Welcome to Foretell" in text and "What is 12 plus 30?" in text
-    assert win.state_label.text() == "Ready" and win.model_label.text() == win.model_info["name"]
+    assert win.state_label.text() == "Ready" and win.model_label.text() == win.model_info.name
     assert "context" in win.context_label.text() and win.device_label.text() == "CPU"
     win.settings.max_tokens = 3
     win.chat._on_anchor(QUrl("ask:" + QUrl.toPercentEncoding("What is 12 plus 30?").data().decode()))
@@ -234,7 +234,7 @@ def test_welcome_status_prefill_delete_undo_and_export(qtbot, tmp_path: Path) ->
     assert win.default_export_path().endswith("What-is-12-plus-30.md")
     out = win.export_to(str(tmp_path / "chat"), "JSON (*.json)")
     data = json.loads(out.read_text())
-    assert out.name == "chat.json" and data["model"] == win.model_info["name"]
+    assert out.name == "chat.json" and data["model"] == win.model_info.name
     assert data["settings"]["mtp"] == "auto" and data["messages"][1]["stats"]["mtp"] in ("auto", "off")
     md = win.export_to(str(tmp_path / "chat"), "Markdown (*.md)")
     assert md.name == "chat.md" and "**Model:**" in md.read_text()
@@ -279,7 +279,7 @@ def test_a_last_model_that_no_longer_opens_falls_back_to_the_embedded_one(qtbot,
     win = MainWindow(Store(tmp_path / "c.db"), qs)  # no model named: the last one, which now fails
     qtbot.addWidget(win)
     qtbot.waitUntil(lambda: win.model_info is not None, timeout=60_000)
-    assert Path(win.model_info["path"]) == default_model_path() and not win.errors
+    assert Path(win.model_info.path) == default_model_path() and not win.errors
     assert "Could not reopen was-a-model.gguf" in win.statusBar().currentMessage()
 
 
@@ -295,7 +295,7 @@ def test_model_library_tab_lists_and_opens(qtbot, tmp_path: Path) -> None:
     assert win.library.list.item(0).text().startswith("foretell-demo\n")
     win.library.list.setCurrentRow(0)
     win.library.open_btn.click()
-    qtbot.waitUntil(lambda: win.model_info is not None and win.model_info["name"] == "foretell-demo", timeout=60_000)
+    qtbot.waitUntil(lambda: win.model_info is not None and win.model_info.name == "foretell-demo", timeout=60_000)
     assert win.windowTitle() == "Foretell — foretell-demo" and win.model_label.text() == "foretell-demo"
 
 
@@ -303,7 +303,7 @@ def test_loading_shows_a_cancel_button_and_cancel_keeps_the_model(qtbot, tmp_pat
     from tests.fixtures import KQUANT_MOE
 
     win = _window(qtbot, tmp_path)
-    name, n_errors = win.model_info["name"], len(win.errors)
+    name, n_errors = win.model_info.name, len(win.errors)
     assert not win.cancel_load_btn.isVisibleTo(win)
     win.load_model(str(fixture_path(KQUANT_MOE)))
     assert win.cancel_load_btn.isVisibleTo(win) and win.progress.isVisibleTo(win)
@@ -311,5 +311,5 @@ def test_loading_shows_a_cancel_button_and_cancel_keeps_the_model(qtbot, tmp_pat
     qtbot.waitUntil(lambda: win.loading is None, timeout=30_000)
     qtbot.waitUntil(lambda: win.state_label.text().startswith("Loading cancelled"), timeout=30_000)
     assert win.state_label.text() == f"Loading cancelled — kept {name}"
-    assert win.model_info["name"] == name and len(win.errors) == n_errors  # no error dialog for a cancel
+    assert win.model_info.name == name and len(win.errors) == n_errors  # no error dialog for a cancel
     assert not win.cancel_load_btn.isVisibleTo(win) and not win.progress.isVisibleTo(win)

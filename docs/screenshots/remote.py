@@ -33,7 +33,7 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     wait(lambda: win.model_info is not None and win.loading is None)
     win.connect_remote(RemoteConfig(server.listening_address, name="llama-server (draft-mtp)"))
     wait(lambda: win.loading is None)
-    if not (win.model_info or {}).get("remote"):
+    if not win.model_info.remote:
         raise SystemExit(f"screenshots: could not connect: {win.errors[-1:]}")
     win.tabs.setCurrentIndex(TABS.index("Metrics"))
     win.settings_panel.max_tokens.setValue(48)

@@ -1,0 +1,248 @@
+"""The conversation the window shows, without Qt (GPT4All's `Chat`): which conversation is open, the branch of it
+that is shown, the user message being edited, the reply under way and the message it answers, and the model the
+engine has loaded. It reads and writes the store and decides what is sent to the engine; `MainWindow` lays out,
+draws, and wires the worker's signals to it.
+
+Nothing the user made is lost: an edit or a regenerate adds a sibling (a version) of its turn, a stopped reply is
+kept and marked. A store that fails (disk full, read-only) never stops the session: `report` is told why, a write
+says it did nothing (False or None), and a read that fails stands for no rows.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
+
+from app.reply_stats import stats_dict
+from app.store import Conversation, Store, StoredMessage, StoreError
+from engine.chat import Message
+from engine.events import Stats
+
+T = TypeVar("T")
+TITLE_CHARS = 48  # a new conversation is titled with the start of its first message
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # no reply under way: the user may send, edit, switch versions, open another conversation
+    WAITING = "waiting"  # the engine has the prompt (it may still be processing it); no token yet
+    STREAMING = "streaming"  # the reply's tokens are arriving
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The engine the window talks to, as the worker reported it on loading."""
+
+    name: str
+    path: str  # the model file, or a remote server's URL
+    context: int  # tokens; 0 where a remote server does not say
+    architecture: str  # "" for a remote engine
+    server: str | None  # a remote server's kind (llama.cpp, vllm, …); None for a local model
+    notices: tuple[str, ...]
+
+    @property
+    def remote(self) -> bool:
+        return self.server is not None
+
+    @classmethod
+    def of(cls, info: Mapping[str, Any]) -> ModelInfo:
+        """From the worker's report: app.worker.model_info (a local file) or app.remote.remote_info."""
+        remote = bool(info.get("remote", False))
+        return cls(name=info["name"], path=info["path"], context=info["context"],
+                   architecture="" if remote else info["architecture"], server=info["server"] if remote else None,
+                   notices=tuple(info["notices"]))
+
+
+def stopped_early(reason: str) -> bool:
+    """A reply stopped by the user or cut off by a remote server: kept, and marked."""
+    return reason in ("stopped", "interrupted")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A reply that ended: the stats stored with it and, where it was saved, the stored message."""
+
+    stats: dict[str, Any]
+    saved: StoredMessage | None  # None: not saved (nothing to save, or the store failed: `report` said why)
+    versions: int  # the saved reply is the newest of this many versions of its turn (0 when not saved)
+    stopped: bool
+
+
+class ChatSession:
+    def __init__(self, store: Store, report: Callable[[str], None]):
+        self.store = store
+        self.report = report  # why a store call failed (the window shows it); the session goes on
+        self.conv_id: int | None = None
+        self.shown: list[StoredMessage] = []  # the shown branch, as stored
+        self.editing: StoredMessage | None = None  # the user message being edited (its turn gets a new version)
+        self.reply_parent: int | None = None  # the user message the reply under way answers
+        self.reply_mode = "off"  # how the reply is decoded (app.reply_stats.mtp_mode)
+        self.state = State.IDLE
+        self.model: ModelInfo | None = None
+        self.last_stats: Stats | None = None
+        self.deleted: int | None = None  # the conversation an Undo would bring back
+
+    @property
+    def generating(self) -> bool:
+        return self.state is not State.IDLE
+
+    def _failed(self, e: StoreError, note: str = "") -> None:
+        self.report(f"{e} {note}".strip())
+
+    def _read(self, call: Callable[[], T], empty: T) -> T:
+        """call(); where the store fails, the failure is reported and `empty` stands for what it would have read."""
+        try:
+            return call()
+        except StoreError as e:
+            self._failed(e)
+            return empty
+
+    # -- conversations -----------------------------------------------------------------------------
+    def conversations(self, search: str | None = None) -> list[Conversation]:
+        return self._read(lambda: self.store.conversations(search), [])
+
+    def open(self, conv_id: int) -> None:
+        self.conv_id, self.editing = conv_id, None
+        self.shown = self._read(lambda: self.store.messages(conv_id), [])
+
+    def new(self) -> bool:
+        """No conversation open (the next message starts one); False while a reply is under way."""
+        if self.generating:
+            return False
+        self.conv_id, self.editing, self.shown = None, None, []
+        return True
+
+    def rename(self, title: str) -> None:
+        if self.conv_id is not None:
+            try:
+                self.store.rename(self.conv_id, title)
+            except StoreError as e:
+                self._failed(e)
+
+    def delete(self) -> Conversation | None:
+        """Delete the open conversation (`undo_delete` brings it back until the store is next opened) and leave
+        none open; the conversation deleted, or None when nothing was."""
+        if self.conv_id is None or self.generating:
+            return None
+        try:
+            conv = self.store.conversation(self.conv_id)
+            self.store.delete(conv.id)
+        except StoreError as e:
+            self._failed(e)
+            return None
+        self.deleted = conv.id
+        self.new()
+        return conv
+
+    def undo_delete(self) -> bool:
+        """Bring the deleted conversation back and open it; False when there is none or the store failed."""
+        if self.deleted is None:
+            return False
+        try:
+            self.store.undelete(self.deleted)
+        except StoreError as e:
+            self._failed(e)
+            return False
+        conv, self.deleted = self.deleted, None
+        self.open(conv)
+        return True
+
+    def version_of(self, m: StoredMessage) -> tuple[int, int]:
+        """(i, n): stored message `m` is version i of the n versions of its turn."""
+        versions = self._read(lambda: self.store.versions(m.id), []) or [m.id]
+        return versions.index(m.id) + 1, len(versions)
+
+    def switch_version(self, index: int, step: int) -> bool:
+        """Show the branch through the version `step` away from shown message `index`'s; False when there is none
+        (or a reply is under way)."""
+        if self.generating or self.conv_id is None or not 0 <= index < len(self.shown):
+            return False
+        m = self.shown[index]
+        versions = self._read(lambda: self.store.versions(m.id), [])
+        k = versions.index(m.id) + step if versions else -1
+        if not 0 <= k < len(versions):
+            return False
+        try:
+            self.store.show_version(versions[k])
+        except StoreError as e:
+            self._failed(e)
+            return False
+        self.open(self.conv_id)
+        return True
+
+    # -- editing -----------------------------------------------------------------------------------
+    def edit(self, index: int) -> StoredMessage | None:
+        """Edit shown user message `index`: the next `post` becomes a new version of it and the old one stays.
+        The message, or None when it cannot be edited (not a user message, or a reply is under way)."""
+        if self.generating or not 0 <= index < len(self.shown) or self.shown[index].role != "user":
+            return None
+        self.editing = self.shown[index]
+        return self.editing
+
+    def cancel_edit(self) -> bool:
+        """Stop editing; False when nothing was being edited."""
+        was, self.editing = self.editing is not None, None
+        return was
+
+    # -- replies -----------------------------------------------------------------------------------
+    def post(self, text: str) -> bool:
+        """Store the user's message at the end of the shown branch, or as a new version of the message being
+        edited; a conversation is started when none is open. False when nothing was stored (no text, no model,
+        a reply under way, or the store failed): the text stays the user's."""
+        if not text or self.generating or self.model is None:
+            return False
+        try:
+            if self.conv_id is None:
+                self.conv_id = self.store.new_conversation(text[:TITLE_CHARS].replace("\n", " ")).id
+            parent = self.editing.parent_id if self.editing is not None else ...
+            self.store.add_message(self.conv_id, "user", text, parent_id=parent)
+        except StoreError as e:
+            self._failed(e)
+            return False
+        self.editing = None
+        return True
+
+    def reply(self, system_prompt: str, mode: str) -> list[Message] | None:
+        """Begin a reply to the stored branch — a new version of its last reply where it ends with one (a
+        regenerate). The messages to send to the engine, or None when there is nothing to answer."""
+        if self.generating or self.conv_id is None or self.model is None:
+            return None
+        conv = self.conv_id
+        branch = self._read(lambda: self.store.messages(conv), [])
+        if branch and branch[-1].role == "assistant":
+            branch = branch[:-1]
+        if not branch or branch[-1].role != "user":
+            return None
+        self.shown, self.reply_parent, self.reply_mode = branch, branch[-1].id, mode
+        self.state, self.last_stats = State.WAITING, None
+        system = [Message("system", system_prompt.strip())] if system_prompt.strip() else []
+        return system + [Message(m.role, m.content) for m in branch]
+
+    def token_arrived(self) -> bool:
+        """A token of the reply arrived; True for the first (the session goes from waiting to streaming)."""
+        if self.state is not State.WAITING:
+            return False
+        self.state = State.STREAMING
+        return True
+
+    def finish(self, text: str, reason: str) -> Finished:
+        """The reply ended (`reason`: the engine's stop reason). It is saved as a child of the message it answers,
+        stopped or empty too — all but an empty reply to a conversation that does not fit."""
+        self.state = State.IDLE  # first: a failed save below must not leave the session generating
+        stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model.name if self.model else "")
+        stopped = stopped_early(reason)
+        conv, parent = self.conv_id, self.reply_parent
+        if conv is None or parent is None or (not text and reason == "context_overflow"):
+            return Finished(stats, None, 0, stopped)
+        try:
+            saved = self.store.add_message(conv, "assistant", text, stats, parent_id=parent)
+        except StoreError as e:
+            self._failed(e, "The reply is shown but was not saved.")  # the window still shows it
+            return Finished(stats, None, 0, stopped)
+        self.shown = self.shown + [saved]
+        return Finished(stats, saved, self.version_of(saved)[1], stopped)
+
+    def fail(self) -> None:
+        """The reply failed: its partial text was never saved, so the shown branch is read again."""
+        self.state = State.IDLE
+        if self.conv_id is not None:
+            self.open(self.conv_id)
