@@ -10,7 +10,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
-from engine.storage.modelfile import open_model
+from engine.storage.gguf_read import GGUFFile
+from engine.storage.modelfile import default_model_path, open_model
 from tests.fixtures import KQUANT_DENSE, KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, hparams_of
 
 
@@ -243,3 +244,29 @@ def test_string_arrays_that_are_not_utf8_are_refused_at_open(tmp_path: Path) -> 
         p.write_bytes(bytes(bad))
         with pytest.raises(ModelFormatError, match="not UTF-8"):
             open_model(p)
+
+
+@pytest.mark.parametrize("bad", [b"\x00\x7c", b"\x00\xfc", b"\x00\x7e"], ids=["inf", "-inf", "nan"])
+def test_a_nonfinite_scale_in_a_middle_block_is_refused_at_open(tmp_path: Path, bad: bytes) -> None:
+    """The campaign of issue 48: a Q8_0 scale set to ±Inf/NaN away from a tensor's ends loaded and answered '!!!!'."""
+    src = default_model_path()
+    t = max((t for t in GGUFFile(src).tensors if t.qtype == T.Q8_0), key=lambda t: t.n_bytes)
+    block = t.n_bytes // 34 // 2
+    data = bytearray(src.read_bytes())
+    data[t.offset + block * 34:t.offset + block * 34 + 2] = bad
+    p = tmp_path / "s.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match=f"damaged: tensor '{t.name}' has a non-finite scale in block {block} "):
+        open_model(p)
+
+
+def test_a_nonfinite_float_weight_is_refused_at_open(tmp_path: Path) -> None:
+    src = fixture_path(TINY_MOE)
+    t = next(t for t in GGUFFile(src).tensors if t.name == "blk.1.ffn_gate_inp.weight")
+    data = bytearray(src.read_bytes())
+    at = t.n_elements // 2
+    data[t.offset + 4 * at:t.offset + 4 * at + 4] = np.array([np.inf], np.float32).tobytes()
+    p = tmp_path / "w.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match=f"'blk.1.ffn_gate_inp.weight' has a non-finite value at element {at} "):
+        open_model(p)

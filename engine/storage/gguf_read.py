@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import stat
 import struct
 from array import array
 from dataclasses import dataclass
@@ -29,16 +30,32 @@ MAX_NAME = 255  # key and tensor names (ggml's own limit for tensor names is 63)
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 48
 DEFAULT_ALIGNMENT = 32
-SAMPLE_BYTES = 4096  # per end of each tensor, for check_data
-# Byte offsets of the fp16 scales inside one block of each quant type (ggml-common.h).
-_FP16_SCALES = {
-    GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q5_0: (0,),
-    GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q2_K: (80, 82),
-    GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
-    GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ4_XS: (0,),
-    GGMLQuantizationType.IQ2_XXS: (0,), GGMLQuantizationType.IQ2_XS: (0,), GGMLQuantizationType.IQ2_S: (0,),
-    GGMLQuantizationType.IQ3_XXS: (0,), GGMLQuantizationType.IQ3_S: (0,), GGMLQuantizationType.IQ1_S: (0,),
+# The floating-point fields of one block of each type (ggml-common.h): byte offset and type. Float tensors are blocks
+# of one value. A non-finite one turns the block's every value into NaN/Inf. BF16 is read as _U16, MXFP4's E8M0 scale
+# as _E8M0 (0xFF: NaN in the OCP MX spec; ggml decodes it as 2^127, which overflows). IQ1_M spreads its f16 scale over
+# the top nibbles of four words (_IQ1_M_WORDS). Not checked: NVFP4's E4M3 scales (ggml decodes every code to a finite
+# number) and Q8_1, an activation type no model file holds, sized by gguf-py unlike ggml (40 bytes, not 36).
+_F16, _F32, _F64, _U16, _E8M0 = (np.dtype(c) for c in ("<f2", "<f4", "<f8", "<u2", "u1"))
+_IQ1_M_WORDS = 48  # offset of the four uint16 `scales` words
+_FLOAT_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, np.dtype], ...]] = {
+    GGMLQuantizationType.F32: ((0, _F32),), GGMLQuantizationType.F16: ((0, _F16),),
+    GGMLQuantizationType.F64: ((0, _F64),), GGMLQuantizationType.BF16: ((0, _U16),),
+    GGMLQuantizationType.Q4_0: ((0, _F16),), GGMLQuantizationType.Q4_1: ((0, _F16), (2, _F16)),
+    GGMLQuantizationType.Q5_0: ((0, _F16),), GGMLQuantizationType.Q5_1: ((0, _F16), (2, _F16)),
+    GGMLQuantizationType.Q8_0: ((0, _F16),), GGMLQuantizationType.Q1_0: ((0, _F16),),
+    GGMLQuantizationType.Q2_K: ((80, _F16), (82, _F16)), GGMLQuantizationType.Q3_K: ((108, _F16),),
+    GGMLQuantizationType.Q4_K: ((0, _F16), (2, _F16)), GGMLQuantizationType.Q5_K: ((0, _F16), (2, _F16)),
+    GGMLQuantizationType.Q6_K: ((208, _F16),), GGMLQuantizationType.Q8_K: ((0, _F32),),
+    GGMLQuantizationType.IQ2_XXS: ((0, _F16),), GGMLQuantizationType.IQ2_XS: ((0, _F16),),
+    GGMLQuantizationType.IQ2_S: ((0, _F16),), GGMLQuantizationType.IQ3_XXS: ((0, _F16),),
+    GGMLQuantizationType.IQ3_S: ((0, _F16),), GGMLQuantizationType.IQ1_S: ((0, _F16),),
+    GGMLQuantizationType.IQ4_NL: ((0, _F16),), GGMLQuantizationType.IQ4_XS: ((0, _F16),),
+    GGMLQuantizationType.TQ1_0: ((52, _F16),), GGMLQuantizationType.TQ2_0: ((64, _F16),),
+    GGMLQuantizationType.MXFP4: ((0, _E8M0),),
 }
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_SCAN_BLOCKS = 1 << 20  # blocks per step of the scan: bounds its temporaries to a few MiB
 
 _SCALAR = {  # value type -> (struct code, size)
     GGUFValueType.UINT8: ("B", 1), GGUFValueType.INT8: ("b", 1), GGUFValueType.UINT16: ("H", 2),
@@ -109,12 +126,26 @@ class RawTensor:
         return tuple(reversed(self.ne))
 
 
+def regular_file_size(path: Path) -> int:
+    """The size of `path` when it is a regular file (after links); else ModelFormatError. A FIFO would block the
+    open until a writer came, a device would never end: neither is a model file."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelFormatError(f"cannot open model file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _NOT_FILES if test(st.st_mode)), "not a regular file")
+        raise ModelFormatError(f"{path} is {kind}, not a GGUF file")
+    return st.st_size
+
+
 class GGUFFile:
     """The parsed header of a GGUF and a read-only memory map of the whole file."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.name = self.path.name
+        regular_file_size(self.path)
         try:
             self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
@@ -210,8 +241,13 @@ class GGUFFile:
         self._pos = 4
         self.version = self._scalar(GGUFValueType.UINT32)
         if self.version not in (2, 3):
+            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
+            if swapped in (2, 3):  # gguf-py writes big-endian files on request, with nothing else to tell them
+                raise ModelFormatError(f"{self.name}: a big-endian GGUF (version {swapped} in big-endian byte "
+                                       "order); Foretell reads little-endian files, as published models are: convert "
+                                       "it with gguf-py's gguf-convert-endian")
             raise ModelFormatError(f"{self.name}: GGUF version {self.version} is not supported (expected 2 or 3)")
-        n_tensors = self._count("the tensor count", 8 + 1 + 4 + 8 + 4 + 8)  # the smallest tensor record
+        n_tensors = self._count("the tensor count", 8 + 4 + 4 + 8)  # the smallest record: no name, no dims
         n_kv = self._count("the metadata key count", 8 + 1 + 4 + 1)  # the smallest key record
         for _ in range(n_kv):
             self._what = "a metadata key name"
@@ -227,16 +263,16 @@ class GGUFFile:
             name = self._string(MAX_NAME)
             self._what = f"tensor '{name}'"
             n_dims = self._scalar(GGUFValueType.UINT32)
-            if not 1 <= n_dims <= MAX_DIMS:
-                self._fail(f"{n_dims} dimensions (1…{MAX_DIMS} allowed)")
+            if n_dims > MAX_DIMS:  # 0: a scalar (gguf-py writes a 0-d array so; llama.cpp reads it)
+                self._fail(f"{n_dims} dimensions (0…{MAX_DIMS} allowed)")
             ne = tuple(self._scalar(GGUFValueType.UINT64) for _ in range(n_dims))
             raw_type = self._scalar(GGUFValueType.UINT32)
             offset = self._scalar(GGUFValueType.UINT64)
             records.append((name, ne, raw_type, offset))
-        header_end = self._pos
+        self.header_end = header_end = self._pos
         self.data_offset = -(-header_end // self.alignment) * self.alignment
         self._what = "the padding before the tensor data"
-        if self.data_offset > self.size:
+        if records and self.data_offset > self.size:  # with no tensors (a vocabulary), no padding is written either
             self._fail("the tensor data section starts past the end of the file")
         if np.any(self.data[header_end:self.data_offset]):
             self._fail("the padding between the header and the tensor data is not zero (shifted data?)")
@@ -277,9 +313,9 @@ class GGUFFile:
         if f is None:
             return DEFAULT_ALIGNMENT
         self._what = "metadata key 'general.alignment'"
-        if f.type not in (GGUFValueType.UINT32, GGUFValueType.UINT64) or not 0 < f.value <= 1 << 16 \
-                or f.value & (f.value - 1):
-            self._fail(f"the alignment must be a power of two up to 65536, not {f.value!r}")
+        if f.type not in (GGUFValueType.UINT32, GGUFValueType.UINT64) or not 0 < f.value < 1 << 32 \
+                or f.value & (f.value - 1):  # any power of two of a uint32, as llama.cpp takes
+            self._fail(f"the alignment must be a power of two below 2^32, not {f.value!r}")
         return int(f.value)
 
     def _tensor(self, name: str, ne: tuple[int, ...], raw_type: int, offset: int) -> RawTensor:
@@ -289,15 +325,16 @@ class GGUFFile:
         except (ValueError, KeyError):
             self._fail(f"unknown tensor type {raw_type}")
             raise AssertionError from None
-        if any(d < 1 for d in ne):
-            self._fail(f"a dimension of {min(ne)} in {list(ne)}")
+        if any(d > MAX_ELEMENTS for d in ne):  # a 0 is an empty tensor, which llama.cpp reads too
+            self._fail(f"a dimension of {max(ne):,} in {list(ne)}")
         n = 1
         for d in ne:
             n *= d
         if n > MAX_ELEMENTS:
             self._fail(f"dimensions {list(ne)} give {n:,} elements, more than any model holds")
-        if ne[0] % block:
-            self._fail(f"row length {ne[0]} is not a multiple of the {qtype.name} block size {block}")
+        row = ne[0] if ne else 1
+        if row % block:
+            self._fail(f"row length {row} is not a multiple of the {qtype.name} block size {block}")
         if offset % self.alignment:
             self._fail(f"data offset {offset} is not a multiple of the alignment {self.alignment}")
         return RawTensor(name, qtype, ne, self.data_offset + offset, n, n // block * type_size)
@@ -307,7 +344,7 @@ class GGUFFile:
         how every GGUF writer lays them out. A gap, an overlap or bytes left over mean a damaged table."""
         at = self.data_offset
         prev = None
-        for t in sorted(self.tensors, key=lambda t: t.offset):
+        for t in sorted(self.tensors, key=lambda t: (t.offset, t.n_bytes)):  # an empty tensor shares its offset
             self._what = f"tensor '{t.name}'"
             if t.offset < at:
                 self._fail(f"its data (bytes {t.offset}…{t.offset + t.n_bytes}) overlaps tensor '{prev}'")
@@ -321,24 +358,23 @@ class GGUFFile:
             at = -(-end // self.alignment) * self.alignment
             prev = t.name
         self._what = "the end of the file"
-        last_end = max((t.offset + t.n_bytes for t in self.tensors), default=self.data_offset)
+        last_end = max((t.offset + t.n_bytes for t in self.tensors), default=self.header_end)
         if self.size not in (last_end, at):
             self._fail(f"{self.size - last_end} bytes after the last tensor's data (shifted or appended data?)")
 
     # -- tensor data ---------------------------------------------------------------------------------
     def check_data(self) -> None:
-        """No NaN/Inf among the floats and block scales at the start and end of every tensor (llama.cpp's
-        ggml_validate_row_data, on a sample: a few KiB per tensor, so a 20 GB file is not read at open).
-        Bytes read from the wrong place (a shifted data section, a wrong offset) make non-finite scales at once."""
+        """No NaN/Inf in any float tensor, nor in any scale of any block of a quantized one (llama.cpp's
+        ggml_validate_row_data does the same): one non-finite scale makes its block's every value NaN/Inf, and then
+        the whole output. Bytes read from the wrong place (a shifted data section, a wrong offset) make them too.
+        A strided view of the scales, a few % of the bytes, but on every page: ~0.1 s a GB from the page cache on
+        the 2-core VM, the disk's read speed from cold (pages the loader then finds cached)."""
         for t in self.tensors:
-            block, type_size = GGML_QUANT_SIZES[t.qtype]
-            n_blocks = t.n_bytes // type_size
-            k = max(1, SAMPLE_BYTES // type_size)
-            for first in sorted({0, max(n_blocks - k, 0)}):
-                raw = self.data[t.offset + first * type_size:t.offset + min(first + k, n_blocks) * type_size]
-                if not _finite(t.qtype, raw.reshape(-1, type_size)):
-                    raise ModelFormatError(f"{self.name}: tensor '{t.name}' holds NaN or infinite values near block "
-                                           f"{first}: its data is damaged or not where the table says")
+            bad = _first_nonfinite(self._buf, t)
+            if bad is not None:
+                what = "value at element" if GGML_QUANT_SIZES[t.qtype][0] == 1 else "scale in block"
+                raise ModelFormatError(f"{self.name}: damaged: tensor '{t.name}' has a non-finite {what} {bad} "
+                                       "(NaN or infinity: its data is damaged or not where the table says)")
 
     def tensor_data(self, t: RawTensor) -> np.ndarray:
         """The tensor's bytes as gguf's reader views them: typed for float/int types, else uint8 rows."""
@@ -350,16 +386,34 @@ class GGUFFile:
         return raw.reshape(t.shape[:-1] + (t.ne[0] // block * type_size,))
 
 
-def _finite(qtype: GGMLQuantizationType, blocks: np.ndarray) -> bool:
-    """blocks: [n, type_size] uint8. True when the floats / fp16 scales in them are all finite."""
-    if qtype == GGMLQuantizationType.F32:
-        return bool(np.isfinite(blocks.view(np.float32)).all())
-    if qtype == GGMLQuantizationType.F16:
-        return bool(np.isfinite(blocks.view(np.float16)).all())
-    if qtype == GGMLQuantizationType.BF16:
-        return not bool(((blocks.view(np.uint16) & 0x7F80) == 0x7F80).any())
-    for at in _FP16_SCALES.get(qtype, ()):
-        scales = blocks[:, at] | (blocks[:, at + 1].astype(np.uint16) << 8)
-        if ((scales & 0x7C00) == 0x7C00).any():
-            return False
-    return True
+def _first_nonfinite(buf: memoryview, t: RawTensor) -> int | None:
+    """The first block of t (element, for float tensors) with a NaN/Inf float field; None when all are finite."""
+    type_size = GGML_QUANT_SIZES[t.qtype][1]
+    fields = _FLOAT_FIELDS.get(t.qtype, ())
+    n_blocks = t.n_bytes // type_size
+    if not fields and t.qtype != GGMLQuantizationType.IQ1_M:
+        return None
+    for first in range(0, n_blocks, _SCAN_BLOCKS):
+        n = min(_SCAN_BLOCKS, n_blocks - first)
+        at = t.offset + first * type_size
+        bad = np.zeros(n, dtype=bool)
+        for offset, dtype in fields:
+            v = np.ndarray((n,), dtype=dtype, buffer=buf, offset=at + offset, strides=(type_size,))
+            bad |= _nonfinite(v)
+        if t.qtype == GGMLQuantizationType.IQ1_M:
+            w = np.ndarray((n, 4), dtype=_U16, buffer=buf, offset=at + _IQ1_M_WORDS, strides=(type_size, 2))
+            scale = (w[:, 0] >> 12) | ((w[:, 1] >> 8) & 0xF0) | ((w[:, 2] >> 4) & 0xF00) | (w[:, 3] & 0xF000)
+            bad |= _nonfinite(scale.view(_F16))
+        hit = np.flatnonzero(bad)
+        if hit.size:
+            return first + int(hit[0])
+    return None
+
+
+def _nonfinite(v: np.ndarray) -> np.ndarray:
+    """Per value of a float field: NaN or infinite."""
+    if v.dtype == _U16:  # BF16: all exponent bits set
+        return (v & 0x7F80) == 0x7F80
+    if v.dtype == _E8M0:
+        return v == 0xFF
+    return ~np.isfinite(v)

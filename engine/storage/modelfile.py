@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.storage.gguf_read import GGUFFile
+from engine.storage.gguf_read import GGUFFile, regular_file_size
 
 SUPPORTED_ARCHS = ("qwen35moe", "qwen35")
 MAX_BLOCKS = 4096
@@ -196,13 +196,11 @@ class ModelFile:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        try:
-            self.file_size = self.path.stat().st_size
-        except OSError as e:
-            raise ModelFormatError(f"cannot open model file {self.path}: {e.strerror or e}") from None
-        if self.path.is_dir():
-            raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
+        self.file_size = regular_file_size(self.path)
         self.gguf = GGUFFile(self.path)  # every count, length, offset and the layout checked on the way
+        if not self.gguf.tensors:
+            raise UnsupportedModelError(f"{self.path.name}: a vocabulary-only GGUF (no tensors): it holds a "
+                                        "tokenizer, not a model to run")
         from engine.storage.pages import register_file_mapping
 
         register_file_mapping(self.gguf.data)

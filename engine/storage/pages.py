@@ -72,8 +72,8 @@ def release_pages(t: torch.Tensor) -> bool:
 
 
 def release_mapping(arr: np.ndarray) -> bool:
-    """Drop every resident page of a registered file mapping: what loading read of it (the header, the sampled ends
-    of every tensor, the small tensors copied into floats) and no longer reads there. The mapping stays valid: a
+    """Drop every resident page of a registered file mapping: what loading read of it (the header, the scales of
+    every block, the small tensors copied into floats) and no longer reads there. The mapping stays valid: a
     later read brings a page back from the page cache."""
     lo = arr.ctypes.data
     return _drop(lo, lo + arr.nbytes)
