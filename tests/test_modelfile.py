@@ -270,3 +270,34 @@ def test_a_nonfinite_float_weight_is_refused_at_open(tmp_path: Path) -> None:
     p.write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match=f"'blk.1.ffn_gate_inp.weight' has a non-finite value at element {at} "):
         open_model(p)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rope.freq_base", 1e-45), ("rope.freq_base", 0.0), ("rope.freq_base", 1.0), ("rope.freq_base", -1e4),
+    ("rope.freq_base", 1e30), ("rope.freq_base", float("inf")), ("rope.freq_base", float("nan")),
+    ("attention.layer_norm_rms_epsilon", 0.0), ("attention.layer_norm_rms_epsilon", -1e-6),
+    ("attention.layer_norm_rms_epsilon", 0.5), ("attention.layer_norm_rms_epsilon", float("nan")),
+])
+def test_float_hyperparameters_out_of_range_are_refused(tmp_path: Path, key: str, value: float) -> None:
+    p = rewrite(fixture_path(TINY_MOE), tmp_path / "r.gguf", kv={f"qwen35moe.{key}": (value, GGUFValueType.FLOAT32)})
+    with pytest.raises(ModelFormatError, match=f"'qwen35moe.{key}' = .* is out of range"):
+        open_model(p)
+
+
+@pytest.mark.parametrize("key,value", [("rope.freq_base", 5e5), ("rope.freq_base", 1e9),
+                                       ("attention.layer_norm_rms_epsilon", 1e-12),
+                                       ("attention.layer_norm_rms_epsilon", 1e-5)])
+def test_unusual_but_plausible_float_hyperparameters_load(tmp_path: Path, key: str, value: float) -> None:
+    p = rewrite(fixture_path(TINY_MOE), tmp_path / "r.gguf", kv={f"qwen35moe.{key}": (value, GGUFValueType.FLOAT32)})
+    hp = open_model(p).hparams
+    assert (hp.rope_base if key == "rope.freq_base" else hp.rms_eps) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("key,kv,why", [
+    ("context_length", (0, GGUFValueType.UINT32), "context_length 0 must be ≥ 1"),
+    ("rope.dimension_sections", ([11, -11, 10, 0], GGUFValueType.ARRAY), "must not be negative"),
+])
+def test_integer_hyperparameters_out_of_range_are_refused(tmp_path: Path, key: str, kv: tuple, why: str) -> None:
+    p = rewrite(fixture_path(TINY_MOE), tmp_path / "r.gguf", kv={f"qwen35moe.{key}": kv})
+    with pytest.raises(ModelFormatError, match=why):
+        open_model(p)

@@ -5,7 +5,6 @@ before a single weight is touched. Shapes below are in torch order (reversed ggm
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -26,6 +25,11 @@ MAX_BLOCKS = 4096
 # cannot see it). The conv kernels are read as floats of any width.
 _VECTOR_TYPES = frozenset({GGMLQuantizationType.F32})
 _CONV_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+# Ranges of the float hyperparameters (key -> low, high, what models use) beyond which a model computes only garbage,
+# far wider than any model's: a rope base of 1 or less turns positions into no rotation a model can read (issue 48:
+# 1e-45 loaded and answered "!!!!"); an epsilon past 1e-2 flattens every norm. The low end is excluded.
+FLOAT_RANGES = {"rope.freq_base": (1.0, 1e12, "1e4 to 1e7"),
+                "attention.layer_norm_rms_epsilon": (0.0, 1e-2, "1e-6 or 1e-5")}
 
 
 @dataclass(frozen=True)
@@ -347,8 +351,14 @@ class ModelFile:
              f"attention.head_count {hp.n_head} must be a positive multiple of head_count_kv {hp.n_head_kv}")
         need(hp.head_dim_k > 0 and 0 < hp.n_rot <= hp.head_dim_k and hp.n_rot % 2 == 0,
              f"rope.dimension_count {hp.n_rot} must be even and ≤ key_length {hp.head_dim_k}")
-        need(0 < hp.rms_eps < 1, f"layer_norm_rms_epsilon {hp.rms_eps} must be between 0 and 1")
-        need(hp.rope_base > 0 and math.isfinite(hp.rope_base), f"rope.freq_base {hp.rope_base} must be > 0")
+        for key, value in (("rope.freq_base", hp.rope_base), ("attention.layer_norm_rms_epsilon", hp.rms_eps)):
+            low, high, usual = FLOAT_RANGES[key]
+            if not low < value <= high:  # NaN too
+                raise ModelFormatError(f"{name}: metadata key '{hp.arch}.{key}' = {value:g} is out of range "
+                                       f"(above {low:g}, at most {high:g}; models use {usual})")
+        need(hp.n_ctx_train >= 1, f"context_length {hp.n_ctx_train} must be ≥ 1")
+        need(all(s >= 0 for s in hp.rope_sections), f"rope.dimension_sections {list(hp.rope_sections)} must not be "
+             "negative")
         need(hp.ssm_n_group > 0 and hp.ssm_dt_rank > 0 and hp.ssm_dt_rank % hp.ssm_n_group == 0,
              f"ssm.time_step_rank {hp.ssm_dt_rank} must be a positive multiple of ssm.group_count {hp.ssm_n_group}")
         need(hp.ssm_d_inner % hp.ssm_dt_rank == 0, f"ssm.inner_size {hp.ssm_d_inner} not divisible by time_step_rank")
