@@ -157,6 +157,13 @@ class Tokenizer:
             raise TokenizerError(
                 f"tokenizer.ggml.tokens lacks {len(missing)} of the 256 byte tokens (e.g. byte {missing[0]:#04x}); "
                 "a byte-level vocabulary cannot encode arbitrary text without them")
+        # They spell every text: typed control, unused and so on, no text could be written or read back (issue 48:
+        # every token typed control loaded and answered "!!!!"). BYTE-typed ones decode as NORMAL ones here.
+        odd = [vocab[c] for c in BYTE_TO_UNICODE if types[vocab[c]] not in (NORMAL, BYTE)]
+        if odd:
+            raise TokenizerError(
+                f"tokenizer.ggml.token_type gives {len(odd)} of the 256 byte tokens a type other than normal (e.g. id "
+                f"{odd[0]}, {tokens[odd[0]]!r}, type {types[odd[0]]}); a byte-level vocabulary spells text with them")
 
         # llama.cpp's end-of-generation rule: eos/eot/eom (and FIM pad/repo/sep) ids from the
         # metadata, plus the listed texts, which it also forces to CONTROL so plain text never

