@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from engine.errors import ChatTemplateError
-from engine.template_sandbox import LimitedSandbox, limits, render_limited
+from engine.template_sandbox import LimitedSandbox, bounded_join, check_length, limits, render_limited
 
 # Used when a file carries no template: plain ChatML, what Qwen models are trained on.
 CHATML_TEMPLATE = (
@@ -30,6 +30,8 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool")
+MAX_JSON_INDENT = 64  # tojson(indent=...): the indent repeats once per nesting level on every line
+STRFTIME_GROWTH = 12  # the most a strftime directive grows its two characters ('%c': 24)
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,18 @@ def _raise(msg: str) -> None:
     raise ChatTemplateError(f"the chat template refused the conversation: {msg}")
 
 
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, indent: int | str | None = None, **_: Any) -> str:
+    """json.dumps, its text measured as it is made."""
+    width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    if width > MAX_JSON_INDENT:
+        raise ChatTemplateError(f"the chat template asked for a JSON indent of {width:,}; the limit is "
+                                f"{MAX_JSON_INDENT}")
+    return bounded_join(json.JSONEncoder(ensure_ascii=False, indent=indent).iterencode(value))
+
+
+def _strftime_now(fmt: str) -> str:
+    check_length(len(fmt) * STRFTIME_GROWTH, "strftime_now")
+    return datetime.now().strftime(fmt)
 
 
 class ChatFormat:
@@ -56,7 +68,7 @@ class ChatFormat:
         env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.add_filters({"tojson": _tojson})
         env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = _strftime_now
         if not isinstance(self.source, str):
             raise ChatTemplateError("the model's chat template ('tokenizer.chat_template') is not text")
         try:
