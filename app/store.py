@@ -1,14 +1,17 @@
-"""Conversations and messages in SQLite (WAL), in the user data directory.
+"""Conversations and messages in SQLite (WAL, the lock held), in the user data directory.
 
 Every completed message is committed in its own transaction the moment it is complete, so a crash (even
-kill -9 mid-generation) never loses a message the window already showed as complete; WAL keeps readers
-and the writer from blocking each other. Per-message generation stats are stored with the message.
+kill -9 mid-generation) never loses a message the window already showed as complete. The store holds the database's
+lock while open (WAL in exclusive locking mode): the WAL index then lives in this process's memory instead of a
+`-shm` file mapped into it, which anything that truncates it or takes its write access away (a sync tool, chattr +i)
+turned into a SIGBUS that killed the app at its next write. One app at a time holds the history; another one gets
+StoreError("locked"). Per-message generation stats are stored with the message.
 A conversation is a tree (app/store_schema.py): an edited message or a regenerated reply is a new sibling
 (a version) of the old one, and the conversation's leaf picks the branch that `messages` returns.
 No Qt here: the window calls this from the GUI thread.
 
 Faults are StoreError with a plain message, never a sqlite traceback: opening checks the file's integrity and
-that it can be written (`kind` says which: "damaged", "readonly", "unwritable"), and every read or write that
+that it can be written (`kind` says which: "damaged", "readonly", "unwritable", "locked"), and every read or write that
 fails later (disk full, a file made read-only, a damaged page) raises it too, so the window can say so and go on.
 `move_aside` renames a damaged database (never deletes it); `Store.in_memory()` runs without history.
 """
@@ -26,10 +29,12 @@ from typing import Any, Callable, TypeVar
 from app.store_schema import ensure_schema
 
 F = TypeVar("F", bound=Callable[..., Any])
+LOCK_WAIT_S = 2.0  # how long opening waits for another program's lock on the database
 
 
 class StoreError(Exception):
-    """The conversation store cannot be opened, read or written; `kind`: damaged | readonly | unwritable | failed."""
+    """The conversation store cannot be opened, read or written; `kind`: damaged | readonly | unwritable | locked |
+    failed."""
 
     def __init__(self, message: str, kind: str = "failed"):
         super().__init__(message)
@@ -42,6 +47,8 @@ def _reason(e: BaseException) -> tuple[str, str]:
     low = text.lower()
     if "readonly" in low or "read-only" in low or isinstance(e, PermissionError):
         return "readonly", "the file or its folder is read-only"
+    if "database is locked" in low:
+        return "locked", "another program has it open (another Foretell?)"
     if "disk is full" in low or "no space" in low:
         return "failed", "the disk is full"
     if "malformed" in low or "not a database" in low or "corrupt" in low:
@@ -134,7 +141,8 @@ class Store:
         return st
 
     def _open(self, target: str) -> None:
-        self.db = sqlite3.connect(target, isolation_level=None)  # autocommit; explicit transactions below
+        self.db = sqlite3.connect(target, isolation_level=None, timeout=LOCK_WAIT_S)  # autocommit; transactions below
+        self.db.execute("PRAGMA locking_mode=EXCLUSIVE")  # before WAL is entered: no -shm file is ever mapped
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
         self.db.execute("PRAGMA foreign_keys=ON")

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QSettings
 
 from app.main import open_store
-from app.store import Store, StoreError
+from app.store import LOCK_WAIT_S, Store, StoreError
 from app.window import MainWindow
 from tests.fixtures import TINY_MOE, fixture_path
 
@@ -76,6 +78,57 @@ def test_read_only_and_unwritable_stores(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(StoreError) as e:
         Store(db)
     assert e.value.kind == "readonly" and "read-only" in str(e.value)
+
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def test_a_shm_file_truncated_under_an_open_store_does_not_kill_the_app(tmp_path: Path) -> None:
+    """Issue 48: a `-shm` file truncated (or made immutable) beside an open store killed the process with SIGBUS at
+    its next write (exit 135). The store maps no such file now: the writes go on and every message is kept."""
+    db = str(tmp_path / "c.sqlite3")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from app.store import Store
+        st = Store({db!r})
+        c = st.new_conversation("t")
+        st.add_message(c.id, "user", "before")
+        open({db!r} + "-shm", "w").close()  # truncated, or made, under the open store
+        for i in range(50):
+            st.add_message(c.id, "user", "after " * 100)
+        print(len(st.messages(c.id)))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-1500:])
+    assert r.stdout.split() == ["51"]
+    assert len(Store(db).messages(1)) == 51
+
+
+def test_a_shm_path_that_cannot_be_used_at_open_does_not_stop_the_store(tmp_path: Path) -> None:
+    db = tmp_path / "c.sqlite3"
+    _filled(db, 3)
+    (tmp_path / "c.sqlite3-shm").mkdir()  # nothing can open, write or map it
+    st = Store(db)
+    st.add_message(1, "user", "still saved")
+    st.close()
+    assert [m.content for m in Store(db).messages(1)][-1] == "still saved"
+
+
+def test_a_second_app_on_the_same_store_gets_a_locked_error(tmp_path: Path) -> None:
+    db = tmp_path / "c.sqlite3"
+    _filled(db, 3)
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r})\n"
+                               f"from app.store import Store\nst = Store({str(db)!r})\nprint('open', flush=True)\n"
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as e:
+        Store(db)
+    assert e.value.kind == "locked" and "another program" in str(e.value) and "\n" not in str(e.value)
+    assert time.monotonic() - t0 < LOCK_WAIT_S + 10
+    holder.communicate("", timeout=60)
+    assert len(Store(db).messages(1)) == 3  # the holder's exit frees it, every message kept
 
 
 def _window(qtbot, store: Store, tmp_path: Path) -> MainWindow:
