@@ -1,5 +1,9 @@
 """GGUF fuzzing, before and after the validation of issue 29: outcomes per mutation class.
 
+The classes are tests/gguf_mutate.py's CLASSES; issue 48 added non-finite block scales and float weights anywhere in
+a tensor, float hyperparameters out of range and byte tokens typed as control or unused (the tree before them:
+--before-commit 3428880).
+
 The same seeded cases as tests/test_fuzz_gguf.py (tests/gguf_mutate.py), run through a tree's own open path
 (ModelFile + tokenizer + chat template: what `inspect` and `load` run before the weights) in a worker process
 per tree, each case bounded by an alarm (a hang) and the worker by an address-space limit (runaway memory

@@ -2,11 +2,13 @@
 
 The mutator maps a valid file's structure (counts, lengths, value types, array counts, tensor dims, types and
 offsets, the data section) and damages it one way per case, chosen from a seeded generator: the same seed gives
-the same bytes. It leaves content alone: string payloads (names, token texts, the template), float values,
-tensor data and integers that no file can be checked against (context length, rope dims, top-k): a changed
-letter or weight is a different valid file, not a damaged one. A case passes when loading ends in a typed
-EngineError, or in a model identical to the valid one (same hyperparameters, tensor table and bytes, tokenizer
-and template); anything else (an untyped exception, a different model, a hang) is a finding.
+the same bytes. It leaves content alone where a change makes another valid file (string payloads such as names,
+token texts and the template, finite weights, integers no file can be checked against: rope dims, top-k), and
+changes it only into what no valid file holds (issue 48): a NaN/Inf block scale or float weight anywhere in a
+tensor, a float hyperparameter out of any model's range, byte tokens typed as control or unused. A case passes
+when loading ends in a typed EngineError, or in a model identical to the valid one (same hyperparameters, tensor
+table and bytes, tokenizer and template); anything else (an untyped exception, a different model, a hang) is a
+finding.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 
 # value type -> size of a scalar (gguf spec); 8 = STRING, 9 = ARRAY
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -29,8 +32,16 @@ _CHECKABLE = ("block_count", "nextn_predict_layers", "embedding_length", "attent
               "expert_feed_forward_length", "expert_shared_feed_forward_length", "full_attention_interval",
               "_token_id", "tokenizer.ggml.add_bos_token")
 CLASSES = ("counts", "lengths", "value_types", "tensor_dims", "tensor_types", "tensor_offsets", "data_shift",
-           "truncation", "metadata_values", "header_bytes")
+           "truncation", "metadata_values", "header_bytes", "block_scales", "float_weights", "metadata_ranges",
+           "token_types")
 _HUGE = (2 ** 32, 2 ** 40, 2 ** 63, 2 ** 64 - 1)
+# Byte offsets of the f16 scales in a block of the quant types the fuzzed files hold (ggml-common.h).
+_SCALES = {8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # Q8_0, Q4_K, Q5_K, Q6_K
+_NONFINITE_F16 = (0x7C00, 0xFC00, 0x7E00)  # +Inf, -Inf, NaN
+# Float hyperparameters and values no model holds (issue 48: a rope base of 1e-45 loaded and answered "!!!!").
+_ABSURD = {"rope.freq_base": (1e-45, 0.0, -1e4, 1.0, 1e30, np.inf, np.nan),
+           "attention.layer_norm_rms_epsilon": (0.0, -1e-6, 0.5, 10.0, np.inf, np.nan), "context_length": (0,)}
+_TOKEN_TYPES = (0, 2, 3, 4, 5)  # undefined, unknown, control, user-defined, unused: nothing a byte token is
 
 
 @dataclass
@@ -43,12 +54,29 @@ class Spot:
 
 
 @dataclass
+class Tensor:
+    name: str
+    qtype: int
+    ne: list[int]
+    offset: int  # absolute
+
+    @property
+    def n_blocks(self) -> int:
+        return int(np.prod(self.ne)) // GGML_QUANT_SIZES[self.qtype][0]  # type: ignore[index]
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.qtype][1]  # type: ignore[index]
+
+
+@dataclass
 class Layout:
     spots: list[Spot]
     data_start: int
     header_end: int
     alignment: int
     size: int
+    tensors: list[Tensor]
 
 
 def layout(buf: bytes) -> Layout:
@@ -99,20 +127,23 @@ def layout(buf: bytes) -> Layout:
             if key == "general.alignment":
                 alignment = int.from_bytes(buf[pos:pos + _SIZES[t]], "little")
             nonlocal_pos_advance(_SIZES[t])
+    records = []
     for _ in range(n_t):
         name = string("tensor name")
         spots.append(Spot("ndims", pos, 4, name))
         nd = u("I")
+        ne = []
         for _ in range(nd):
             spots.append(Spot("dim", pos, 8, name))
-            u("Q")
+            ne.append(u("Q"))
         spots.append(Spot("ttype", pos, 4, name))
-        u("I")
+        qtype = u("I")
         spots.append(Spot("toffset", pos, 8, name))
-        u("Q")
+        records.append((name, qtype, ne, u("Q")))
     header_end = pos
     data_start = -(-pos // alignment) * alignment
-    return Layout(spots, data_start, header_end, alignment, len(buf))
+    tensors = [Tensor(name, qtype, ne, data_start + offset) for name, qtype, ne, offset in records]
+    return Layout(spots, data_start, header_end, alignment, len(buf), tensors)
 
 
 def _put(b: bytearray, s: Spot, v: int) -> None:
@@ -200,7 +231,42 @@ def mutate(buf: bytes, lay: Layout, cls: str, rng: np.random.Generator) -> tuple
             b[i] ^= 1 << int(rng.integers(8))
             desc.append(f"{s.kind}@{i}")
         return bytes(b), "bit flips in " + ", ".join(desc)
+    if cls == "block_scales":  # anywhere, not only near a tensor's ends (the check once sampled those)
+        t = _one(rng, [t for t in lay.tensors if t.qtype in _SCALES])
+        blocks = sorted({int(x) for x in rng.integers(0, t.n_blocks, int(rng.choice([1, 8])))})
+        v = int(rng.choice(_NONFINITE_F16))
+        for i in blocks:
+            at = t.offset + i * t.block_bytes + int(rng.choice(_SCALES[t.qtype]))
+            b[at:at + 2] = v.to_bytes(2, "little")
+        return bytes(b), f"scale {v:#06x} in blocks {blocks} of {t.name}"
+    if cls == "float_weights":
+        t = _one(rng, [t for t in lay.tensors if t.qtype == 0])  # F32
+        items = sorted({int(x) for x in rng.integers(0, t.n_blocks, int(rng.choice([1, 8])))})
+        v = float(rng.choice([np.inf, -np.inf, np.nan]))
+        for i in items:
+            b[t.offset + 4 * i:t.offset + 4 * i + 4] = struct.pack("<f", v)
+        return bytes(b), f"{v} at elements {items} of {t.name}"
+    if cls == "metadata_ranges":
+        key = str(rng.choice(sorted(_ABSURD)))
+        s = pick(("value",), lambda s: s.key.endswith("." + key))
+        v = rng.choice(_ABSURD[key])
+        if s.vtype == 6:
+            b[s.offset:s.offset + 4] = struct.pack("<f", float(v))
+        else:
+            _put(b, s, int(v))
+        return bytes(b), f"value of {s.key} -> {v}"
+    if cls == "token_types":
+        items = [s for s in lay.spots if s.kind == "array_item" and s.key == "tokenizer.ggml.token_type"]
+        v = int(rng.choice(_TOKEN_TYPES))
+        which = "all" if rng.random() < 0.5 else "the first 256"  # the byte tokens come first in BPE vocabularies
+        for s in items if which == "all" else items[:256]:
+            _put(b, s, v)
+        return bytes(b), f"{which} token types -> {v}"
     raise ValueError(cls)
+
+
+def _one(rng: np.random.Generator, xs: list[Any]) -> Any:
+    return xs[int(rng.integers(len(xs)))]
 
 
 def cases(n: int, seed: int) -> list[tuple[int, str]]:
