@@ -13,9 +13,11 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel,
                                QPlainTextEdit, QSlider, QSpinBox, QWidget)
 
+from engine.errors import InvalidParameterError
 from engine.events import EngineConfig, GenerationConfig
 from engine.metrics import cuda_status
 from engine.sampling import SamplingConfig
+from engine.validate import MAX_DRAFT, parse_draft
 
 MAX_RECENT = 10
 
@@ -23,7 +25,7 @@ MAX_RECENT = 10
 @dataclass
 class AppSettings:
     mtp: bool = True
-    draft: str = "auto"  # "auto" or "1".."8"
+    draft: str = "auto"  # "auto" or a depth's digits, as the draft combo box shows it (read by parse_draft)
     temperature: float = 0.0  # greedy: the most faithful answers, and the best draft acceptance
     top_k: int = 0
     top_p: float = 1.0
@@ -49,7 +51,7 @@ class AppSettings:
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
-            max_tokens=self.max_tokens, mtp=self.mtp, draft=None if self.draft == "auto" else int(self.draft),
+            max_tokens=self.max_tokens, mtp=self.mtp, draft=parse_draft(self.draft),
             sampling=SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                     min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                                     seed=None if self.seed < 0 else self.seed),
@@ -77,7 +79,9 @@ def load_settings(qs: QSettings) -> AppSettings:
         except (TypeError, ValueError):
             continue  # a corrupted value: keep the default
     out = replace(s, **values)
-    if out.draft != "auto" and not (out.draft.isdigit() and 1 <= int(out.draft) <= 8):
+    try:
+        parse_draft(out.draft)
+    except InvalidParameterError:
         out.draft = "auto"
     if out.theme not in ("system", "light", "dark"):
         out.theme = "system"
@@ -104,7 +108,7 @@ class SettingsPanel(QWidget):
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow panel puts fields under labels
         self.mtp = QCheckBox("Speculative decoding with the MTP head")
         self.draft = QComboBox()
-        self.draft.addItems(["auto"] + [str(i) for i in range(1, 9)])
+        self.draft.addItems(["auto"] + [str(i) for i in range(1, MAX_DRAFT + 1)])
         self.temperature = _dspin(0, 2, 0.05)
         self.top_k = _ispin(0, 1000)
         self.top_p = _dspin(0.01, 1, 0.01)

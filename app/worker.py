@@ -16,6 +16,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from engine.api import EngineLike
 from engine.errors import EngineError, LoadCancelled
 from app.library import check_model_file
 from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
@@ -54,7 +55,7 @@ class EngineWorker(QObject):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine: Engine | None = None
+        self.engine: EngineLike | None = None  # a local Engine or a RemoteEngine
         self.stop_flag = threading.Event()
         self.load_cancel = threading.Event()  # set by the GUI thread; cleared when a load is requested
         # Held while generating; app.serve_panel's server takes the same lock, so the window and the
@@ -106,10 +107,11 @@ class EngineWorker(QObject):
 
     def _reopen(self, path: str, config: EngineConfig) -> None:
         try:
-            self.engine = load(path, config)
+            eng = load(path, config)
         except EngineError:
             return  # the window then says no model is loaded
-        self.loaded.emit(model_info(self.engine))
+        self.engine = eng
+        self.loaded.emit(model_info(eng))
 
     @Slot(object, object)
     def generate(self, messages: list, gen: GenerationConfig) -> None:

@@ -380,17 +380,14 @@ def run_case(name: str, model: Path, prompts: list[list[int]], warm: list[int], 
 
 
 def parse_depths(text: str) -> list:
+    from engine.validate import draft_arg
+
     out: list = []
     for x in filter(None, (t.strip() for t in text.split(","))):
         if x == "auto":
             out.append("auto")
-        elif x in ("none", "off"):
-            continue
-        else:
-            k = int(x)
-            if not 1 <= k <= 8:
-                raise argparse.ArgumentTypeError(f"depth {k} not in 1..8")
-            out.append(k)
+        elif x not in ("none", "off"):
+            out.append(draft_arg(x))
     return out
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.chat import Message  # noqa: E402
 from engine.generate import EngineConfig, GenerationConfig, Stats, load  # noqa: E402
-from engine.speculative import MAX_DEPTH  # noqa: E402
+from engine.events import MAX_DRAFT  # noqa: E402
 
 SETTINGS: list[tuple[str, bool, int | None]] = [("off", False, None), ("k1", True, 1), ("k2", True, 2),
                                                 ("k3", True, 3), ("k4", True, 4), ("auto", True, None)]
@@ -155,7 +155,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
                     "load_avg_at_start": os.getloadavg()[0]},
-        "max_depth": MAX_DEPTH, "max_new_tokens": args.tokens, "rounds": args.rounds, "decoding": "greedy",
+        "max_depth": MAX_DRAFT, "max_new_tokens": args.tokens, "rounds": args.rounds, "decoding": "greedy",
         "models": results,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,13 +6,13 @@ and every parameter out of range, checked by engine.validate before a model is o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
+from engine import validate
 from engine.errors import EngineError, InvalidParameterError
 from engine.server.run import add_arguments as serve_arguments
 
@@ -174,9 +174,7 @@ def _engine_config(args: argparse.Namespace, n_ctx: int):
 
 
 def _check_engine_args(args: argparse.Namespace, n_ctx: int) -> None:
-    from engine.validate import validate_engine_config
-
-    validate_engine_config(_engine_config(args, n_ctx))
+    validate.validate_engine_config(_engine_config(args, n_ctx))
 
 
 def _engine(args: argparse.Namespace, n_ctx: int):
@@ -200,8 +198,6 @@ def _progress_line(fraction: float, message: str) -> None:
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from engine import validate
-
     ids = _parse_ids(args.tokens)
     eng = _engine(args, n_ctx=max(len(ids), 16))
     validate.token_ids(ids, eng.hp.n_vocab)
@@ -213,10 +209,9 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.chat import Message
+    from engine.consume import collect, reply_stats
     from engine.events import GenerationConfig
     from engine.sampling import SamplingConfig
-
-    from engine import validate
 
     if args.prompt is None and args.prompt_tokens is None:
         raise InvalidParameterError("give --prompt TEXT or --prompt-tokens 1,2,3")
@@ -232,7 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 repeat_penalty=args.repeat_penalty, seed=args.seed),
         stop_strings=tuple(args.stop or ()),
         mtp=args.mtp,
-        draft=None if args.draft == "auto" else int(args.draft),
+        draft=args.draft,
     )
     validate.validate_generation(gen)  # every range checked before the model is opened
     if (args.api_key or args.remote_model) and not args.remote:
@@ -243,7 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_remote(args, prompt, gen)
     _check_engine_args(args, args.ctx)
     eng = _engine(args, n_ctx=args.ctx)
-    tokens, flags, text, final, done = collect_reply(eng.generate(prompt, gen), echo=not args.json)
+    reply = collect(eng.generate(prompt, gen), echo=not args.json)
+    final, done = reply.final, reply.done
     if done.reason == "context_overflow":
         raise EngineError(done.message)
     stats = reply_stats(final, done)
@@ -251,50 +247,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if final.expert_cache:
         stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}
     if args.json:
-        print(json.dumps({"tokens": tokens, "text": text, "accepted_draft": flags, "stats": stats}))
+        print(json.dumps({"tokens": reply.tokens, "text": reply.text, "accepted_draft": reply.accepted_draft,
+                          "stats": stats}))
     else:
         print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
               f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
     return 0
-
-
-def collect_reply(events: Iterable[Any], echo: bool) -> tuple[list[int], list[bool], str, Any, Any]:
-    """Token ids, their accepted-draft flags, the text, the final Stats and the Done of one reply (a local or
-    a remote engine's); the text is echoed to stdout as it comes when `echo`."""
-    from engine.events import Done, Stats, Token
-
-    tokens: list[int] = []
-    flags: list[bool] = []
-    pieces: list[str] = []
-    final: Stats | None = None
-    done: Done | None = None
-    for ev in events:
-        if isinstance(ev, Token):
-            tokens += ev.ids
-            flags += [ev.accepted_draft] * len(ev.ids)
-            pieces.append(ev.text)
-            if echo:
-                print(ev.text, end="", flush=True)
-        elif isinstance(ev, Stats) and ev.final:
-            final = ev
-        elif isinstance(ev, Done):
-            done = ev
-    if done is None or final is None:
-        raise EngineError("generation ended without a result")
-    return tokens, flags, "".join(pieces), final, done
-
-
-def reply_stats(final: Any, done: Any) -> dict[str, Any]:
-    """The `stats` object of `generate --json` (the contract in docs/DESIGN.md)."""
-    stats = {
-        "prompt_tokens": final.prompt_tokens, "generated_tokens": final.generated_tokens,
-        "ttft_s": final.ttft_s, "prefill_tok_s": final.prefill_tok_s, "decode_tok_s": final.decode_tok_s,
-        "elapsed_s": final.elapsed_s, "cache_bytes": final.cache_bytes, "state_bytes": final.state_bytes,
-        "stop_reason": done.reason, "mtp": final.mtp,
-    }
-    if final.speculative:
-        stats.update(dataclasses.asdict(final.speculative))
-    return stats
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -358,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp", dest="mtp", action="store_true", default=True,
                    help="speculative decoding with the model's MTP head (default when the model has one)")
     s.add_argument("--no-mtp", dest="mtp", action="store_false", help="plain decoding")
-    s.add_argument("--draft", default="auto", type=_draft_depth, help="draft depth 1-8 or 'auto' (default)")
+    s.add_argument("--draft", default="auto", type=validate.draft_arg,
+                   help=f"draft depth 1-{validate.MAX_DRAFT} or 'auto' (default)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--remote", metavar="URL", help="generate on an OpenAI-compatible server (llama-server, vLLM, "
                    "SGLang, Foretell) at this base URL instead of a local model")
@@ -372,12 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     _device_args(s)
     s.set_defaults(func=cmd_serve)
     return p
-
-
-def _draft_depth(value: str) -> str:
-    if value == "auto" or (value.isdigit() and 1 <= int(value) <= 8):
-        return value
-    raise argparse.ArgumentTypeError("draft depth must be 1-8 or 'auto'")
 
 
 def _gpu_layers(value: str) -> int | None:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from engine import ops
 from engine.placement import PlacementConfig, Plan
 from engine.sampling import SamplingConfig
+# GenerationConfig.draft's limit. It is defined in engine.validate, which checks it: validate cannot import this module
+# (this one imports engine.sampling, which imports validate).
+from engine.validate import MAX_DRAFT  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     acceptance: float = 0.0  # accepted / drafted
-    acceptance_by_depth: list[float] = field(default_factory=list)  # per draft position 1..8
+    acceptance_by_depth: list[float] = field(default_factory=list)  # per draft position 1..MAX_DRAFT
     tried_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
     mean_accepted_length: float = 0.0  # tokens emitted per verify pass (accepted drafts + the trunk's own)
@@ -67,7 +70,7 @@ class GenerationConfig:
     enable_thinking: bool | None = None
     stats_interval_s: float = 0.25
     mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
-    draft: int | None = None  # draft depth 1..8, None = auto
+    draft: int | None = None  # draft depth 1..MAX_DRAFT, None = auto (engine.validate.parse_draft reads a setting)
     p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
 
 

@@ -6,6 +6,7 @@ app and a server get the same answer without repeating the rules.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import re
@@ -16,7 +17,7 @@ from engine.errors import InvalidParameterError
 MAX_CTX = 1 << 22  # 4M tokens: far past any model we run, and a context whose tables still fit in memory
 MAX_THREADS = 1024
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 64-bit seeds
-MAX_DRAFT = 8
+MAX_DRAFT = 8  # the deepest draft chain (GenerationConfig.draft): a verify pass is at most MAX_DRAFT + 1 rows
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
 _MESSAGE_TEXT_FIELDS = ("role", "content", "reasoning_content", "name")
 
@@ -74,8 +75,9 @@ def validate_generation(gen: Any) -> None:
     if gen.enable_thinking is not None and not isinstance(gen.enable_thinking, bool):
         _fail(f"enable_thinking must be true, false or unset, not {gen.enable_thinking!r}")
     _number("stats_interval_s", gen.stats_interval_s, 0.0, 3600.0)
-    if gen.draft is not None:
-        integer("draft depth", gen.draft, 1, MAX_DRAFT, hint=" (or auto)")
+    if isinstance(gen.draft, str):  # a setting's text is read by parse_draft first
+        _fail(f"draft depth must be a number or None (auto), not {gen.draft!r}")
+    parse_draft(gen.draft)
     _number("p_min", gen.p_min, 0.0, 1.0)
 
 
@@ -93,6 +95,26 @@ def validate_engine_config(cfg: Any) -> None:
         _fail(f"step graphs must be 'auto', 'on' or 'off', not {cfg.step_graphs!r}")
     if cfg.memory_budget is not None:
         integer("memory budget", cfg.memory_budget, 1, 1 << 62)
+
+
+def parse_draft(value: str | int | None) -> int | None:
+    """A draft depth setting in any of its forms (a CLI flag, the API's `mtp` depth, the app's setting) as
+    GenerationConfig.draft takes it: "auto" or None is None (auto), a depth 1…MAX_DRAFT or its digits that depth."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit()):
+            _fail(f"draft depth must be 1…{MAX_DRAFT} or auto, not {value!r}")
+        value = int(value)
+    return integer("draft depth", value, 1, MAX_DRAFT, hint=" (or auto)")
+
+
+def draft_arg(value: str) -> int | None:
+    """`parse_draft` as an argparse type: a bad depth is one argparse error line (exit 2) before anything loads."""
+    try:
+        return parse_draft(value)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def device(name: Any) -> str:

@@ -174,7 +174,7 @@ def test_seeded_sampling_reproduces(server) -> None:
 def test_errors_as_openai_exceptions(server, keyed) -> None:
     c = client(server)
     for kw in ({"temperature": 5}, {"top_p": 0}, {"max_tokens": 0}, {"n": 2}, {"extra_body": {"mtp": 9}},
-               {"extra_body": {"top_k": "many"}}):
+               {"extra_body": {"mtp": "3"}}, {"extra_body": {"top_k": "many"}}):
         with pytest.raises(openai.BadRequestError) as e:
             chat(c, "Hi", **kw)
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["param"]

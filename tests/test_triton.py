@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine import ops
-from engine.events import EngineConfig
+from engine.events import MAX_DRAFT, EngineConfig
 from engine.expert_cache import ExpertCache
 from engine.generate import load
 from engine.metrics import cuda_status
@@ -25,7 +25,6 @@ from engine.ops import triton_attention, triton_norm, triton_q
 from engine.ops.backend import TRITON, triton_runs
 from engine.ops.experts import Experts, moe_experts
 from engine.ops.linear import GEMV_ROWS
-from engine.speculative.depth import MAX_DEPTH
 from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
 from tests.generation import collect
@@ -114,9 +113,9 @@ def test_linear_binds_the_triton_types_and_runs_long_passes_in_bfloat16() -> Non
     short = ops.linear(x[:3].to(DEV), lin).cpu()  # ≤ GEMV_ROWS: float32 GEMV
     assert torch.allclose(short.double(), x[:3].double() @ ref.T, rtol=1e-5, atol=1e-4)
     # a verify at the deepest draft is still a GEMV: each of its rows has a one-row pass's bits
-    assert GEMV_ROWS >= MAX_DEPTH + 1
-    verify = ops.linear(x[:MAX_DEPTH + 1].to(DEV), lin).cpu()
-    assert torch.equal(verify[MAX_DEPTH], ops.linear(x[MAX_DEPTH:MAX_DEPTH + 1].to(DEV), lin).cpu()[0])
+    assert GEMV_ROWS >= MAX_DRAFT + 1
+    verify = ops.linear(x[:MAX_DRAFT + 1].to(DEV), lin).cpu()
+    assert torch.equal(verify[MAX_DRAFT], ops.linear(x[MAX_DRAFT:MAX_DRAFT + 1].to(DEV), lin).cpu()[0])
     long = ops.linear(x.to(DEV), lin).cpu()  # a prefill chunk: bfloat16 weights and activations into matmul
     want = x.to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
     assert torch.allclose(long.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))

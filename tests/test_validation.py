@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine import cli, validate
@@ -98,6 +99,22 @@ def test_api_validation_names_the_parameter() -> None:
         with pytest.raises(InvalidParameterError):
             load(fixture_path(TINY_MOE), bad)
     assert issubclass(InvalidParameterError, ValueError)  # old callers that caught ValueError still do
+
+
+def test_one_parser_reads_a_draft_depth_in_every_form(capsys) -> None:
+    for setting, depth in [(None, None), ("auto", None), ("3", 3), (3, 3), (np.int64(validate.MAX_DRAFT), validate.MAX_DRAFT)]:
+        assert validate.parse_draft(setting) == depth
+    for bad in ["9", 9, 0, "0", "x", "3.0", " 3", "٣", True, 2.0]:
+        with pytest.raises(InvalidParameterError, match="draft depth"):
+            validate.parse_draft(bad)
+    with pytest.raises(InvalidParameterError, match="draft depth"):  # a config holds the depth, not its text
+        validate.validate_generation(replace(GenerationConfig(), draft="3"))
+    for command in ("generate", "serve"):  # argparse's complaint, one line, before a model is opened
+        with pytest.raises(SystemExit) as ex:
+            cli.main([command, str(fixture_path(TINY_MOE)), "--draft", "9"])
+        assert ex.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: argument --draft: draft depth 9 is out of range"), err
 
 
 def test_engine_checks_prompts_before_running() -> None:

@@ -10,14 +10,15 @@ import json
 import sys
 from typing import Any
 
-from engine.cli import collect_reply, reply_stats
+from engine.consume import collect, reply_stats
 from engine.events import GenerationConfig
 from engine.remote.engine import RemoteConfig, connect
 
 
 def generate_remote(args: argparse.Namespace, prompt: Any, gen: GenerationConfig) -> int:
     eng = connect(RemoteConfig(args.remote, api_key=args.api_key, model=args.remote_model))
-    tokens, _, text, final, done = collect_reply(eng.generate(prompt, gen), echo=not args.json)
+    reply = collect(eng.generate(prompt, gen), echo=not args.json)
+    final, done = reply.final, reply.done
     for notice in eng.notices:
         print(f"note: {notice}", file=sys.stderr)
     # drafted/accepted are unknown (null) unless the server reports them; then they come with their source
@@ -25,7 +26,8 @@ def generate_remote(args: argparse.Namespace, prompt: Any, gen: GenerationConfig
     stats["remote"] = {"url": eng.wire.base, "server": eng.server, "model": eng.model}
     partial = done.reason == "interrupted"
     if args.json:
-        out = {"tokens": tokens, "text": text, "accepted_draft": [False] * len(tokens), "stats": stats}
+        out: dict[str, Any] = {"tokens": reply.tokens, "text": reply.text,
+                               "accepted_draft": [False] * len(reply.tokens), "stats": stats}
         if partial:
             out["partial"] = True
         print(json.dumps(out))

@@ -25,6 +25,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.api import ServedEngine
 from engine.errors import ChatTemplateError
 from engine.events import Done, Stats, Token
 from engine.server import protocol
@@ -36,7 +37,7 @@ MAX_BODY_BYTES = 8 * 2**20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def model_name(eng: Any) -> str:
+def model_name(eng: ServedEngine) -> str:
     return eng.mf.get("general.name") or eng.mf.path.stem
 
 
@@ -135,7 +136,7 @@ async def _read_body(request: HTTPRequest) -> bytes:
     return bytes(body)
 
 
-def _encode(eng: Any, req: Request) -> tuple[list[int], bool]:
+def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
     """Prompt ids, and whether the reply starts inside a thinking block (runs off the event loop)."""
     if not req.chat:
         if isinstance(req.prompt, str):  # the whole prompt is the client's: special tokens are parsed

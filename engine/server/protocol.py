@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.errors import InvalidParameterError
 from engine.events import GenerationConfig, Stats
 from engine.sampling import SamplingConfig
+from engine.validate import MAX_DRAFT, parse_draft
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_STRINGS = 16
-MAX_DRAFT = 8
 
 
 class APIError(Exception):
@@ -198,13 +199,16 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 
 def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
-    """The `mtp` extension: false (plain decoding), true (auto depth) or a draft depth 1..8."""
+    """The `mtp` extension: false (plain decoding), true (auto depth) or a draft depth 1..MAX_DRAFT."""
     if value is None:
         return defaults.mtp, defaults.draft
     if isinstance(value, bool):
         return value, None if value else defaults.draft
-    if isinstance(value, int) and 1 <= value <= MAX_DRAFT:
-        return True, value
+    if isinstance(value, int):  # a JSON number; a string ("3", "auto") is not a depth here
+        try:
+            return True, parse_draft(value)
+        except InvalidParameterError:
+            pass
     raise bad(f"'mtp' must be false, true or a draft depth 1..{MAX_DRAFT}", "mtp")
 
 

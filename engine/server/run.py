@@ -13,8 +13,10 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from engine.errors import EngineError
+from engine.validate import MAX_DRAFT, draft_arg
 
-if TYPE_CHECKING:  # engine.events imports torch: the CLI's parser must not
+if TYPE_CHECKING:  # types only: the CLI's parser does not load the kernels (engine.events imports engine.ops)
+    from engine.api import ServedEngine
     from engine.events import GenerationConfig
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
@@ -23,7 +25,7 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 class LocalServer:
     """One engine served over HTTP; `start()` returns once it accepts connections, `stop()` shuts it down."""
 
-    def __init__(self, engine: object, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+    def __init__(self, engine: ServedEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, defaults: Callable[[], GenerationConfig] | None = None,
                  max_waiting: int = 8, lock: threading.Lock | None = None, cors_origins: tuple[str, ...] = (),
                  shutdown_grace_s: int = 5):
@@ -59,7 +61,7 @@ class LocalServer:
     def metrics(self):  # engine.server.metrics.ServerMetrics
         return self.scheduler.metrics
 
-    def set_engine(self, engine: object) -> None:
+    def set_engine(self, engine: ServedEngine) -> None:
         """Serve another engine from the next request on (the app loaded a new model)."""
         self.scheduler.engine = engine
 
@@ -111,22 +113,20 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ctx", type=int, default=4096, help="context length")
     s.add_argument("--no-mtp", dest="mtp", action="store_false", default=True,
                    help="plain decoding by default (a request may still ask for MTP)")
-    s.add_argument("--draft", default="auto", choices=["auto"] + [str(k) for k in range(1, 9)],
-                   help="default draft depth 1-8 or 'auto'")
+    s.add_argument("--draft", default="auto", type=draft_arg, help=f"default draft depth 1-{MAX_DRAFT} or 'auto'")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="reply length when a request sets none (default: until the context is full)")
     s.add_argument("--temp", type=float, default=0.0, help="default temperature when a request sets none (0 = greedy)")
 
 
-def serve(args: argparse.Namespace, engine: object) -> int:
+def serve(args: argparse.Namespace, engine: ServedEngine) -> int:
     """The CLI's `serve`: defaults from the flags, the URL on stderr, then serve until Ctrl+C."""
     import sys
 
     from engine.events import GenerationConfig
     from engine.sampling import SamplingConfig
 
-    draft = None if args.draft == "auto" else int(args.draft)
-    gen = GenerationConfig(max_tokens=args.max_tokens or args.ctx, mtp=args.mtp, draft=draft,
+    gen = GenerationConfig(max_tokens=args.max_tokens or args.ctx, mtp=args.mtp, draft=args.draft,
                            sampling=SamplingConfig(temperature=args.temp))
     server = LocalServer(engine, host=args.host, port=args.port, api_key=args.api_key, defaults=lambda: gen,
                          max_waiting=args.queue, cors_origins=tuple(args.cors))

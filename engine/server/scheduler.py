@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from engine.api import EngineLike, ServedEngine
 from engine.errors import EngineError
 from engine.events import Done, Event, GenerationConfig, Stats
 from engine.server.metrics import ServerMetrics
@@ -40,7 +41,7 @@ _END = object()  # posted after a job's last event
 
 @dataclass
 class Job:
-    engine: object  # engine.generate.Engine (kept loose: the app may swap engines between jobs)
+    engine: EngineLike  # the scheduler's engine when the job was queued (the app may swap engines between jobs)
     prompt: list[int]
     gen: GenerationConfig
     loop: asyncio.AbstractEventLoop
@@ -61,9 +62,9 @@ class Job:
 class Scheduler:
     """Runs jobs on one thread; at most `max_waiting` wait behind the running one."""
 
-    def __init__(self, engine: object, defaults: Callable[[], GenerationConfig], *, max_waiting: int = 8,
+    def __init__(self, engine: ServedEngine, defaults: Callable[[], GenerationConfig], *, max_waiting: int = 8,
                  lock: threading.Lock | None = None, metrics: ServerMetrics | None = None):
-        self.engine = engine
+        self.engine = engine  # what requests are tokenized for and queued on; the app swaps it between requests
         self.defaults = defaults  # the engine's settings: sampling, MTP and draft depth a request did not set
         self.max_waiting = max_waiting
         self.lock = lock or threading.Lock()
@@ -74,7 +75,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="foretell-serve-generate", daemon=True)
         self._thread.start()
 
-    def submit(self, engine: object, prompt: list[int], gen: GenerationConfig) -> Job:
+    def submit(self, engine: EngineLike, prompt: list[int], gen: GenerationConfig) -> Job:
         """Queue a generation (call on the event loop); raises QueueFullError when no place is left."""
         with self._pending_lock:
             if self._pending >= 1 + self.max_waiting:
@@ -109,7 +110,7 @@ class Scheduler:
         done: Done | None = None
         try:
             with self.lock:
-                for ev in job.engine.generate(job.prompt, job.gen, job.stop):  # type: ignore[attr-defined]
+                for ev in job.engine.generate(job.prompt, job.gen, job.stop):
                     if isinstance(ev, Stats):
                         if not ev.final:
                             continue  # the HTTP side answers with the final stats only

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events import SpeculativeStats, SpeculativeTimes
+from engine.events import MAX_DRAFT, SpeculativeStats, SpeculativeTimes
 
-MAX_DEPTH = 8
+MAX_DEPTH = MAX_DRAFT  # the old name, until its users move to MAX_DRAFT
 
 
 @dataclass
@@ -16,9 +16,9 @@ class SpecStats:
     plain_steps: int = 0  # steps decoded without drafting (auto chose depth 0)
     drafted: int = 0
     accepted: int = 0
-    tried_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    accept_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))
+    tried_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)
+    accept_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT + 1))
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -59,8 +59,8 @@ class AutoMemory:
     t_decode: float | None = None
     t_verify: dict[int, float] = field(default_factory=dict)
     t_draft: float | None = None
-    accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
-    tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DEPTH)
+    accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
+    tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
     probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
     remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
@@ -91,8 +91,8 @@ class DepthController:
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
                  reproducible: bool = False, memory: AutoMemory | None = None):
-        if depth is not None and not 1 <= depth <= MAX_DEPTH:
-            raise ValueError(f"draft depth must be 1..{MAX_DEPTH} or auto")
+        if depth is not None and not 1 <= depth <= MAX_DRAFT:
+            raise ValueError(f"draft depth must be 1..{MAX_DRAFT} or auto")
         self.fixed = depth
         self.stats = stats
         self.p_min = 0.0 if depth is not None else p_min
@@ -102,7 +102,7 @@ class DepthController:
         self.t_verify: dict[int, float] = {}
         self.t_draft: float | None = self.FIXED_DRAFT if reproducible else None
         if reproducible:
-            self.t_verify = {n: 1.0 + self.FIXED_VERIFY_SLOPE * (n - 1) for n in range(2, MAX_DEPTH + 2)}
+            self.t_verify = {n: 1.0 + self.FIXED_VERIFY_SLOPE * (n - 1) for n in range(2, MAX_DRAFT + 2)}
         # Seeded sampling must not depend on earlier replies either: no memory then.
         self.memory = None if reproducible or depth is not None else memory
         if self.memory is not None:
@@ -111,8 +111,8 @@ class DepthController:
             self._prior_acc = [a / 2 for a in m.accepted_at]
             self._prior_tried = [t / 2 for t in m.tried_at]
         else:
-            self._prior_acc = [0.0] * MAX_DEPTH
-            self._prior_tried = [0.0] * MAX_DEPTH
+            self._prior_acc = [0.0] * MAX_DRAFT
+            self._prior_tried = [0.0] * MAX_DRAFT
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
         self._misses = self.memory.probe_misses if self.memory is not None else 0
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
@@ -233,12 +233,12 @@ class DepthController:
     def _best_depth(self, room: int) -> tuple[int, float]:
         """The draft depth ≥ 1 with the most expected tokens per second, and that rate. Kept until a cost or the
         evidence changes: a plain step moves only the decode cost it is compared with (choose runs every step)."""
-        key = (self._costs, self.stats.steps, self._probe_tried, min(MAX_DEPTH, room))
+        key = (self._costs, self.stats.steps, self._probe_tried, min(MAX_DRAFT, room))
         if key == self._best_key and self.t_verify:  # unmeasured verifies are costed in decode steps: not kept
             return self._best
         alpha, best_k, best = self._alphas(), 0, 0.0
         expect, prod = 1.0, 1.0
-        for k in range(1, min(MAX_DEPTH, room) + 1):
+        for k in range(1, min(MAX_DRAFT, room) + 1):
             prod *= alpha[k - 1]
             expect += prod
             t_ver = self.t_verify.get(k + 1) or self._extrapolate(k + 1)
