@@ -35,7 +35,6 @@ if str(ROOT) not in sys.path:
 from bench.decode import git_info, machine_info, write_result  # noqa: E402
 from engine.events import EngineConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
-from engine.models import step_graph  # noqa: E402
 from tests.generation import collect  # noqa: E402
 
 EMBEDDED = ROOT / "resources" / "models" / "foretell-demo.gguf"
@@ -83,16 +82,16 @@ def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
     eng = load(str(path), EngineConfig(n_ctx=512, device=device, step_graphs=graphs))
     load_s = time.perf_counter() - t
     eng.tokenizer.eog_ids = frozenset()  # every run decodes exactly its tokens
-    out: dict = {"load_s": load_s, "step_graphs": {"used": eng.model.step_graphs is not None,
-                                                   "head_used": eng.model.mtp is not None
-                                                   and eng.model.mtp.step_graphs is not None}, "modes": {}}
+    out: dict = {"load_s": load_s, "step_graphs": {"used": eng.runner.graphs is not None,
+                                                   "head_used": eng.runner.mtp is not None
+                                                   and eng.runner.mtp.graphs is not None}, "modes": {}}
     for mode in modes:
         mtp = mode == "mtp"
         if mtp and eng.drafter is None:
             out["modes"][mode] = {"skipped": "the model has no MTP block"}
             continue
         collect(eng, PROMPT, max_tokens=8, mtp=mtp, draft=DRAFT if mtp else None)  # kernels compiled, graphs captured
-        g0 = step_graph.counts(eng.model)
+        g0 = eng.runner.graph_counts()
         runs = {n: profiled(eng, n, cuda, mtp) for n in (SHORT, LONG)}
         per = {}
         for n, (wall, prof) in runs.items():
@@ -106,7 +105,7 @@ def measure(path: Path, graphs: str, device: str, modes: list[str]) -> dict:
         top = sorted(kernels(runs[LONG][1]), key=lambda a: -a.self_device_time_total)[:TOP]
         out["modes"][mode] = {
             "runs": {str(n): v for n, v in per.items()}, "per_decoded_token": tok,
-            "step_graphs": {k: v - g0[k] for k, v in step_graph.counts(eng.model).items()},
+            "step_graphs": {k: v - g0[k] for k, v in eng.runner.graph_counts().items()},
             "top_kernels_over_the_long_run": [
                 {"name": a.key, "calls": a.count, "total_ms": a.self_device_time_total / 1e3,
                  "us_per_call": a.self_device_time_total / a.count if a.count else None} for a in top]}

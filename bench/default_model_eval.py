@@ -89,7 +89,7 @@ def perplexity(eng, docs: list[tuple[str, str]], max_tokens: int) -> dict:  # ty
         ids = eng.tokenizer.encode(text, special=True, add_bos=False)[:min(max_tokens, eng.n_ctx)]
         if len(ids) < 2:
             continue
-        res = eng.model.forward(ids, eng.model.new_cache(len(ids)), logit_rows="all")
+        res = eng.runner.forward(ids, eng.runner.new_cache(len(ids)), logit_rows="all")
         logits = res.logits.float()
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device),
                                                 reduction="none")

@@ -210,7 +210,6 @@ def run_ours(spec: dict) -> dict:
 
     from engine import ops
     from engine.generate import EngineConfig, GenerationConfig, load
-    from engine.models import step_graph
     from engine.placement import ModelSizes, PlacementConfig, plan_placement
     from engine.sampling import SamplingConfig
     from engine.storage.modelfile import open_model
@@ -259,7 +258,7 @@ def run_ours(spec: dict) -> dict:
         if mode == "mtp" and eng.drafter is None:
             out["modes"][mode] = {"skipped": "the model has no MTP block"}
             continue
-        cache0, usage0, graphs0 = last["cache"], last["usage"], step_graph.counts(eng.model)
+        cache0, usage0, graphs0 = last["cache"], last["usage"], eng.runner.graph_counts()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -268,7 +267,7 @@ def run_ours(spec: dict) -> dict:
         if cuda:
             res["vram_peak_mib"] = torch.cuda.max_memory_allocated() / MiB
         # this mode's captures and replays
-        res["step_graphs"] = {k: v - graphs0[k] for k, v in step_graph.counts(eng.model).items()}
+        res["step_graphs"] = {k: v - graphs0[k] for k, v in eng.runner.graph_counts().items()}
         res["expert_cache"] = _cache_delta(last["cache"], cache0)
         usage = _usage_delta(last["usage"], usage0)
         if res["expert_cache"] is not None:  # what a static cache of each layer's hottest experts would have hit
@@ -280,10 +279,10 @@ def run_ours(spec: dict) -> dict:
                                         for k in spec["share_capacities"]}
         out["modes"][mode] = res
     out["peak_rss_mib"] = decode._peak_rss_mib()
-    graphs = eng.model.step_graphs
+    graphs = eng.runner.graphs
     out["step_graphs"] = {"setting": spec.get("step_graphs", "auto"), "used": graphs is not None,
-                          "head_used": eng.model.mtp is not None and eng.model.mtp.step_graphs is not None,
-                          **step_graph.counts(eng.model)}
+                          "head_used": eng.runner.mtp is not None and eng.runner.mtp.graphs is not None,
+                          **eng.runner.graph_counts()}
     return out
 
 

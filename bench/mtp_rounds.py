@@ -28,7 +28,6 @@ from bench.decode import git_info, machine_info, write_result  # noqa: E402
 from bench.hybrid import prompts_for  # noqa: E402
 from engine.events import EngineConfig, GenerationConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
-from engine.models import step_graph  # noqa: E402
 from engine.sampling import SamplingConfig  # noqa: E402
 
 EMBEDDED = ROOT / "resources" / "models" / "foretell-demo.gguf"
@@ -37,7 +36,7 @@ GREEDY = SamplingConfig(temperature=0.0, top_k=1)
 
 
 def one_mode(eng, prompts: list[list[int]], tokens: int, mtp: bool, draft: int | None) -> dict:  # type: ignore[no-untyped-def]
-    g0 = step_graph.counts(eng.model)
+    g0 = eng.runner.graph_counts()
     n = secs = drafted = accepted = 0
     for ids in prompts:
         eng.reset()
@@ -46,7 +45,7 @@ def one_mode(eng, prompts: list[list[int]], tokens: int, mtp: bool, draft: int |
         r = decode.run_record(final)
         n, secs = n + r["decode_tokens"], secs + r["decode_s"]
         drafted, accepted = drafted + r.get("drafted", 0), accepted + r.get("accepted", 0)
-    graphs = {k: v - g0[k] for k, v in step_graph.counts(eng.model).items()}
+    graphs = {k: v - g0[k] for k, v in eng.runner.graph_counts().items()}
     return {"tok_s": round(n / secs, 1), "decode_tokens": n, "drafted": drafted, "accepted": accepted,
             "graphs": graphs}
 

@@ -373,7 +373,7 @@ def case(plain: Runner, observed: Runner, rec: Recorder, n: int, args: argparse.
                   "threads_idle_share": r["threads_idle"]["idle_share"],
                   "threads_runqueue_wait_share": r["threads_idle"]["runqueue_wait_share"]}
     r["split_uniform"] = {k: v * p for k, v in prof["shares"].items()}
-    r["plain_path"] = "one native call" if isinstance(plain.model._step, ops.FusedStep) else "a call per layer"
+    r["plain_path"] = "one native call" if plain.model.step is not None else "a call per layer"
     r["instrumentation_overhead"] = {"observer": o["median_s"] / p - 1,
                                      "observer_and_profiler": prof["median_pass"]["wall_s"] / p - 1}
     after = probe(args.threads)["best_gb_s"]

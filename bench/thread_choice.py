@@ -105,8 +105,8 @@ def main() -> None:
                     t0 = time.perf_counter_ns()
         return (time.perf_counter_ns() - t0) / (k - 1) / 1e3
 
-    reply_us()  # the first passes run op by op and fuse the step
-    step = eng.model._step
+    reply_us()  # warm-up
+    step = eng.runner.step
     if not step:
         raise SystemExit("bench/thread_choice.py: this model's decode step is not fused (no native backend?)")
     chosen, fixed = step.threads, Fixed()

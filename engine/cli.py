@@ -201,7 +201,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     ids = _parse_ids(args.tokens)
     eng = _engine(args, n_ctx=max(len(ids), 16))
     validate.token_ids(ids, eng.hp.n_vocab)
-    res = eng.model.forward(ids, eng.cache, logit_rows="all", chunked=args.chunked)
+    res = eng.runner.forward(ids, eng.cache, logit_rows="all", chunked=args.chunked)
     np.save(args.out, res.logits.float().numpy())
     print(json.dumps({"out": args.out, "shape": list(res.logits.shape)}))
     return 0

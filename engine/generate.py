@@ -31,10 +31,11 @@ from engine.models.build import load_model
 from engine.memory import available_bytes, plan_memory
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
 from engine.sampling import Sampler
-from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats, Token
+from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats
 from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
+from engine.decoding import Decoder, PlainDecoder, Reply
 from engine.tokenizer import Tokenizer
-from engine import ops, validate
+from engine import validate
 from engine.ops.coverage import product_coverage
 from engine.validate import validate_engine_config, validate_generation
 
@@ -88,14 +89,15 @@ class Engine:
                                   mf.file_size * pc.active // max(pc.total, 1), backend.packs)
         if not self.memory.copies:
             backend = replace(backend, copies=False)
-        self.model = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer,
-                                step_graphs=config.step_graphs)
+        self.runner = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer,
+                                 step_graphs=config.step_graphs)
+        self.model = self.runner.model
         # What loading read of the file (header, sampled tensor ends, vectors copied into floats) is copied now: its
         # pages would otherwise stay resident in this process for nothing.
         release_mapping(mf.gguf.data)
         self.n_ctx = min(config.n_ctx, self.model.n_ctx_max)
-        self.cache = self.model.new_cache(self.n_ctx)
-        self.drafter = MTPDrafter(self.model.mtp, self.n_ctx) if self.model.mtp is not None else None
+        self.cache = self.runner.new_cache(self.n_ctx)
+        self.drafter = MTPDrafter(self.runner.mtp, self.n_ctx) if self.runner.mtp is not None else None
         # Things the user should know about this model (shown by the CLI and the app).
         self.no_mtp_notice = None if self.drafter is not None else \
             f"{mf.path.name} has no MTP block: speculative decoding is off, tokens are decoded one at a time"
@@ -157,7 +159,8 @@ class Engine:
                 self._reset()
                 return None, s
             chunk = todo[s:s + PREFILL_CHUNK]
-            res = self.model.forward(chunk, self.cache, logit_rows="last", chunked=len(chunk) > 1 and not self.model.sequential_prefill)
+            res = self.runner.forward(chunk, self.cache, logit_rows="last",
+                                      chunked=len(chunk) > 1 and not self.runner.sequential_prefill)
             if self.drafter is not None:
                 self.drafter.push(chunk, res.hidden)
             logits = res.logits[-1]
@@ -183,6 +186,11 @@ class Engine:
         finally:
             self._owner = None
             self._lock.release()
+
+    @property
+    def sequence(self) -> list[int]:
+        """The tokens whose effect is in the cache (a copy)."""
+        return list(self._seq)
 
     @property
     def busy(self) -> bool:
@@ -233,7 +241,7 @@ class Engine:
         if use_mtp:  # the MTP head's cache over the prompt is prompt processing too: done before the first token
             self.drafter.catch_up()  # type: ignore[union-attr]
         t_prefill = time.perf_counter()
-        run = _Run(self, ids, gen, sampler)
+        run = Reply(ids, gen, self.tokenizer)
         t_stats = t_prefill
 
         def stats(final: bool = False) -> Stats:
@@ -253,7 +261,10 @@ class Engine:
 
         x = sampler.sample(logits, run.history)
         yield from run.emit([(x, False)])
-        decoder = SpeculativeDecoder(self, self.drafter, sampler, depth, spec) if depth is not None else None
+        plain = PlainDecoder(self.runner, self.cache, self._advance, sampler,
+                             self.drafter.push if self.drafter is not None else None)
+        decoder: Decoder = SpeculativeDecoder(plain, self.drafter, depth, spec) \
+            if depth is not None and self.drafter is not None else plain
         while run.reason is None:
             if stop is not None and stop.is_set():
                 run.reason = "stopped"
@@ -262,96 +273,21 @@ class Engine:
             if room < 0:
                 run.reason = "context_full"
                 break
-            if decoder is not None:
-                x = yield from decoder.step(x, run, room)
-            else:
-                x = yield from self._plain_step(x, run, sampler)
+            x = yield from decoder.step(x, run, room)
             if time.perf_counter() - t_stats >= gen.stats_interval_s:
                 t_stats = time.perf_counter()
                 yield stats()
-        if run.reason not in ("stop_string", "eos"):
-            tail = run.stopper.flush(run.detok.flush())
-            if tail:
-                yield Token([], tail)
+        yield from run.tail()
         if depth is not None:
             depth.remember()
         yield stats(final=True)
         msg = f"the context of {self.n_ctx} tokens is full" if run.reason == "context_full" else ""
         yield Done(run.reason or "max_tokens", msg)
 
-    def advance(self, tokens: list[int], logits: torch.Tensor) -> None:
+    def _advance(self, tokens: list[int], logits: torch.Tensor) -> None:
         """The trunk processed `tokens` (now in the cache); `logits` are those after the last."""
         self._seq.extend(tokens)
         self._last_logits = logits
-
-    def _plain_step(self, x: int, run: "_Run", sampler: Sampler) -> Iterator[Event]:
-        """One token after x without speculation; returns it, emitted."""
-        res = self.model.forward([x], self.cache, logit_rows="last")
-        if self.drafter is not None:  # the head stays in step, for a later reply with MTP on
-            self.drafter.push([x], res.hidden)
-        self.advance([x], res.logits[-1])  # type: ignore[index]
-        nxt = sampler.sample(self._last_logits, run.history)  # type: ignore[arg-type]
-        yield from run.emit([(nxt, False)])
-        return nxt
-
-
-class _Run:
-    """Bookkeeping of one generation: emitted ids, streaming text, stop conditions."""
-
-    def __init__(self, eng: Engine, prompt: list[int], gen: GenerationConfig, sampler: Sampler):
-        self.eng, self.gen = eng, gen
-        self.history = list(prompt)
-        self.out_ids: list[int] = []
-        self.detok = eng.tokenizer.detokenizer(skip_special=True)  # control tokens are never shown
-        self.stopper = _StopStrings(gen.stop_strings)
-        self.t_first: float | None = None
-        self.reason: str | None = None
-
-    def emit(self, tokens: list[tuple[int, bool]]) -> Iterator[Event]:
-        """Emit tokens in order until a stop condition; returns how many were kept."""
-        for i, (tok, from_draft) in enumerate(tokens):
-            self.out_ids.append(tok)
-            self.history.append(tok)
-            if self.t_first is None:
-                self.t_first = time.perf_counter()
-            if tok in self.eng.tokenizer.eog_ids:
-                self.reason = "eos"
-                return i + 1
-            text, hit = self.stopper.push(self.detok.push([tok]))
-            if text or not hit:
-                yield Token([tok], text, from_draft)
-            if hit:
-                self.reason = "stop_string"
-                return i + 1
-            if len(self.out_ids) >= self.gen.max_tokens:
-                self.reason = "max_tokens"
-                return i + 1
-        return len(tokens)
-
-
-class _StopStrings:
-    """Holds back text that could be the start of a stop string; reports when one completes."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.buf = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        self.buf += text
-        for s in self.stops:
-            i = self.buf.find(s)
-            if i >= 0:
-                out, self.buf = self.buf[:i], ""
-                return out, True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out, False
-
-    def flush(self, text: str = "") -> str:
-        out, self.buf = self.buf + text, ""
-        return out
 
 
 def load(path: str | os.PathLike[str] | ModelFile | None = None, config: EngineConfig = EngineConfig(),

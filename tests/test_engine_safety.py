@@ -45,9 +45,10 @@ def test_abandoned_generator_inside_an_accepted_window_keeps_the_next_turn_exact
                 break
     it.close()  # the consumer walks away with the window half-delivered
     assert got == truth[:len(got)]
-    assert eng.consistent() and eng.cache.pos == len(eng._seq) and not eng.busy
+    seq = eng.sequence
+    assert eng.consistent() and eng.cache.pos == len(seq) and not eng.busy
     # The engine recorded exactly what the consumer saw; the next turn reuses it and equals a fresh run.
-    assert eng._seq == (PROMPT + got)[:len(eng._seq)] and len(eng._seq) >= len(PROMPT) + len(got) - 1
+    assert seq == (PROMPT + got)[:len(seq)] and len(seq) >= len(PROMPT) + len(got) - 1
     turn2 = PROMPT + got + [11, 12, 13]
     t2, _, final, _ = collect(eng, turn2, max_tokens=12, mtp=True, draft=2)
     assert final.prefill_tokens < final.prompt_tokens

@@ -64,8 +64,8 @@ def _passes(path, backend: ops.Backend, hooked: bool, observed: bool = True,
         keep(model.mtp.forward(list(range(5, 30)), h, mc, logit_rows="all", hook=hook))
         keep(model.mtp.forward([40, 41], outs[-2][-2:], mc, logit_rows="all", hook=hook))
     if steps is not None:
-        steps.append(model._step)
-    return outs, seen, {k: v.clone() for k, v in model.routing.counts.items()}
+        steps.append(model.step)
+    return outs, seen, {k: v.clone() for k, v in model.model.routing.counts.items()}
 
 
 @pytest.mark.parametrize("backend", NATIVE, ids=lambda b: b.name)
@@ -108,8 +108,7 @@ def test_a_step_given_token_ids_makes_their_embedding_rows_and_refuses_an_id_out
     model = load_model(open_model(fixture_path(UD_Q4_K_M_MOE)), n_ctx=64, backend=NATIVE[-1])
     cache = model.new_cache(64)
     model.forward(list(range(5, 30)), cache, logit_rows="none")
-    model.forward([40], cache)  # the layers are linked into one step after the first pass
-    assert isinstance(model._step, ops.FusedStep) and model._step.embeds
+    assert isinstance(model.step, ops.FusedStep) and model.step.embeds  # decided when the model loads
     snap, pos = snapshot(cache), cache.pos
     by_ids = model.forward([41, 42], cache, logit_rows="all")
     restore(cache, snap, pos)
@@ -162,8 +161,8 @@ def test_the_section_clock_accounts_for_a_fused_pass() -> None:
         assert sec[name].marks > 0 and sec[name].seconds > 0, name
     assert sum(s.seconds for k, s in sec.items() if k not in ("pool_wait", "prefetch")) <= wall
     proj = experts = 0
-    for layer in model.layers:  # the stacks each fused layer's products read, as layer.c binds them
-        w = layer._fused.w
+    for fused in model.fused:  # the stacks each fused layer's products read, as layer.c binds them
+        w = fused.w
         mixer = w.attn if w.attention else w.gdn
         proj += mixer.in_.expert_bytes + mixer.out.expert_bytes
         f = w.ffn

@@ -35,10 +35,10 @@ def test_a_prompt_pass_leaves_each_conv_state_its_own_rows(hooked: bool) -> None
     """A pass leaves a GDN layer's conv state as the last K−1 rows of its input window [K−1+n, C]; as a view it kept
     all n rows alive (a 256-token chunk of a 9B model: 8 MiB per layer, through the rest of the prompt)."""
     eng = load(fixture_path(KQUANT_MOE), EngineConfig(n_ctx=256))
-    m, cache = eng.model, eng.cache
+    r, cache = eng.runner, eng.cache
     hook = (lambda name, il, t: None) if hooked else None  # a hook runs the layers op by op
-    m.forward(list(range(3, 103)), cache, hook=hook)
-    assert all((layer.fused is not None) == (eng.model.sequential_prefill and not hooked) for layer in m.layers)
+    r.forward(list(range(3, 103)), cache, hook=hook)
+    assert all((f is not None) == r.sequential_prefill for f in r.fused)  # the layer-call case had them to call
     for il, st in cache.gdn.items():
         held, own = st.conv.untyped_storage().nbytes(), st.conv.nbytes
         assert held == own, (il, held, own)
@@ -62,7 +62,7 @@ def test_a_prompts_lookups_map_no_page_of_the_embedding_table() -> None:
     m = load(fixture_path(KQUANT_MOE), EngineConfig(n_ctx=512)).model
     prompt = torch.arange(3, 300)
     m.embed(prompt)
-    m.mtp._normed_embeddings(prompt)
+    m.mtp.normed_embeddings(prompt)
     assert _mapped_pages(m.tok_embd.raw) == 0
 
 

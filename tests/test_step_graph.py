@@ -60,8 +60,8 @@ def test_device_positions_need_the_triton_backend() -> None:
 def _engines() -> tuple[Engine, Engine]:
     graphed = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="on"))
     eager = load(fixture_path(Q8_MOE), EngineConfig(n_ctx=64, backend=TRITON, device=str(DEV), step_graphs="off"))
-    assert graphed.model.step_graphs is not None and eager.model.step_graphs is None
-    assert graphed.model.mtp is not None and graphed.model.mtp.step_graphs is not None
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    assert graphed.runner.mtp is not None and graphed.runner.mtp.graphs is not None
     assert graphed.cache.fixed and not eager.cache.fixed
     return graphed, eager
 
@@ -69,7 +69,7 @@ def _engines() -> tuple[Engine, Engine]:
 def _steps(eng: Engine) -> list[torch.Tensor]:
     """Prefill, two decode steps, a 3-row verify committed at its second row, a decode step, another verify
     committed whole: the logits of each pass."""
-    m, c = eng.model, eng.cache
+    m, c = eng.runner, eng.cache
     c.reset()
     m.forward(list(range(5)), c, chunked=True)
     out = [m.forward([7], c).logits, m.forward([8], c).logits]
@@ -94,7 +94,7 @@ def test_graphed_steps_equal_eager_steps_bit_for_bit_through_commits() -> None:
     after = [t for s in graphed.cache.gdn.values() for t in (s.conv, s.ssm)] + \
         [t for kv in graphed.cache.kv.values() for t in (kv.k, kv.v)]
     assert {id(t): t.data_ptr() for t in after} == buffers  # the same tensors at the same addresses throughout
-    graphs = graphed.model.step_graphs
+    graphs = graphed.runner.graphs
     assert graphs is not None
     if CUDA:  # decode (1 row, last logits) and the 3-row verify each captured once and replayed after
         assert graphs.captures == 2 and graphs.replays >= 3
@@ -103,7 +103,7 @@ def test_graphed_steps_equal_eager_steps_bit_for_bit_through_commits() -> None:
 def _drafts(eng: Engine) -> list[torch.Tensor]:
     """The MTP head's passes as a drafter runs them: 2 rows (a kept row and the first draft), then chained single
     rows, then a truncation back and again: their logits."""
-    head = eng.model.mtp
+    head = eng.runner.mtp
     assert head is not None
     c = head.new_cache(64)
     g = torch.Generator().manual_seed(5)
@@ -121,8 +121,8 @@ def test_graphed_draft_passes_equal_eager_ones_bit_for_bit() -> None:
     graphed, eager = _engines()
     a, b = _drafts(graphed), _drafts(eager)
     assert len(a) == 5 and all(torch.equal(x, y) for x, y in zip(a, b))
-    graphs = graphed.model.mtp.step_graphs  # type: ignore[union-attr]
-    assert graphs is not None and {k[0] for k in graphs._passes} == {1, 2}
+    graphs = graphed.runner.mtp.graphs  # type: ignore[union-attr]
+    assert graphs is not None and {k[0] for k in graphs.kinds} == {1, 2}
     if CUDA:
         assert graphs.captures == 2 and graphs.replays >= 2
 
@@ -151,19 +151,19 @@ def test_recorded_passes_are_capturable() -> None:
     ops on the same shapes at every position (no control flow on the position or on results), and none of them
     reads a result on the host; the same for the MTP head's draft pass."""
     eng, _ = _engines()
-    m, c = eng.model, eng.cache
+    r, m, c = eng.runner, eng.model, eng.cache
     c.reset()
-    m.forward(list(range(5)), c, chunked=True)
+    r.forward(list(range(5)), c, chunked=True)
     traces = []
     for toks, rows, capture in (([7], "last", False), ([8], "last", False), ([9, 10, 11], "all", True),
                                 ([12, 13, 14], "all", True)):
-        traces.append(_trace(m.step_graphs, (m.embed(torch.tensor(toks)),), c, rows, capture))
+        traces.append(_trace(r.graphs, (m.embed(torch.tensor(toks)),), c, rows, capture))
         c.pos += len(toks)
     head = m.mtp
-    assert head is not None
+    assert head is not None and r.mtp is not None
     hc = head.new_cache(64)
     for t in range(3):  # chained draft rows at positions 0, 1, 2
-        traces.append(_trace(head.step_graphs, (head._normed_embeddings(torch.tensor([t])),
+        traces.append(_trace(r.mtp.graphs, (head.normed_embeddings(torch.tensor([t])),
                                                 torch.zeros(1, head.hp.n_embd, device=DEV)), hc, "last", False))
         hc.pos += 1
     assert traces[0] == traces[1] and traces[2] == traces[3] and traces[4] == traces[5] == traces[6]
@@ -179,9 +179,8 @@ def _trace(graphs: step_graph.StepGraphs | None, inputs: tuple[torch.Tensor, ...
     """The aten ops of the pass a StepGraphs records for these inputs at cache.pos, checked for host reads."""
     assert graphs is not None
     graphs.run(inputs, cache, rows, capture)  # makes the pass's static buffers (on CUDA: its warm-up)
-    p = graphs._passes[(inputs[0].shape[0], rows, capture)]
     with _Ops() as rec:  # the recorded form itself, what a capture records
-        graphs.record(p.inputs, p.positions(), cache, rows, capture)
+        graphs.record_eagerly(inputs[0].shape[0], rows, capture, cache)
     assert not {name for name, _ in rec.ops} & SYNCS
     assert not [op for op in rec.ops if op[0] in ("index", "index_put_") and any(dt is torch.bool for _, dt in op[1])]
     return rec.ops
@@ -203,8 +202,8 @@ def test_greedy_mtp_equals_plain_with_step_graphs() -> None:
 def test_step_graphs_are_chosen_where_the_trunk_allows_them() -> None:
     native = ops.default_backend()
     eng = load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=native))
-    assert eng.model.step_graphs is None and not eng.cache.fixed  # auto: CUDA only
-    assert step_graph.unsupported(eng.model) == f"layer 0 runs on the {native.name} backend, not Triton's"
+    assert eng.runner.graphs is None and not eng.cache.fixed  # auto: CUDA only
+    assert eng.model.capturable() == f"layer 0 runs on the {native.name} backend, not Triton's"
     with pytest.raises(ValueError, match="cannot run this model: layer 0 runs on the"):
         load(fixture_path(TINY_MOE), EngineConfig(n_ctx=64, backend=native, step_graphs="on"))
     with pytest.raises(ValueError, match="not resident in Triton's kernels"):  # F32 experts: no Triton product

@@ -68,15 +68,15 @@ def test_the_step_runs_on_the_chosen_count_with_the_same_bits() -> None:
 
     def logits() -> torch.Tensor:
         eng.reset()
-        eng.model.forward(ids, eng.cache, logit_rows="last")
-        return eng.model.forward([ids[-1]], eng.cache, logit_rows="last").logits
+        eng.runner.forward(ids, eng.cache, logit_rows="last")
+        return eng.runner.forward([ids[-1]], eng.cache, logit_rows="last").logits
 
-    logits()  # the first passes run op by op and fuse the step
+    logits()  # warm-up
     two = logits()
-    step = eng.model._step
+    step = eng.runner.step
     assert step and step.threads.current(1) == 2
     drive(step.threads, tc.EVERY + tc.PROBE, lambda t, i: 300_000 if t == 2 else 200_000)  # one thread faster
     assert step.threads.current(1) == 1
     one = logits()
-    assert [p.threads for p in step._passes[(1, False)].ps] == [1] * len(step.layers)
+    assert step.pass_threads(1) == [1] * len(step.layers)
     assert torch.equal(one, two)

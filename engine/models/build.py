@@ -9,8 +9,8 @@ import torch
 
 from engine import ops
 from engine.expert_cache import ExpertCache
-from engine.models import step_graph
 from engine.models.mtp import MTPHead
+from engine.models.runner import Runner
 from engine.models.qwen35 import (AttentionWeights, DecoderLayer, DenseFFN, DenseWeights, GatedAttention,
                                   GatedDeltaNet, GDNWeights, MoE, MoEWeights, Qwen35Model, RoutingStats)
 from engine.placement import Plan
@@ -106,12 +106,21 @@ def _indexed(dev: torch.device) -> torch.device:
 
 def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
                plan: Plan | None = None, backend: ops.Backend | None = None,
-               on_layer: Callable[[int, int], None] | None = None, step_graphs: str = "auto") -> Qwen35Model:
+               on_layer: Callable[[int, int], None] | None = None, step_graphs: str = "auto") -> Runner:
+    """The model of `src` (build_model's arguments) with its passes' execution decided (engine.models.runner):
+    layers fused where their backend runs them in one call, decode steps and verify passes replayed from CUDA graphs
+    where the trunk allows it (`step_graphs`: "auto", "on", "off")."""
+    return Runner(build_model(src, device, n_ctx, plan, backend, on_layer), step_graphs)
+
+
+def build_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int | None = None,
+                plan: Plan | None = None, backend: ops.Backend | None = None,
+                on_layer: Callable[[int, int], None] | None = None) -> Qwen35Model:
     """The model of `src` with weights on `device`, or where `plan` puts them (engine.placement): trunk layers on
     the plan's accelerator or the CPU, routed experts resident, on the CPU, or on the CPU with a GPU cache. Every
     weight is bound to `backend`'s kernels (default: the fastest this machine runs) on its device.
-    `on_layer(done, total)` is called after each block (progress; it may raise to cancel). `step_graphs`: decode
-    steps and verify passes replayed from CUDA graphs where the trunk allows it (engine.models.step_graph)."""
+    `on_layer(done, total)` is called after each block (progress; it may raise to cancel). The math only: training
+    runs it as it is, inference through load_model's Runner."""
     hp = src.hparams
     backend = backend or ops.default_backend()
     cpu = torch.device("cpu")
@@ -149,5 +158,4 @@ def load_model(src: WeightSource, device: torch.device | str = "cpu", n_ctx: int
             mtp_dev)
         if on_layer is not None:
             on_layer(total, total)
-    step_graph.attach(model, step_graphs)
     return model

@@ -1,17 +1,13 @@
 """The multi-token-prediction block (spec §3.6): Qwen3.5/3.6's built-in draft model."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine import ops
 from engine.cache import Cache
-from engine.models.qwen35 import STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, embed_rows
+from engine.models.qwen35 import (STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, check_room,
+                                  embed_rows, id_tensor)
 from engine.ops import Linear
-
-if TYPE_CHECKING:
-    from engine.models.step_graph import StepGraphs
 
 # Normed embedding rows the MTP head keeps (4096 × 2048 float32 = 32 MiB on a 35B model).
 EMBEDDED_ROWS = 4096
@@ -35,12 +31,17 @@ class MTPHead:
         self.layer, self.eh_proj, self.enorm, self.hnorm = layer, eh_proj, enorm, hnorm
         self.head_norm, self.embed, self.head = head_norm, embed, head
         self._embedded: dict[int, torch.Tensor] = {}  # token → its normed embedding row (inference only)
-        self.step_graphs: StepGraphs | None = None  # draft passes replayed (engine.models.step_graph)
 
     def new_cache(self, n_ctx: int) -> Cache:
         return Cache(self.hp, min(n_ctx, self.model.n_ctx_max), self.device, layers=(self.il,))
 
-    def _normed_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+    def capturable(self) -> str | None:
+        """Why the head's passes cannot be recorded as CUDA graphs on the trunk's device (None: they can)."""
+        if self.device != self.model.device or self.head.device != self.model.device:
+            return "the MTP head is not on the trunk's device"
+        return self.layer.capturable()
+
+    def normed_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """RMSNorm(embed(x); enorm) of each token. A function of the token alone, so at inference the rows of
         the last few thousand tokens seen are kept (each computed as a one-row pass computes it: norms are
         per-row, batch-invariant), sparing a draft its dequantize and norm ops."""
@@ -62,31 +63,33 @@ class MTPHead:
 
     def forward(self, tokens: torch.Tensor | list[int], hidden: torch.Tensor, cache: Cache, *,
                 logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
-        """Rows (tokens[i], hidden[i]) at positions cache.pos…; returns the head's post-norm hidden rows
+        """Rows (tokens[i], hidden[i]) at positions cache.pos…, op by op; returns the head's post-norm hidden rows
         (the next chained "h") and the draft logits."""
-        cb = hook or _noop
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        ids = id_tensor(tokens).reshape(-1)
         n, pos = ids.numel(), cache.pos
-        if pos + n > cache.n_ctx:
-            raise ValueError(f"{n} MTP rows at position {pos} exceed the cache of {cache.n_ctx}")
-        e = self._normed_embeddings(ids)
-        if self.step_graphs is not None and hook is None and n <= STEP_ROWS:
-            res = self.step_graphs.run((e, hidden.to(self.device)), cache, logit_rows, False)
-        else:
-            res = self.rows_pass(e, hidden, cache, ops.Positions(n, pos), logit_rows, cb)
+        check_room(cache, pos, n)
+        res = self.rows_pass(self.normed_embeddings(ids), hidden, cache, ops.Positions(n, pos), logit_rows,
+                             hook or _noop)
         cache.pos = pos + n
         return res
 
     def rows_pass(self, e: torch.Tensor, hidden: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str,
                   cb: Hook = _noop) -> ForwardResult:
-        """The head over normed embedding rows e and trunk hidden rows at positions `at`: the body of `forward`,
-        and what a captured draft pass records. The caller advances cache.pos."""
-        eps = self.hp.rms_eps
-        h = ops.rms_norm(hidden.to(self.device), self.hnorm, eps, self.layer.backend)
+        """The head over normed embedding rows e and trunk hidden rows at positions `at`, op by op: the body of
+        `forward`, and what a captured draft pass records. The caller advances cache.pos."""
+        x = self.layer(self.project(e, hidden, cb), cache, at, self.model.rope(self.device), cb, None, False)
+        return self.finish(x, logit_rows, cb)
+
+    def project(self, e: torch.Tensor, hidden: torch.Tensor, cb: Hook = _noop) -> torch.Tensor:
+        """The block's input rows: W_eh [e ; RMSNorm(h; hnorm)]."""
+        h = ops.rms_norm(hidden.to(self.device), self.hnorm, self.hp.rms_eps, self.layer.backend)
         x = ops.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         cb("mtp_eh_proj", self.il, x)
-        x = self.layer(x, cache, at, self.model.rope(self.device), cb, None, False)
-        out = ops.rms_norm(x, self.head_norm, eps, self.layer.backend)
+        return x
+
+    def finish(self, x: torch.Tensor, logit_rows: str, cb: Hook = _noop) -> ForwardResult:
+        """After the block: shared_head_norm (the next chained h) and the LM head's rows `logit_rows`."""
+        out = ops.rms_norm(x, self.head_norm, self.hp.rms_eps, self.layer.backend)
         cb("mtp_result_norm", self.il, out)
         logits = None
         if logit_rows != "none":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,12 +23,9 @@ from engine.storage.modelfile import HParams
 from engine.storage.pages import read_rows
 from engine.storage.qtensor import QTensor
 
-if TYPE_CHECKING:
-    from engine.models.step_graph import StepGraphs
-
 Hook = Callable[[str, int, torch.Tensor], None]
 
-# Passes of up to this many rows are decode steps and verify passes (at most speculative.MAX_DEPTH + 1 rows); longer
+# Passes of up to this many rows are decode steps and verify passes (at most engine.events.MAX_DRAFT + 1 rows); longer
 # ones process a prompt, or the MTP head's catch-up over one.
 STEP_ROWS = 16
 
@@ -49,8 +46,13 @@ def _noop(name: str, il: int, t: torch.Tensor) -> None:
     return None
 
 
-def _id_tensor(ids: torch.Tensor | list[int]) -> torch.Tensor:
+def id_tensor(ids: torch.Tensor | list[int]) -> torch.Tensor:
     return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+
+
+def check_room(cache: Cache, pos: int, n: int) -> None:
+    if pos + n > cache.n_ctx:
+        raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
 
 
 # --- norms and rotary embedding ------------------------------------------------------------------
@@ -295,15 +297,37 @@ class DecoderLayer:
                  backend: ops.Backend):
         self.il, self.attn_norm, self.post_norm, self.mixer, self.ffn, self.eps = il, attn_norm, post_norm, mixer, ffn, eps
         self.device, self.backend = device, backend
-        self._fused: ops.FusedLayer | None | bool = False  # the layer in one call (False: not yet decided)
 
-    @property
-    def fusion_decided(self) -> bool:
-        return self._fused is not False
+    def state(self, cache: Cache) -> GDNState | KVLayer:
+        """This layer's part of a sequence's cache: its GDN state, or its attention KV."""
+        return cache.gdn[self.il] if isinstance(self.mixer, GatedDeltaNet) else cache.kv[self.il]
 
-    @property
-    def fused(self) -> ops.FusedLayer | None:
-        return self._fused if isinstance(self._fused, ops.FusedLayer) else None
+    def routed(self, idx: torch.Tensor) -> None:
+        """Count a pass's routed expert ids in the model's routing statistics (a pass that ran the layer in one
+        native call reports them here; op by op, MoE counts its own)."""
+        if isinstance(self.ffn, MoE) and self.ffn.stats is not None:
+            self.ffn.stats.add(self.il, idx, self.ffn.hp.n_expert)
+
+    def routing_counter(self) -> torch.Tensor | None:
+        """The counts [n_expert] a native decode step adds this layer's routed ids to (None: not a MoE layer, or
+        one whose routing is not counted)."""
+        f = self.ffn
+        if not isinstance(f, MoE) or f.stats is None:
+            return None
+        return f.stats.counter(self.il, f.hp.n_expert, torch.device("cpu"))
+
+    def capturable(self) -> str | None:
+        """Why this layer's passes cannot be recorded as a CUDA graph (None: they can): every kernel Triton's, no op
+        observer (its events read results on the host), routed experts resident in Triton's kernels."""
+        if self.backend.kind != "triton":
+            return f"layer {self.il} runs on the {self.backend.name} backend, not Triton's"
+        if self.backend.observer is not None:
+            return "op observers read results on the host"
+        if isinstance(self.ffn, MoE):
+            why = self.ffn.w.experts.capturable()
+            if why is not None:
+                return f"layer {self.il}'s {why}"
+        return None
 
     def spec(self) -> ops.LayerSpec:
         """The layer's weights, for ops.fuse_layer."""
@@ -323,21 +347,9 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, cache: Cache, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
                  cb: Hook, capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
-        """out = h + ffn(norm(h)), h = x + mixer(norm(x)): below op by op, which is what hooks see; without a hook
-        in one native call where the backend runs the whole layer (ops.fuse_layer, the same bits)."""
+        """out = h + ffn(norm(h)), h = x + mixer(norm(x)), op by op: what hooks see (engine.models.runner runs the
+        same layer in one native call where the backend can, with the same bits)."""
         il = self.il
-        if cb is _noop and not chunked and at.start is not None:
-            pos = at.start
-            if self._fused is False:
-                self._fused = ops.fuse_layer(self.spec(), self.backend)
-            if self._fused is not None:
-                state = cache.gdn[il] if isinstance(self.mixer, GatedDeltaNet) else cache.kv[il]
-                out, idx = self._fused(x, state, pos, rope, capture, il)  # type: ignore[operator]
-                if capture is None and isinstance(state, GDNState):
-                    state.own_conv()
-                if idx is not None and isinstance(self.ffn, MoE) and self.ffn.stats is not None:
-                    self.ffn.stats.add(il, idx, self.ffn.hp.n_expert)
-                return out
         a = ops.rms_norm(x, self.attn_norm, self.eps, self.backend)
         cb("attn_norm", il, a)
         if isinstance(self.mixer, GatedDeltaNet):
@@ -366,15 +378,15 @@ class ForwardResult:
 
 class Qwen35Model:
     """The trunk of a qwen35 / qwen35moe GGUF (and its MTP block, `mtp`, when present), as built by
-    engine.models.build.load_model: layers on their devices, weights bound to their kernels."""
+    engine.models.build: layers on their devices, weights bound to their kernels. The math only: `forward` runs a
+    pass op by op; how a pass is executed in production (one native call, a replayed CUDA graph) is
+    engine.models.runner's business."""
 
     def __init__(self, hp: HParams, layers: list[DecoderLayer], tok_embd: ops.Weight, output: Linear,
                  output_norm: torch.Tensor, n_ctx: int, device: torch.device, accelerator: torch.device,
                  routing: RoutingStats, expert_caches: dict[int, ExpertCache]):
         self.hp = hp
         self.layers = layers
-        self._linked = False  # the fused layers told what follows each (ops.link_layers)
-        self._step: ops.FusedStep | None | bool = False  # a decode step's layers in one call (False: not yet decided)
         self.layer_devices = [layer.device for layer in layers]
         self.tok_embd = tok_embd  # row lookups: stays where the file is
         self.output = output
@@ -387,14 +399,6 @@ class Qwen35Model:
         self.mtp = None  # the MTP head (engine.models.mtp.MTPHead), attached by the builder
         self._rope_cpu = rope_tables(n_ctx, hp.n_rot, hp.rope_base)
         self._ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.step_graphs: StepGraphs | None = None  # decode steps and verify passes replayed (engine.models.step_graph)
-
-    @property
-    def sequential_prefill(self) -> bool:
-        """Whether prefill should run the GDN recurrence token by token instead of the chunk-parallel form: where
-        every layer's delta rule is native, one sweep per token with the state in cache is the faster form
-        (bench/results/verify.json: 512-token prefill, sequential vs chunked), and prefill gets decoding's bits."""
-        return all(layer.backend.native for layer in self.layers)
 
     def rope(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables on `dev` (one copy per device in use)."""
@@ -403,61 +407,39 @@ class Qwen35Model:
             r = self._ropes[dev] = (self._rope_cpu[0].to(dev), self._rope_cpu[1].to(dev))
         return r
 
-    def new_cache(self, n_ctx: int) -> Cache:
-        """A sequence's state; with step graphs, in fixed buffers (the graphs record their addresses)."""
+    def new_cache(self, n_ctx: int, fixed: bool = False) -> Cache:
+        """A sequence's state; `fixed`: every state kept in the buffers it was allocated in (CUDA graphs record
+        their addresses)."""
         return Cache(self.hp, min(n_ctx, self.n_ctx_max), self.device,
-                     devices={i: d for i, d in enumerate(self.layer_devices)}, fixed=self.step_graphs is not None)
+                     devices={i: d for i, d in enumerate(self.layer_devices)}, fixed=fixed)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embed_rows(self.tok_embd, tokens, self.layer_devices[0] if self.layers else self.device)
+    def embed(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        return embed_rows(self.tok_embd, id_tensor(tokens), self.layer_devices[0] if self.layers else self.device)
+
+    def capturable(self) -> str | None:
+        """Why the trunk's passes cannot be recorded as CUDA graphs (None: they can): every layer and the LM head on
+        one device, and every layer capturable (DecoderLayer.capturable)."""
+        dev = self.device
+        if any(d != dev for d in self.layer_devices) or self.output.device != dev:
+            return "the trunk is split between devices"
+        return next((why for why in (layer.capturable() for layer in self.layers) if why is not None), None)
 
     def forward(self, tokens: torch.Tensor | list[int], cache: Cache, *, logit_rows: str = "last",
                 capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:
-        """Run N new tokens at positions cache.pos … cache.pos+N−1 and advance the cache.
+        """Run N new tokens at positions cache.pos … cache.pos+N−1 op by op and advance the cache.
 
         logit_rows: "last", "all" or "none". capture: keep the GDN states after every position (verify).
         chunked: use the chunk-parallel delta rule (long prefills; equal to the recurrence to ~1e-6).
         """
-        # a list stays one: a fused step that embeds takes the ids as they are (no tensor of them per decode step)
-        ids = tokens if isinstance(tokens, list) else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        n, pos, step = len(ids), cache.pos, self._step
-        if pos + n > cache.n_ctx:
-            raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
-        if self.step_graphs is not None and hook is None and not chunked and n <= STEP_ROWS and cache.fixed:
-            res = self.step_graphs.run((self.embed(_id_tensor(ids)),), cache, logit_rows, capture)
-        elif n <= STEP_ROWS and hook is None and not chunked and isinstance(step, ops.FusedStep):
-            # decode steps and verify passes: the embedding rows (where the step reads the table), every layer, the
-            # final norm and the head in one native call
-            want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
-            rows = ids if step.embeds and isinstance(ids, list) else self.embed(_id_tensor(ids))
-            h, logits = step(rows, cache, pos, self.rope(self.device), want, cap)
-            if want and logits is None:
-                logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
-            elif logits is not None and logit_rows == "last" and n > 1:
-                logits = logits[-1:]
-            res = ForwardResult(h, logits, cap)
-        else:
-            cb = hook or _noop
-            x = self.embed(_id_tensor(ids))
-            cb("inp_embd", -1, x)
-            res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
-            if not self._linked and all(layer.fusion_decided for layer in self.layers):
-                self._linked = ops.link_layers([layer.fused for layer in self.layers], self.output)
-            if self._linked and self._step is False:
-                self._step = self._fuse_step()
+        ids = id_tensor(tokens).reshape(-1)
+        n, pos = len(ids), cache.pos
+        check_room(cache, pos, n)
+        cb = hook or _noop
+        x = self.embed(ids)
+        cb("inp_embd", -1, x)
+        res = self.rows_pass(x, cache, ops.Positions(n, pos), logit_rows, capture, chunked, cb)
         cache.pos = pos + n
         return res
-
-    def _fuse_step(self) -> ops.FusedStep | None:
-        """The trunk's fused layers, final norm and head as one call per decode step, where every layer is fused on
-        the CPU and the head is there too."""
-        cpu = torch.device("cpu")
-        if any(layer.device != cpu for layer in self.layers) or self.device != cpu:
-            return None
-        counters = [self.routing.counter(layer.il, self.hp.n_expert, cpu)
-                    if isinstance(layer.ffn, MoE) and layer.ffn.stats is self.routing else None for layer in self.layers]
-        return ops.fuse_step([layer.fused for layer in self.layers], [layer.il for layer in self.layers], counters,
-                             self.output_norm, self.hp.rms_eps, self.output, self.tok_embd)
 
     def rows_pass(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
                   chunked: bool = False, cb: Hook = _noop) -> ForwardResult:
@@ -468,11 +450,14 @@ class Qwen35Model:
             if x.device != layer.device:
                 x = x.to(layer.device)
             x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
+        return self.finish(x, logit_rows, cap, cb)
+
+    def finish(self, x: torch.Tensor, logit_rows: str, cap: CapturedStates | None, cb: Hook = _noop) -> ForwardResult:
+        """After the last layer: the final norm and the LM head's rows `logit_rows`."""
         h = ops.rms_norm(x.to(self.device), self.output_norm, self.hp.rms_eps, self.output.backend)
         cb("result_norm", -1, h)
         logits = None
         if logit_rows != "none":
-            rows = h if logit_rows == "all" else h[-1:]
-            logits = ops.linear(rows, self.output)
+            logits = ops.linear(h if logit_rows == "all" else h[-1:], self.output)
             cb("result_output", -1, logits)
         return ForwardResult(h, logits, cap)

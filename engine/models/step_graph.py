@@ -21,77 +21,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from engine import ops
 from engine.cache import Cache
-
-if TYPE_CHECKING:
-    from engine.models.qwen35 import DecoderLayer, ForwardResult, Qwen35Model
+from engine.models.qwen35 import ForwardResult
 
 log = logging.getLogger(__name__)
-
-MODES = ("auto", "on", "off")  # EngineConfig.step_graphs
-
-
-def unsupported(model: Qwen35Model) -> str | None:
-    """Why the model's decode step cannot be captured (None: it can): every layer and the LM head on one device,
-    every kernel Triton's, routed experts resident (an expert cache's lookups run on the host), no op observer (its
-    events read results on the host). The MTP head's passes are captured where its own block passes the same test
-    on that device."""
-    dev = model.device
-    if any(d != dev for d in model.layer_devices) or model.output.device != dev:
-        return "the trunk is split between devices"
-    for layer in model.layers:
-        why = _layer_unsupported(layer)
-        if why is not None:
-            return why
-    return None
-
-
-def _layer_unsupported(layer: DecoderLayer) -> str | None:
-    from engine.models.qwen35 import MoE
-
-    if layer.backend.kind != "triton":
-        return f"layer {layer.il} runs on the {layer.backend.name} backend, not Triton's"
-    if layer.backend.observer is not None:
-        return "op observers read results on the host"
-    if isinstance(layer.ffn, MoE):
-        ex = layer.ffn.w.experts
-        if ex.cache is not None or ex.kind != "triton":
-            return f"layer {layer.il}'s routed experts are not resident in Triton's kernels"
-    return None
-
-
-def counts(model: Qwen35Model) -> dict[str, int]:
-    """Captures and replays so far of the trunk's step graphs and the MTP head's (0 where it has none)."""
-    head = model.mtp.step_graphs if model.mtp is not None else None
-    return {f"{who}{k}": getattr(g, k) if g is not None else 0
-            for who, g in (("", model.step_graphs), ("head_", head)) for k in ("captures", "replays")}
-
-
-def attach(model: Qwen35Model, mode: str) -> None:
-    """Give the model (and its MTP head, where it can) step graphs as `mode` says: "auto" where the trunk is wholly
-    on a CUDA device and capturable, "on" also on the CPU (the recorded form run eagerly: tests), "off" never."""
-    if mode not in MODES:
-        raise ValueError(f"step_graphs must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "off":
-        return
-    why = unsupported(model)
-    if why is None and (mode == "on" or model.device.type == "cuda"):
-        model.step_graphs = StepGraphs(model.device, lambda ins, at, cache, rows, capture:
-                                       model.rows_pass(ins[0], cache, at, rows, capture))
-        head = model.mtp
-        if head is not None and head.device == model.device and head.head.device == model.device \
-                and _layer_unsupported(head.layer) is None:
-            head.step_graphs = StepGraphs(head.device, lambda ins, at, cache, rows, capture:
-                                          head.rows_pass(ins[0], ins[1], cache, at, rows))
-    elif mode == "on":
-        raise ValueError(f"step graphs cannot run this model: {why}")
-    elif model.device.type == "cuda":
-        log.info("decode steps run op by op: %s", why)
 
 
 @dataclass
@@ -110,7 +48,7 @@ class _Pass:
 
 
 # (static inputs, positions, cache, logit rows, capture) → the pass's result: what a StepGraphs records
-Record = Callable[[tuple[torch.Tensor, ...], ops.Positions, Cache, str, bool], "ForwardResult"]
+Record = Callable[[tuple[torch.Tensor, ...], ops.Positions, Cache, str, bool], ForwardResult]
 
 
 class StepGraphs:
@@ -145,6 +83,17 @@ class StepGraphs:
         p.start.fill_(cache.pos)
         out = self._run(p, lambda: self.record(p.inputs, p.positions(), cache, logit_rows, capture))
         return type(out)(out.hidden.clone(), None if out.logits is None else out.logits.clone(), out.captured)
+
+    @property
+    def kinds(self) -> list[tuple[int, str, bool]]:
+        """The kinds of pass made so far: (rows, logit rows, capture)."""
+        return list(self._passes)
+
+    def record_eagerly(self, n: int, logit_rows: str, capture: bool, cache: Cache) -> ForwardResult:
+        """The recorded form of a kind of pass already made, run eagerly on its static inputs and device positions:
+        what a capture records (tests check that it reads nothing on the host)."""
+        p = self._passes[(n, logit_rows, capture)]
+        return self.record(p.inputs, p.positions(), cache, logit_rows, capture)
 
     def _run(self, p: _Pass, body: Callable[[], ForwardResult]) -> ForwardResult:
         p.runs += 1

@@ -268,6 +268,11 @@ class FusedStep:
             after()
         return h, lg
 
+    def pass_threads(self, n: int, capture: bool = False) -> list[int]:
+        """The thread count each layer of the n-row pass (with or without captured states) was last given."""
+        ps = self._passes.get((n, capture))
+        return [p.threads for p in ps.ps] if ps is not None else []
+
     @staticmethod
     def _in_place(ps: _Passes) -> None:
         for i, (p, st, _, _) in enumerate(ps.gdn):
@@ -412,12 +417,12 @@ def fuse_layer(spec: LayerSpec, backend: Backend) -> FusedLayer | None:
 
 
 
-def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> bool:
+def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> None:
     """Tell each fused layer what the pass reads after it (the next layer's input projection; after the last, the
-    output head's bytes where its product is native), so that the pool's workers fetch those over the gap between
-    the two calls (layer.c: pool_prefetch). Only bytes kept alive elsewhere are named: a layer's stacks live in its
-    `keep`, the head's in the Linear. Returns False while the head is still to be packed (link again later)."""
-    settled = True
+    output head's bytes where its product is native: packed now, where the backend packs it, so the bytes named are
+    the ones its products read), so that the pool's workers fetch those over the gap between the two calls (layer.c:
+    pool_prefetch). Only bytes kept alive elsewhere are named: a layer's stacks live in its `keep`, the head's in the
+    Linear."""
     for cur, nxt in zip(layers, [*layers[1:], None]):
         if cur is None:
             continue
@@ -427,9 +432,7 @@ def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> bool:
             s = nxt.w.attn.in_ if nxt.w.attention else nxt.w.gdn.in_
             cur.w.next_p, cur.w.next_end = s.w, s.w + s.expert_bytes
         elif isinstance(head, NativeLinear):
+            head.pack()
             t = head.packed if head.packed is not None else head.weight.raw
-            if head.packed is None and head.backend.packs and head.weight.qtype in native.PACKED_CODE:
-                t, settled = None, False  # packed on its first product: these bytes are about to be dropped
         if t is not None and t.is_contiguous():
             cur.w.next_p, cur.w.next_end = t.data_ptr(), t.data_ptr() + t.nbytes
-    return settled

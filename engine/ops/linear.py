@@ -141,7 +141,7 @@ class NativeLinear(Linear):
 
 
 # TritonLinear: passes of up to this many rows run the batch-invariant GEMV: every decode step and verify pass (up to
-# speculative.MAX_DEPTH + 1 = 9 rows: a verify at depth 8 in bfloat16 would not have a decode step's bits)
+# MAX_DRAFT + 1 = 9 rows: a verify at depth 8 in bfloat16 would not have a decode step's bits)
 GEMV_ROWS = 16
 BF16_TILE_ELEMENTS = 1 << 24  # TritonLinear, longer passes: weight values dequantized to bfloat16 at a time
 

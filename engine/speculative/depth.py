@@ -5,8 +5,6 @@ from dataclasses import dataclass, field
 
 from engine.events import MAX_DRAFT, SpeculativeStats, SpeculativeTimes
 
-MAX_DEPTH = MAX_DRAFT  # the old name, until its users move to MAX_DRAFT
-
 
 @dataclass
 class SpecStats:

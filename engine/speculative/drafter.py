@@ -8,9 +8,9 @@ from typing import Sequence
 import torch
 
 from engine.cache import Cache
-from engine.models.mtp import MTPHead
+from engine.models.runner import HeadRunner
 from engine.sampling import Sampler
-from engine.speculative.depth import MAX_DEPTH
+from engine.events import MAX_DRAFT
 
 CATCH_UP_CHUNK = 256
 
@@ -30,11 +30,11 @@ class MTPDrafter:
     are run with prefill (`catch_up`).
     """
 
-    def __init__(self, head: MTPHead, n_ctx: int):
+    def __init__(self, head: HeadRunner, n_ctx: int):
         self.head = head
         self.cache: Cache = head.new_cache(n_ctx)
         d = head.hp.n_embd
-        self.last_hidden = torch.zeros(d, device=head.model.device)  # h_{-1} = 0
+        self.last_hidden = torch.zeros(d, device=head.trunk_device)  # h_{-1} = 0
         self.pending_tokens: list[int] = []
         self.pending_hidden: list[torch.Tensor] = []
         self._committed = 0  # head positions computed from true trunk hiddens
@@ -68,7 +68,7 @@ class MTPDrafter:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty)."""
         out = Draft([], [])
-        if len(self.pending_tokens) > MAX_DEPTH + 1:  # a backlog (steps decoded without drafting): caught up on
+        if len(self.pending_tokens) > MAX_DRAFT + 1:  # a backlog (steps decoded without drafting): caught up on
             t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
             self.catch_up()
             out.catch_up_s = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Acceptance of drafts (greedy and rejection sampling) and the speculative decoding step.
+"""Acceptance of drafts (greedy and rejection sampling) and the speculative decoder (engine.decoding's step shape).
 
 A step either decodes one token plainly, optionally drafting one token beside it as a shadow probe (the head's
 guess compared with the trunk's own next token: acceptance learnt without a verify pass), or drafts K tokens,
@@ -9,34 +9,34 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Generator, Sequence
+from typing import Generator, Sequence
 
 import torch
 
+from engine.decoding import PlainDecoder, Reply
 from engine.events import Event
 from engine.sampling import Sampler
 from engine.speculative.depth import DepthController, SpecStats
 from engine.speculative.drafter import Draft, MTPDrafter
 
-if TYPE_CHECKING:  # the engine drives the decoder; the decoder reads its model, cache and sequence
-    from engine.generate import Engine, _Run
-
 
 class SpeculativeDecoder:
-    """One reply's speculative decoding: the depth controller picks each step's depth (0: plain)."""
+    """One reply's speculative decoding over the plain decoder's seam (the runner, the cache, the advance callback):
+    the depth controller picks each step's depth (0: a plain step)."""
 
-    def __init__(self, eng: Engine, drafter: MTPDrafter, sampler: Sampler, depth: DepthController, stats: SpecStats):
-        self.eng, self.drafter, self.sampler, self.depth, self.stats = eng, drafter, sampler, depth, stats
+    def __init__(self, plain: PlainDecoder, drafter: MTPDrafter, depth: DepthController, stats: SpecStats):
+        self.plain, self.drafter, self.depth, self.stats = plain, drafter, depth, stats
+        self.runner, self.cache, self.sampler = plain.runner, plain.cache, plain.sampler
 
-    def step(self, x: int, run: _Run, room: int) -> Generator[Event, None, int]:
+    def step(self, x: int, run: Reply, room: int) -> Generator[Event, None, int]:
         """Decode after x (emitted, not yet processed by the trunk); returns the new last token, emitted."""
         k = self.depth.choose(room)
         if k == 0:
             return (yield from self._plain(x, run, room))
         return (yield from self._speculative(x, k, run))
 
-    def _plain(self, x: int, run: _Run, room: int) -> Generator[Event, None, int]:
-        eng, sampler, spec, depth = self.eng, self.sampler, self.stats, self.depth
+    def _plain(self, x: int, run: Reply, room: int) -> Generator[Event, None, int]:
+        sampler, spec, depth = self.sampler, self.stats, self.depth
         probe = None
         if depth.probe_now(room):  # shadow probe: one draft, no verify
             t_probe = time.perf_counter()
@@ -44,14 +44,8 @@ class SpeculativeDecoder:
             probe_s = time.perf_counter() - t_probe
             spec.draft_s += probe_s
         t_step = time.perf_counter()
-        res = eng.model.forward([x], eng.cache, logit_rows="last")
-        if probe is not None:  # the head already holds x's row: keep it, pair the next token with res
-            self.drafter.commit(0, [x], res.hidden)
-        else:
-            self.drafter.push([x], res.hidden)
-        logits = res.logits[-1]  # type: ignore[index]
-        eng.advance([x], logits)
-        nxt = sampler.sample(logits, run.history)
+        # after a probe the head already holds x's row: keep it, pair the next token with the trunk's row
+        nxt, logits = self.plain.next_token(x, run, self._after_probe if probe is not None else None)
         dt = time.perf_counter() - t_step
         spec.plain_steps += 1
         spec.decode_s += dt
@@ -64,15 +58,18 @@ class SpeculativeDecoder:
         yield from run.emit([(nxt, False)])
         return nxt
 
-    def _speculative(self, x: int, k: int, run: _Run) -> Generator[Event, None, int]:
+    def _after_probe(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
+        self.drafter.commit(0, tokens, hidden)
+
+    def _speculative(self, x: int, k: int, run: Reply) -> Generator[Event, None, int]:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
-        eng, sampler, spec, depth = self.eng, self.sampler, self.stats, self.depth
+        sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         t0 = time.perf_counter()
         draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min)
         t1 = time.perf_counter()
-        pos0 = eng.cache.pos
+        pos0 = cache.pos
         seq = [x] + draft.tokens
-        res = eng.model.forward(seq, eng.cache, logit_rows="all", capture=True)
+        res = self.runner.forward(seq, cache, logit_rows="all", capture=True)
         t2 = time.perf_counter()
         # run.history ends with x: it was emitted by the previous step
         if sampler.cfg.greedy:
@@ -89,10 +86,10 @@ class SpeculativeDecoder:
             kept = kept or max(len(run.out_ids) - n_out, 1)
             t3 = time.perf_counter()
             c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
-            eng.cache.commit(res.captured, c)  # type: ignore[arg-type]
-            eng.cache.truncate(pos0 + c + 1)
+            cache.commit(res.captured, c)  # type: ignore[arg-type]
+            cache.truncate(pos0 + c + 1)
             self.drafter.commit(c, seq, res.hidden)
-            eng.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
+            self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
         spec.record(len(draft.tokens), n_acc)
         spec.draft_s += t1 - t0

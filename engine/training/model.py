@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.storage.modelfile import HParams, expected_tensors
-from engine.models.build import load_model
+from engine.models.build import build_model
 from engine.models.qwen35 import Qwen35Model
 from engine.training.layers import for_training
 
@@ -54,7 +54,7 @@ class ModelParams(nn.Module):
         """A model over the current parameters (rebuilt every step: derived tensors such as ssm_a must
         be recomputed from the parameters inside each step's autograd graph). Its passes hold `n_seq`
         independent sequences of equal length, flattened one after the other."""
-        m = load_model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
+        m = build_model(self, device=next(self.parameters()).device, n_ctx=n_ctx)
         return for_training(m, n_seq, gdn_chunk)
 
     def export_tensors(self) -> dict[str, np.ndarray]:

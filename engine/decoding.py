@@ -1,0 +1,120 @@
+"""One reply's decoding: its bookkeeping (`Reply`) and the plain decoder.
+
+A decoder's `step(x, reply, room)` decodes after token x (emitted, not yet run by the trunk) and returns the new last
+token, emitted; it yields the reply's events on the way. The plain decoder here and the speculative one
+(engine.speculative.verify) share that shape and one seam: the runner's passes, the sequence's cache and an
+`advance(tokens, logits)` callback that records what the trunk has processed. Neither knows the Engine.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Generator, Iterator, Protocol, Sequence
+
+import torch
+
+from engine.cache import Cache
+from engine.events import Event, GenerationConfig, Token
+from engine.models.runner import Runner
+from engine.sampling import Sampler
+from engine.tokenizer import Tokenizer
+
+# the trunk processed `tokens` (now in the cache); `logits` are those after the last
+Advance = Callable[[list[int], torch.Tensor], None]
+# the MTP head told of the trunk's rows: `tokens` and their post-norm hidden rows (MTPDrafter.push)
+KeepHead = Callable[[Sequence[int], torch.Tensor], None]
+
+
+class StopStrings:
+    """Holds back text that could be the start of a stop string; reports when one completes."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0:
+                out, self.buf = self.buf[:i], ""
+                return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, False
+
+    def flush(self, text: str = "") -> str:
+        out, self.buf = self.buf + text, ""
+        return out
+
+
+class Reply:
+    """Bookkeeping of one generation: emitted ids, streaming text, stop conditions."""
+
+    def __init__(self, prompt: list[int], gen: GenerationConfig, tokenizer: Tokenizer):
+        self.gen, self.eog = gen, tokenizer.eog_ids
+        self.history = list(prompt)  # the prompt and every emitted token (repetition penalties read it)
+        self.out_ids: list[int] = []
+        self.detok = tokenizer.detokenizer(skip_special=True)  # control tokens are never shown
+        self.stopper = StopStrings(gen.stop_strings)
+        self.t_first: float | None = None
+        self.reason: str | None = None  # why it ended; None while it goes on
+
+    def emit(self, tokens: list[tuple[int, bool]]) -> Generator[Event, None, int]:
+        """Emit (token, from a draft) pairs in order until a stop condition; returns how many were kept."""
+        for i, (tok, from_draft) in enumerate(tokens):
+            self.out_ids.append(tok)
+            self.history.append(tok)
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            if tok in self.eog:
+                self.reason = "eos"
+                return i + 1
+            text, hit = self.stopper.push(self.detok.push([tok]))
+            if text or not hit:
+                yield Token([tok], text, from_draft)
+            if hit:
+                self.reason = "stop_string"
+                return i + 1
+            if len(self.out_ids) >= self.gen.max_tokens:
+                self.reason = "max_tokens"
+                return i + 1
+        return len(tokens)
+
+    def tail(self) -> Iterator[Event]:
+        """Text held back at the end (a partial stop string, an unfinished character), unless a stop ended it."""
+        if self.reason not in ("stop_string", "eos"):
+            text = self.stopper.flush(self.detok.flush())
+            if text:
+                yield Token([], text)
+
+
+class Decoder(Protocol):
+    def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]: ...
+
+
+class PlainDecoder:
+    """One token a step: the trunk over the last token, the next one sampled from its logits."""
+
+    def __init__(self, runner: Runner, cache: Cache, advance: Advance, sampler: Sampler,
+                 keep_head: KeepHead | None = None):
+        """`keep_head`: the MTP head kept in step with the trunk (for a later reply with MTP on), where there is
+        one."""
+        self.runner, self.cache, self.advance, self.sampler, self.keep_head = runner, cache, advance, sampler, keep_head
+
+    def next_token(self, x: int, reply: Reply, keep_head: KeepHead | None = None) -> tuple[int, torch.Tensor]:
+        """Run x, tell the head (`keep_head`, else the decoder's own) and the sequence; returns the sampled next
+        token, not yet emitted, and the logits it was sampled from."""
+        res = self.runner.forward([x], self.cache, logit_rows="last")
+        keep = keep_head or self.keep_head
+        if keep is not None:
+            keep([x], res.hidden)
+        logits = res.logits[-1]  # type: ignore[index]
+        self.advance([x], logits)
+        return self.sampler.sample(logits, reply.history), logits
+
+    def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
+        nxt, _ = self.next_token(x, reply)
+        yield from reply.emit([(nxt, False)])
+        return nxt

@@ -1,0 +1,182 @@
+"""How a model's passes are executed; the model files (qwen35.py, mtp.py) hold the math only.
+
+A Runner is made once per loaded model (engine.models.build.load_model) and decides then, not on a first pass:
+  - each decoder layer's native one-call form (ops.fuse_layer), where its backend runs the whole layer;
+  - the decode step's one-call form (ops.fuse_step: every layer, the final norm and the head in one native call),
+    where every layer is fused on the CPU and the head is there too;
+  - CUDA graphs of the decode step, each verify size and the MTP head's draft passes (step_graph.StepGraphs), where
+    the trunk is wholly on one CUDA device and every layer is capturable (Qwen35Model.capturable), or always with
+    "on" (tests: the recorded form run eagerly on the CPU).
+Each pass then takes the first form that runs it; all of them give the op-by-op bits (tests/test_layer.py,
+tests/test_step_graph.py). A pass with a hook runs op by op: a hook sees every intermediate.
+
+The engine and the drafter call `Runner.forward` and `HeadRunner.forward`, nothing else of the model's execution.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from engine import ops
+from engine.cache import Cache, CapturedStates, GDNState
+from engine.models.mtp import MTPHead
+from engine.models.qwen35 import (STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, check_room,
+                                  id_tensor)
+from engine.models.step_graph import StepGraphs
+
+log = logging.getLogger(__name__)
+
+GRAPH_MODES = ("auto", "on", "off")  # EngineConfig.step_graphs
+
+
+def run_layer(layer: DecoderLayer, fused: ops.FusedLayer | None, x: torch.Tensor, cache: Cache, at: ops.Positions,
+              rope: tuple[torch.Tensor, torch.Tensor], capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
+    """One decoder layer over rows x: in its one native call where it has one and the pass allows it (positions on
+    the host, the recurrence's sequential form), else op by op."""
+    if fused is None or chunked or at.start is None:
+        return layer(x, cache, at, rope, _noop, capture, chunked)
+    state = layer.state(cache)
+    out, idx = fused(x, state, at.start, rope, capture, layer.il)
+    if capture is None and isinstance(state, GDNState):  # a verify's window stays: its ConvSteps view it
+        state.own_conv()
+    if idx is not None:
+        layer.routed(idx)
+    return out
+
+
+class HeadRunner:
+    """The MTP head's passes: its layer in one native call where it can be, its draft passes replayed from CUDA
+    graphs where the trunk's are."""
+
+    def __init__(self, head: MTPHead, graphs: StepGraphs | None):
+        self.head, self.hp, self.device, self.graphs = head, head.hp, head.device, graphs
+        self.trunk_device = head.model.device  # where the trunk's hidden rows are
+        self.fused = ops.fuse_layer(head.layer.spec(), head.layer.backend)
+
+    def new_cache(self, n_ctx: int) -> Cache:
+        return self.head.new_cache(n_ctx)
+
+    def forward(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache, *,
+                logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
+        """Rows (tokens[i], hidden[i]) at positions cache.pos… (MTPHead.forward), advancing the cache."""
+        if hook is not None:
+            return self.head.forward(tokens, hidden, cache, logit_rows=logit_rows, hook=hook)
+        head = self.head
+        ids = id_tensor(tokens).reshape(-1)  # type: ignore[arg-type]
+        n, pos = ids.numel(), cache.pos
+        check_room(cache, pos, n)
+        e = head.normed_embeddings(ids)
+        if self.graphs is not None and n <= STEP_ROWS:
+            res = self.graphs.run((e, hidden.to(self.device)), cache, logit_rows, False)
+        else:
+            x = run_layer(head.layer, self.fused, head.project(e, hidden), cache, ops.Positions(n, pos),
+                          head.model.rope(self.device), None, False)
+            res = head.finish(x, logit_rows)
+        cache.pos = pos + n
+        return res
+
+
+class Runner:
+    """A loaded model's passes (see the module docstring). `model` is the math; `mtp` runs its MTP head (None when
+    the file has none)."""
+
+    def __init__(self, model: Qwen35Model, step_graphs: str = "auto"):
+        if step_graphs not in GRAPH_MODES:
+            raise ValueError(f"step_graphs must be one of {', '.join(GRAPH_MODES)}, not {step_graphs!r}")
+        self.model, self.hp = model, model.hp
+        self.fused = [ops.fuse_layer(layer.spec(), layer.backend) for layer in model.layers]
+        self.step = self._fuse_step()
+        ops.link_layers(self.fused, model.output)
+        self.graphs, head_graphs = self._graphs(step_graphs)
+        self.mtp = HeadRunner(model.mtp, head_graphs) if model.mtp is not None else None
+
+    def _fuse_step(self) -> ops.FusedStep | None:
+        """Every layer, the final norm and the head as one call per decode step, where every layer is fused on the
+        CPU and the head is there too."""
+        m, cpu = self.model, torch.device("cpu")
+        if any(layer.device != cpu for layer in m.layers) or m.device != cpu:
+            return None
+        return ops.fuse_step(self.fused, [layer.il for layer in m.layers],
+                             [layer.routing_counter() for layer in m.layers], m.output_norm, m.hp.rms_eps, m.output,
+                             m.tok_embd)
+
+    def _graphs(self, mode: str) -> tuple[StepGraphs | None, StepGraphs | None]:
+        """The trunk's and the head's step graphs as `mode` says: "auto" where the trunk is wholly on a CUDA device
+        and capturable, "on" also on the CPU (the recorded form run eagerly: tests), "off" never."""
+        m = self.model
+        if mode == "off":
+            return None, None
+        why = m.capturable()
+        if why is not None:
+            if mode == "on":
+                raise ValueError(f"step graphs cannot run this model: {why}")
+            if m.device.type == "cuda":
+                log.info("decode steps run op by op: %s", why)
+            return None, None
+        if mode != "on" and m.device.type != "cuda":
+            return None, None
+        trunk = StepGraphs(m.device, lambda ins, at, cache, rows, capture: m.rows_pass(ins[0], cache, at, rows, capture))
+        head = m.mtp
+        if head is None or head.capturable() is not None:
+            return trunk, None
+        return trunk, StepGraphs(head.device, lambda ins, at, cache, rows, capture:
+                                 head.rows_pass(ins[0], ins[1], cache, at, rows))
+
+    @property
+    def sequential_prefill(self) -> bool:
+        """Whether prefill should run the GDN recurrence token by token instead of the chunk-parallel form: where
+        every layer's delta rule is native, one sweep per token with the state in cache is the faster form
+        (bench/results/verify.json: 512-token prefill, sequential vs chunked), and prefill gets decoding's bits."""
+        return all(layer.backend.native for layer in self.model.layers)
+
+    def graph_counts(self) -> dict[str, int]:
+        """Captures and replays so far of the trunk's step graphs and the MTP head's (0 where it has none)."""
+        head = self.mtp.graphs if self.mtp is not None else None
+        return {f"{who}{k}": getattr(g, k) if g is not None else 0
+                for who, g in (("", self.graphs), ("head_", head)) for k in ("captures", "replays")}
+
+    def new_cache(self, n_ctx: int) -> Cache:
+        """A sequence's state; with step graphs, in fixed buffers (the graphs record their addresses)."""
+        return self.model.new_cache(n_ctx, fixed=self.graphs is not None)
+
+    def forward(self, tokens: torch.Tensor | Sequence[int], cache: Cache, *, logit_rows: str = "last",
+                capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:
+        """Run N new tokens at positions cache.pos … cache.pos+N−1 and advance the cache (Qwen35Model.forward's
+        arguments and bits)."""
+        if hook is not None:
+            return self.model.forward(tokens, cache, logit_rows=logit_rows, capture=capture, chunked=chunked,
+                                      hook=hook)
+        m, step = self.model, self.step
+        # a list stays one: a fused step that embeds takes the ids as they are (no tensor of them per decode step)
+        ids = tokens if isinstance(tokens, list) else id_tensor(tokens).reshape(-1)  # type: ignore[arg-type]
+        n, pos = len(ids), cache.pos
+        check_room(cache, pos, n)
+        short = n <= STEP_ROWS and not chunked  # a decode step or a verify pass
+        if short and self.graphs is not None and cache.fixed:
+            res = self.graphs.run((m.embed(ids),), cache, logit_rows, capture)
+        elif short and step is not None:
+            want, cap = logit_rows != "none", CapturedStates({}, {}) if capture else None
+            rows = ids if step.embeds and isinstance(ids, list) else m.embed(ids)
+            h, logits = step(rows, cache, pos, m.rope(m.device), want, cap)
+            if want and logits is None:
+                logits = ops.linear(h if logit_rows == "all" else h[-1:], m.output)
+            elif logits is not None and logit_rows == "last" and n > 1:
+                logits = logits[-1:]
+            res = ForwardResult(h, logits, cap)
+        else:
+            res = self._rows(m.embed(ids), cache, ops.Positions(n, pos), logit_rows, capture, chunked)
+        cache.pos = pos + n
+        return res
+
+    def _rows(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
+              chunked: bool) -> ForwardResult:
+        """The trunk over embedded rows layer by layer, each in one call where it can be."""
+        m = self.model
+        cap = CapturedStates({}, {}) if capture else None
+        for layer, fused in zip(m.layers, self.fused):
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = run_layer(layer, fused, x, cache, at, m.rope(layer.device), cap, chunked)
+        return m.finish(x, logit_rows, cap)
