@@ -192,5 +192,5 @@ int attention_causal(const float *q, const float *k, const float *v, float *out,
     const int64_t runs = group / per;
     Attn job = {q, k, v, out, n, pos, n_head, n_kv, dk, dv, group, per, runs, scale, wide, wide_v, 0};
     pool_run(n_threads, n * n_kv * runs, attention_item, &job);
-    return job.failed ? -1 : 0;
+    return job.failed ? RC_NO_MEMORY : 0;
 }

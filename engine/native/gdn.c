@@ -17,8 +17,6 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_DV 1024
-
 
 #if defined(__x86_64__)
 /* One head's tokens with its d_v = 16·NV columns of e, o and Sᵀk held in registers over the sweep (the
@@ -158,11 +156,11 @@ static void gdn_head(void *ctx, int64_t h) {
 /* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
  * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: below ISA_AVX512, the loop above
  * even where the register form could run (tests compare the two). Heads are the threads' items.
- * Returns 0, or -1 if dv > MAX_DV. */
+ * Returns 0, or RC_MAX_DV if dv > MAX_DV. */
 int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
                      const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
                      int64_t dv, int n_threads, int isa) {
-    if (dv > MAX_DV) return -1;
+    if (dv > MAX_DV) return RC_MAX_DV;
     Gdn j = {q, k, v, beta, decay, S_in, S_out, o, n, H, Hk, dk, dv, isa_runs(isa, ISA_AVX512)};
     pool_run(n_threads, H, gdn_head, &j);
     return 0;

@@ -18,8 +18,19 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
-/* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, 16 rows interleaved (not ggml types: ours, for the VNNI products) */
+/* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, GROUP rows interleaved (not ggml types: ours, for the VNNI
+ * products) */
 enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
+#define GROUP 16
+
+/* What the exported calls return on failure (0 on success; group_expert_pairs a count). A call returns the failure
+ * it meets as it is, in a call it makes too, so a code means the same whichever call returns it; engine/ops/native.py
+ * raises one exception per code, by its name (border.c). */
+enum { RC_NO_MEMORY = -1, RC_EXPERT_ID = -2, RC_MAX_EXPERTS = -3, RC_MAX_DV = -4, RC_ROW_ID = -5, RC_ROW_TYPE = -6 };
+/* the limits behind RC_MAX_EXPERTS (moe_route: a token's expert probabilities are on the stack) and RC_MAX_DV
+ * (gdn_recurrence: a value row in registers or on the stack) */
+#define MAX_EXPERTS 1024
+#define MAX_DV 1024
 
 /* The weight bytes a thread reads next (its next work item: the following rows, or the next expert's matrix, which
  * is elsewhere in memory), prefetched while it works through the current item: ahead_step(h, bytes) after

@@ -369,14 +369,14 @@ static const KType *k_type(int qtype) {
 
 /* Rows ids[0..n) of a Q4_K, Q5_K, Q6_K or Q8_0 matrix (row_bytes per row, k values) as float32 into out [n, k]: a
  * prompt's or a step's token embeddings. The arithmetic of engine/storage/qtensor.py's dequantization, so the bits
- * are the same: Q4_K/Q5_K q·(d·sc) − dmin·m; Q6_K (q − 32)·(d·sc); Q8_0 q·d. Returns 0, -1 for another type,
- * -2 for an id outside [0, n_rows). */
+ * are the same: Q4_K/Q5_K q·(d·sc) − dmin·m; Q6_K (q − 32)·(d·sc); Q8_0 q·d. Returns 0, RC_ROW_TYPE for another
+ * type, RC_ROW_ID for an id outside [0, n_rows). */
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out) {
     const KType *t = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K ? k_type(qtype) : NULL;
-    if (!t && qtype != T_Q8_0) return -1;
+    if (!t && qtype != T_Q8_0) return RC_ROW_TYPE;
     for (int64_t r = 0; r < n; r++)
-        if (ids[r] < 0 || ids[r] >= n_rows) return -2;
+        if (ids[r] < 0 || ids[r] >= n_rows) return RC_ROW_ID;
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = w + ids[r] * row_bytes;
         float *o = out + r * k;

@@ -14,67 +14,7 @@
  */
 #include <stdlib.h>
 #include "kernels.h"
-
-/* The layer's weights, made once per layer (engine/ops/layer.py). Input projections are stacks of one (the parts
- * the op-by-op path multiplies by in one stacked product, in its row order). */
-typedef struct {
-    ExpertStack in;  /* [C ; H_v·d_v (z) ; H_v (β) ; H_v (α)] × d */
-    ExpertStack out;  /* d × H_v·d_v */
-    const float *taps, *A, *dt_bias, *norm;  /* conv taps [K, C], ssm_a and dt bias [H_v], output norm [d_v] */
-    int64_t c, kk, hk, hv, dk, dv;
-} GdnW;
-
-typedef struct {
-    ExpertStack in;  /* [H·2D (per head: query rows, gate rows) ; H_kv·D (k) ; H_kv·D_v (v)] × d */
-    ExpertStack out;  /* d × H·D_v */
-    const float *q_norm, *k_norm;  /* [D] */
-    int64_t h, h_kv, dk, dv, n_rot;
-    float scale;
-} AttnW;
-
-typedef struct {
-    /* MoE (dense == 0): router [E, d] float32, shared expert gate input [d] (NULL: none) and its one-expert stacks
-     * sg, su, sd, the routed stacks. Dense FFN (dense == 1): su is the stacked [gate ; up] projection, sd down. */
-    const float *router, *shared_inp;
-    ExpertStack sg, su, sd, gate, up, down;
-    int64_t k_used, n_expert;
-    int32_t dense, pad;
-} FfnW;
-
-typedef struct {
-    const float *attn_norm, *post_norm;  /* [d] */
-    int64_t d;
-    float eps;
-    int32_t attention;  /* 0: Gated DeltaNet, 1: gated attention */
-    GdnW gdn;
-    AttnW attn;
-    FfnW ffn;
-    Ahead next;  /* what the pass reads after this layer (the next layer's input projection, the output head), fetched
-                  * by the workers over the gap between the layers; empty: nothing (engine/ops/layer.py link_layers) */
-} LayerW;
-
-/* One pass's operands (engine/ops/layer.py fills them per call). */
-typedef struct {
-    float *x;  /* [n, d]: the layer's input, replaced by its output */
-    int64_t n, pos;
-    int32_t threads, isa;
-    /* Gated DeltaNet: the conv state [K−1, C] on entry, the pass's window [K−1+n, C] (that state, then the n new
-     * inputs: the caller keeps views of it as the conv states), the recurrent state read from s_in and written to
-     * s_out (may be the same), and where the recurrence's inputs go when the caller keeps them (NULL: scratch). */
-    const float *conv;
-    float *window;
-    const float *s_in;
-    float *s_out;
-    float *q, *k, *v, *beta, *decay;
-    /* gated attention: the KV cache rows [n_ctx, H_kv, D] and [n_ctx, H_kv, D_v], the RoPE rows of the pass's
-     * positions [n, n_rot/2] */
-    float *kc, *vc;
-    const float *cos_t, *sin_t;
-    /* MoE outputs: router logits [n, E], top-k weights and ids [n, k_used]; counts [E] (or NULL): each routed id
-     * counted there (the routing statistics of a step run in one call) */
-    float *logits, *wts;
-    int64_t *idx, *counts;
-} LayerPass;
+#include "layer.h"
 
 /* Element-wise steps the op-by-op native path shares with the layer (kernels.h's expressions) */
 void exp_rows(const float *x, int64_t n, float *y) {
@@ -128,7 +68,7 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     float *s = malloc((size_t)(n * (5 * hv + c + 3 * zw + 2 * qk)) * sizeof(float));
     /* no window given: a scratch one, and the new conv state is written back over the old one (in place) */
     float *window = p->window ? p->window : malloc((size_t)((kk - 1 + n) * c) * sizeof(float));
-    int rc = -1;
+    int rc = RC_NO_MEMORY;
     if (!proj || !s || !window) goto done;
     float *b = s, *al = b + n * hv, *g = al + n * hv, *u = g + n * hv, *o = u + n * c, *z = o + n * zw;
     float *q = p->q ? p->q : z + n * zw, *k = p->k ? p->k : z + n * zw + n * qk;
@@ -147,11 +87,9 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     columns(u, n, c, 2 * qk, zw, v);
     exp_rows(g, n * hv, decay);
     trace_mark(TRACE_GDN_INPUTS, 0);
-    if (gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
-                       threads_for(n * hv * dk * dv, p->threads), p->isa)) {
-        rc = -4;
-        goto done;
-    }
+    rc = gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
+                        threads_for(n * hv * dk * dv, p->threads), p->isa);
+    if (rc) goto done;
     trace_mark(TRACE_RECURRENCE, 0);
     const Ahead out = bytes_of(&w->out);  /* and the output projection while this thread gates and norms */
     pool_prefetch(p->threads, &out, 1);
@@ -174,7 +112,7 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
     const int64_t ld = 2 * h * dk + hkv * dk + hkv * dv;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
     float *s = malloc((size_t)(n * (h * dk + hkv * dk + h * dv)) * sizeof(float));
-    int rc = -1;
+    int rc = RC_NO_MEMORY;
     if (!proj || !s) goto done;
     float *q = s, *k = q + n * h * dk, *o = k + n * hkv * dk;
     if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
@@ -212,7 +150,7 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
     if (w->dense) {
         const int64_t ff = w->sd.k;
         float *gu = malloc((size_t)(n * 2 * ff) * sizeof(float)), *hbuf = malloc((size_t)(n * ff) * sizeof(float));
-        int rc = -1;
+        int rc = RC_NO_MEMORY;
         if (gu && hbuf && project(w->su, f, n, gu, p->threads, p->isa) == 0) {
             for (int64_t t = 0; t < n; t++) {
                 memcpy(hbuf + t * ff, gu + t * 2 * ff, (size_t)ff * sizeof(float));
@@ -237,12 +175,12 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
     return rc;
 }
 
-/* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)). Returns 0; -1 when out of memory, -2 for an expert id
- * out of range, -3 for more experts than the router takes, -4 for GDN value heads over the kernel's limit. */
+/* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)). Returns 0, or the failure of a call it makes
+ * (RC_NO_MEMORY, RC_EXPERT_ID, RC_MAX_EXPERTS, RC_MAX_DV). */
 int decoder_layer(const LayerW *w, const LayerPass *p) {
     const int64_t n = p->n, d = w->d;
     float *buf = malloc((size_t)(3 * n * d) * sizeof(float));
-    if (!buf) return -1;
+    if (!buf) return RC_NO_MEMORY;
     float *a = buf, *y = a + n * d, *h = y + n * d;
     trace_restart();
     norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
@@ -262,40 +200,20 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     return rc;
 }
 
-/* Before a step's layers, where given: its rows' token embeddings, x ← rows ids of the table (dequant_rows, the
- * bits of engine.ops.embedding), so a decode step's Python makes no embedding op (tens of microseconds each, run
- * cold after the step's weights have gone through the caches). */
-typedef struct {
-    const uint8_t *table;
-    int64_t row_bytes, n_rows;
-    const int64_t *ids;  /* [n] */
-    int32_t qtype, pad;
-} StepIn;
-
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out);
 
-/* After a step's layers: the output norm into h [n, d] and, where head is given, the LM head's product into
- * logits [n, head->n_rows] (the final norm and head of engine.models.qwen35, the same kernels as the op-by-op
- * path's rms_norm and linear). */
-typedef struct {
-    const float *norm;
-    float eps;
-    const ExpertStack *head;
-    float *h, *logits;
-} StepOut;
-
 /* A decode step's layers in one call: `in` when given, then layer i over p[i] in order, each reading x [n, d] and
  * leaving its output there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as
- * decoder_layer, or -5 for a token id outside the embedding table (-6: a table type dequant_rows does not read); on
- * an error, the layer's index in *failed (-1: the embedding). */
+ * decoder_layer, or as dequant_rows for the embeddings (RC_ROW_ID: a token id outside the table); on an error, the
+ * layer's index in *failed (-1: the embedding, n_layers: the head). */
 int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
                    const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
     if (in) {
         const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
         if (rc) {
             *failed = -1;
-            return rc == -2 ? -5 : -6;
+            return rc;
         }
     }
     for (int64_t i = 0; i < n_layers; i++) {
@@ -311,7 +229,7 @@ int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float
     norm_rows(x, n, d, out->norm, NULL, out->eps, 0, 1.f, out->h);
     if (out->head && project(*out->head, out->h, n, out->logits, p[n_layers - 1].threads, p[n_layers - 1].isa)) {
         *failed = n_layers;
-        return -1;
+        return RC_NO_MEMORY;
     }
     return 0;
 }

@@ -13,23 +13,23 @@ int64_t group_expert_pairs(const int64_t *idx, int64_t n, int64_t k, int64_t n_e
 
 static int wants_perm(int code, int isa) { return code == T_Q4_K && isa_runs(isa, ISA_AVX512); }
 
-/* Buffers for m activation rows as stack s's products take them (kernels.h act_format): 0, or -1 when out of memory
- * (act_rows_free releases what was made either way). act_fill then quantizes rows into them. */
+/* Buffers for m activation rows as stack s's products take them (kernels.h act_format): 0, or RC_NO_MEMORY when out of
+ * memory (act_rows_free releases what was made either way). act_fill then quantizes rows into them. */
 static int act_alloc(const ExpertStack *s, int64_t m, int isa, QRows *r) {
     const int64_t k = s->k;
     const int fmt = act_format(s->code);
     *r = (QRows){0};
-    if (fmt == ACT_F16 || fmt == ACT_BF16) return (r->q = malloc((size_t)(m * k) * 2)) ? 0 : -1;
+    if (fmt == ACT_F16 || fmt == ACT_BF16) return (r->q = malloc((size_t)(m * k) * 2)) ? 0 : RC_NO_MEMORY;
     r->q = malloc((size_t)(m * k));
     if (fmt == ACT_Q8_0 || fmt == ACT_Q8_1) {
         r->d = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
         if (fmt == ACT_Q8_1) r->s = malloc((size_t)(m * (k / QK8_0)) * sizeof(float));
-        return r->q && r->d && (fmt == ACT_Q8_0 || r->s) ? 0 : -1;
+        return r->q && r->d && (fmt == ACT_Q8_0 || r->s) ? 0 : RC_NO_MEMORY;
     }
     r->d = malloc((size_t)(m * (k / QK_K)) * sizeof(float));
     r->bs = malloc((size_t)(m * (k / 16)) * sizeof(int16_t));
     if (wants_perm(s->code, isa)) r->perm = malloc((size_t)(m * k));
-    return r->q && r->d && r->bs && (r->perm || !wants_perm(s->code, isa)) ? 0 : -1;
+    return r->q && r->d && r->bs && (r->perm || !wants_perm(s->code, isa)) ? 0 : RC_NO_MEMORY;
 }
 
 /* rows [r0, r1) of x [·, s->k] quantized into r's rows r0 … r1−1: each row on its own, so rows filled apart (by
@@ -53,10 +53,10 @@ static void act_fill(const ExpertStack *s, const float *x, int64_t r0, int64_t r
     }
 }
 
-/* x [m, s->k] as the rows s's products take; 0, or -1 when out of memory (act_rows_free releases what was made
- * either way). */
+/* x [m, s->k] as the rows s's products take; 0, or RC_NO_MEMORY (act_rows_free releases what was made either
+ * way). */
 int act_rows(const ExpertStack *s, const float *x, int64_t m, int isa, QRows *r) {
-    if (act_alloc(s, m, isa, r)) return -1;
+    if (act_alloc(s, m, isa, r)) return RC_NO_MEMORY;
     act_fill(s, x, 0, m, isa, r);
     return 0;
 }
@@ -95,21 +95,21 @@ static PairsJob job(const ExpertStack *st, const QRows *x, const int64_t *xrow, 
 }
 
 /* groups the set's pairs by expert, quantizes x for its gate and up products, makes room for the down products'
- * input rows and sets the three products' jobs: 0, -1 out of memory, -2 an expert id out of range */
+ * input rows and sets the three products' jobs: 0, RC_NO_MEMORY or RC_EXPERT_ID */
 static int set_begin(ExpertSet *s, const float *x, int64_t n, int isa) {
     const int64_t p_n = s->p_n = n * s->k_used, f = s->gate->n_rows, d = s->down->n_rows, ne = s->n_expert;
     s->ints = malloc((size_t)(3 * p_n + 3 * ne + 1) * sizeof(int64_t));
     s->g = malloc((size_t)(p_n * f) * sizeof(float)), s->u = malloc((size_t)(p_n * f) * sizeof(float));
     s->o = malloc((size_t)(p_n * d) * sizeof(float));
-    if (!s->ints || !s->g || !s->u || !s->o) return -1;
+    if (!s->ints || !s->g || !s->u || !s->o) return RC_NO_MEMORY;
     s->order = s->ints, s->tokens = s->order + p_n, s->self = s->tokens + p_n, s->experts = s->self + p_n;
     s->counts = s->experts + ne, s->starts = s->counts + ne;
     s->n_groups = group_expert_pairs(s->idx, n, s->k_used, ne, s->order, s->tokens, s->experts, s->counts, s->starts);
-    if (s->n_groups < 0) return -2;
-    if (act_rows(s->gate, x, n, isa, &s->xg)) return -1;
+    if (s->n_groups < 0) return (int)s->n_groups;
+    if (act_rows(s->gate, x, n, isa, &s->xg)) return RC_NO_MEMORY;
     /* up reuses the gate's rows where it reads the same format (with the Q4_K order where it needs that) */
     s->same = act_format(s->up->code) == act_format(s->gate->code) && (s->xg.perm || !wants_perm(s->up->code, isa));
-    if ((!s->same && act_rows(s->up, x, n, isa, &s->xu)) || act_alloc(s->down, p_n, isa, &s->xh)) return -1;
+    if ((!s->same && act_rows(s->up, x, n, isa, &s->xu)) || act_alloc(s->down, p_n, isa, &s->xh)) return RC_NO_MEMORY;
     for (int64_t p = 0; p < p_n; p++) s->self[p] = p;  /* the down products read pair p's own row */
     s->jg = job(s->gate, &s->xg, s->tokens, s, s->g, isa);
     s->ju = job(s->up, s->same ? &s->xg : &s->xu, s->tokens, s, s->u, isa);
@@ -171,12 +171,12 @@ static void whole_item(void *ctx, int64_t i) {
     pairs_group(&s->jd, g, nx ? &nx->set->jg : NULL, nx ? nx->g : 0);
 }
 
-/* the sets' experts as whole items in one pool call (after set_begin); the bytes read into *bytes; 0 or -1 */
+/* the sets' experts as whole items in one pool call (after set_begin); the bytes read into *bytes; 0 or RC_NO_MEMORY */
 static int run_whole(ExpertSet *sets, int n_sets, int threads, int isa, int64_t *bytes) {
     int64_t n_items = 0;
     for (int i = 0; i < n_sets; i++) n_items += sets[i].n_groups;
     WholeItem *items = malloc((size_t)n_items * sizeof(WholeItem));
-    if (!items) return -1;
+    if (!items) return RC_NO_MEMORY;
     int64_t ni = 0;
     for (int i = 0; i < n_sets; i++) {
         ExpertSet *s = &sets[i];
@@ -198,7 +198,7 @@ static int run_whole(ExpertSet *sets, int n_sets, int threads, int isa, int64_t 
 
 /* Up to two sets of experts over the same rows x [n, d]: every gate and up product in one pool call, every down
  * product in one more (one call in all for a small pass: run_whole). Each expert's blocks are read once per pass
- * whatever n is. Returns 0, -1 when out of memory, -2 for an expert id out of range. */
+ * whatever n is. Returns 0, RC_NO_MEMORY or RC_EXPERT_ID. */
 static int run_sets(ExpertSet *sets, int n_sets, const float *x, int64_t n, int isa) {
     PairsJob jobs[4];
     int64_t bytes = 0;
@@ -307,7 +307,7 @@ static void route_item(void *ctx, int64_t t) {
     float mx = -INFINITY;
     for (int64_t e = 0; e < E; e++)
         if (l[e] > mx) mx = l[e];
-    float p[1024];  /* E ≤ 1024: checked by moe_layer */
+    float p[MAX_EXPERTS];  /* checked by moe_route */
     double sum = 0.0;
     for (int64_t e = 0; e < E; e++) sum += (double)(p[e] = expf(l[e] - mx));
     const float inv = (float)(1.0 / sum);
@@ -330,10 +330,10 @@ static void route_item(void *ctx, int64_t t) {
 
 /* A pass's routing (route_item per token) and, with shared_inp, the shared expert's gate sigmoid(shared_inp · x_t)
  * into sgate [n]: what moe_layer computes first, and what the op-by-op form of the layer calls (ops.moe_route), so
- * both route with the same bits. Returns 0, or -3 for more than 1024 experts. */
+ * both route with the same bits. Returns 0, or RC_MAX_EXPERTS for more than MAX_EXPERTS experts (or k over them). */
 int moe_route(const float *router, const float *shared_inp, const float *x, int64_t n, int64_t d, int64_t k_used,
               int64_t n_expert, float *logits, float *wts, int64_t *idx, float *sgate, int threads) {
-    if (n_expert > 1024 || k_used > n_expert) return -3;
+    if (n_expert > MAX_EXPERTS || k_used > n_expert) return RC_MAX_EXPERTS;
     Route r = {router, x, d, n_expert, k_used, logits, wts, idx};
     const int64_t chunks = (n_expert + ROUTE_CHUNK - 1) / ROUTE_CHUNK;
     pool_run(n * n_expert * d >= (1 << 16) ? threads : 1, n * chunks, route_logits, &r);
@@ -348,7 +348,7 @@ int moe_route(const float *router, const float *shared_inp, const float *x, int6
  * and the shared expert (stacks sg, su, sd with one expert each; NULL when the layer has none) weighted by
  * sigmoid(shared_inp · x) and added after the routed sum; the two sets' products run in the same pool calls
  * (run_sets). Outputs y [n, d], and the router's logits [n, n_expert], weights and ids [n, k_used] (the model's hooks
- * and routing statistics read them). Returns as moe_routed; -3 for more than 1024 experts. */
+ * and routing statistics read them). Returns as moe_routed and moe_route. */
 int moe_layer(const float *router, const float *shared_inp, const ExpertStack *sg, const ExpertStack *su,
               const ExpertStack *sd, const ExpertStack *gate, const ExpertStack *up, const ExpertStack *down,
               const float *x, int64_t n, int64_t k_used, int64_t n_expert, float *logits, float *wts, int64_t *idx,
@@ -356,7 +356,7 @@ int moe_layer(const float *router, const float *shared_inp, const ExpertStack *s
     const int64_t d = down->n_rows;
     float *sw = malloc((size_t)n * sizeof(float)), *ys = sg ? malloc((size_t)(n * d) * sizeof(float)) : NULL;
     int64_t *zero = sg ? calloc((size_t)n, sizeof(int64_t)) : NULL;
-    int rc = -1;
+    int rc = RC_NO_MEMORY;
     if (!sw || (sg && (!ys || !zero))) goto done;
     rc = moe_route(router, shared_inp, x, n, gate->k, k_used, n_expert, logits, wts, idx, sw, gate->threads);
     if (rc) goto done;

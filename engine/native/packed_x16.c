@@ -26,7 +26,6 @@
  * Q8_0 group (16 rows of nb blocks, 16 · nb · 34 bytes): the scales, [block][row] as f16, then per block eight
  * 64-byte vectors v, byte 4l + e = quant 4v + e of row l offset by 128 (unsigned, as dpbusd takes it; each
  * block's sum starts from −128 · Σx, so each lane is the exact Σ w·x). */
-#define GROUP 16
 _Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed groups");
 /* a packed Q6_K group block: 16 · 210 bytes and 32 of padding, so that every group block starts on a cache line
  * and no 64-byte load of it straddles two */

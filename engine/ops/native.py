@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
+
 
 class ExpertStack(ctypes.Structure):
     """moe.c's ExpertStack: one projection's experts as the products read them."""
@@ -25,6 +26,91 @@ class ExpertStack(ctypes.Structure):
 
 
 _STACK = ctypes.POINTER(ExpertStack)
+
+
+# engine/native/layer.h's structures: a decoder layer's weights (LayerW, made once), one pass's operands, and what a step
+# does before and after its layers
+class GdnW(ctypes.Structure):
+    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("taps", _P), ("A", _P), ("dt_bias", _P), ("norm", _P),
+                ("c", _I), ("kk", _I), ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I)]
+
+
+class AttnW(ctypes.Structure):
+    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("q_norm", _P), ("k_norm", _P), ("h", _I), ("h_kv", _I),
+                ("dk", _I), ("dv", _I), ("n_rot", _I), ("scale", ctypes.c_float)]
+
+
+class FfnW(ctypes.Structure):
+    _fields_ = [("router", _P), ("shared_inp", _P), ("sg", ExpertStack), ("su", ExpertStack), ("sd", ExpertStack),
+                ("gate", ExpertStack), ("up", ExpertStack), ("down", ExpertStack), ("k_used", _I), ("n_expert", _I),
+                ("dense", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class LayerW(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("post_norm", _P), ("d", _I), ("eps", ctypes.c_float), ("attention", ctypes.c_int32),
+                ("gdn", GdnW), ("attn", AttnW), ("ffn", FfnW), ("next_p", _P), ("next_end", _P), ("next_credit", _I)]
+
+
+class LayerPass(ctypes.Structure):
+    _fields_ = [("x", _P), ("n", _I), ("pos", _I), ("threads", ctypes.c_int32), ("isa", ctypes.c_int32),
+                ("conv", _P), ("window", _P), ("s_in", _P), ("s_out", _P), ("q", _P), ("k", _P), ("v", _P),
+                ("beta", _P), ("decay", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("logits", _P),
+                ("wts", _P), ("idx", _P), ("counts", _P)]
+
+
+class StepIn(ctypes.Structure):
+    """layer.h's StepIn: a step's token ids, whose rows of the embedding table (a dequant_rows type) become x."""
+
+    _fields_ = [("table", _P), ("row_bytes", _I), ("n_rows", _I), ("ids", _P), ("qtype", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+class StepOut(ctypes.Structure):
+    """layer.h's StepOut: the output norm and LM head after a step's layers, and where their rows go."""
+
+    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", _STACK), ("h", _P), ("logits", _P)]
+
+
+MIRRORS = (ExpertStack, GdnW, AttnW, FfnW, LayerW, LayerPass, StepIn, StepOut)  # checked against the library at load
+
+
+class LayoutError(RuntimeError):
+    """The library and this module disagree on a structure, a failure code or a number (a library built from other
+    sources than this module's: rebuild it, python setup.py build_ext --inplace)."""
+
+
+class _Entry(ctypes.Structure):
+    """engine/native/border.c's BorderEntry"""
+
+    _fields_ = [("name", ctypes.c_char_p), ("value", _I), ("size", _I)]
+
+
+def _border(lib: ctypes.CDLL) -> dict[str, tuple[int, int]]:
+    """border.c's table: per name its value and size (a structure: 0 and its size; "S.f": f's offset and size)."""
+    table = ctypes.POINTER(_Entry)()
+    n = lib.border_table(ctypes.byref(table))
+    return {table[i].name.decode(): (table[i].value, table[i].size) for i in range(n)}
+
+
+def check_mirror(mirror: type[ctypes.Structure], border: dict[str, tuple[int, int]]) -> None:
+    """Raise LayoutError, naming the structure and field, where the ctypes `mirror` of the C structure of its name
+    differs from the library's table (`border`: BORDER) in size, in a field's offset or size, or in its fields."""
+    s, names = mirror.__name__, [f[0] for f in mirror._fields_]
+    if s not in border:
+        raise LayoutError(f"the native library has no structure {s}")
+    if border[s][1] != ctypes.sizeof(mirror):
+        raise LayoutError(f"{s}: {border[s][1]} bytes in the native library, {ctypes.sizeof(mirror)} in its mirror")
+    for name in names:
+        field, c = getattr(mirror, name), border.get(f"{s}.{name}")
+        if c is None:
+            raise LayoutError(f"{s}.{name}: the native library's {s} has no such field")
+        if c != (field.offset, field.size):
+            raise LayoutError(f"{s}.{name}: at {c[0]}, {c[1]} bytes in the native library; at {field.offset}, "
+                              f"{field.size} bytes in its mirror")
+    for key in border:
+        if key.startswith(f"{s}.") and key[len(s) + 1:] not in names:
+            raise LayoutError(f"{key}: a field of the native library's {s} that its mirror lacks")
+
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "cpu_features": ([], _C),
@@ -57,10 +143,12 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "trace_enable": ([_C], None),
     "trace_read": ([_P], _C),
     "pool_after_call": ([_I, _I, _I, _I], _I),
+    "border_table": ([_P], _I),
 }
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> tuple[ctypes.CDLL | None, dict[str, tuple[int, int]]]:
+    """The library and its border table (engine/native/border.c)."""
     here = Path(__file__).resolve().parents[1] / "native"
     for path in sorted(here.glob("_native*.so")):
         try:
@@ -70,14 +158,24 @@ def _load() -> ctypes.CDLL | None:
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
-        return lib
-    return None
+        return lib, _border(lib)
+    return None, {}
 
 
-LIB = _load()
+LIB, BORDER = _load()
 
-QK_K = 256  # values per K-quant block (and per Q8_K activation block)
-QK_8_0 = 32  # values per Q8_0 block
+
+def _number(name: str) -> int:
+    """A constant of the library's (kernels.h), by its C name; 0 where the library is missing (nothing native runs)."""
+    if LIB is None:
+        return 0
+    if name not in BORDER:
+        raise LayoutError(f"the native library does not give {name}")
+    return BORDER[name][0]
+
+
+QK_K = GGML_QUANT_SIZES[QT.Q8_K][0]  # values per K-quant block and per Q8_K activation block (the format's, as gguf)
+QK_8_0 = GGML_QUANT_SIZES[QT.Q8_0][0]  # values per Q8_0 block
 # Weight types with native products, by the rows they take (engine.ops.activations.act_format): Q8_K activations in
 # blocks of 256 (the K-quants, IQ4_XS and the grid-codebook IQ types of engine/native/iq_grid.c), the others in blocks
 # of 32 (Q8_0, Q8_1, or F16/BF16 values in chunks of 32).
@@ -85,9 +183,54 @@ IQ_GRID_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S
 Q8_K_PRODUCTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q2_K, QT.Q3_K, QT.IQ4_XS) + IQ_GRID_TYPES
 BLOCK32_PRODUCTS = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.MXFP4, QT.F16, QT.BF16)
 PRODUCT_TYPES = Q8_K_PRODUCTS + BLOCK32_PRODUCTS
-GROUP = 16  # rows interleaved in a packed weight
-PACKED_CODE = {QT.Q8_0: 108, QT.Q4_K: 112, QT.Q6_K: 114}  # kernels.h's T_Q8_0_PACKED, T_Q4_K_PACKED, T_Q6_K_PACKED
-_CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = 1, 2, 4  # kernels.h's cpu_features() bits
+# the library's numbers (kernels.h)
+MAX_EXPERTS = _number("MAX_EXPERTS")  # the most experts the native router (moe_route, moe_layer) takes
+MAX_DV = _number("MAX_DV")  # the widest GDN value head gdn_recurrence takes
+GROUP = _number("GROUP")  # rows interleaved in a packed weight
+PACKED_CODE = {t: _number(f"T_{t.name}_PACKED") for t in (QT.Q8_0, QT.Q4_K, QT.Q6_K)}  # kernels.h's T_*_PACKED
+_CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = _number("CPU_AVX512"), _number("CPU_VNNI"), _number("CPU_AVX2")  # cpu_features()
+
+
+def _trace_sections() -> tuple[str, ...]:
+    """engine/native/trace.c's sections: kernels.h's TRACE_* in their order (trace_read's), in lower case."""
+    trace = sorted((v, n) for n, (v, _) in BORDER.items() if n.startswith("TRACE_"))
+    return tuple(n.removeprefix("TRACE_").lower() for _, n in trace)
+
+
+TRACE_SECTIONS = _trace_sections()
+
+# What each failure code (kernels.h RC_*, by name) raises, after the words of the call that failed
+_FAILURES: dict[str, tuple[type[Exception], str]] = {
+    "RC_NO_MEMORY": (MemoryError, "out of memory"),
+    "RC_EXPERT_ID": (ValueError, "an expert id out of range"),
+    "RC_MAX_EXPERTS": (ValueError, f"more experts than the native router takes ({MAX_EXPERTS}), or top-k over them"),
+    "RC_MAX_DV": (ValueError, f"GDN value heads wider than the native kernel takes ({MAX_DV})"),
+    "RC_ROW_ID": (IndexError, "a row id out of range"),
+    "RC_ROW_TYPE": (ValueError, "a table type dequant_rows does not read"),
+}
+
+
+def check_codes(border: dict[str, tuple[int, int]]) -> None:
+    """Raise LayoutError where the library's failure codes (`border`: BORDER) and _FAILURES name different codes."""
+    codes = {n for n in border if n.startswith("RC_")}
+    odd = sorted(codes ^ _FAILURES.keys())
+    if odd:
+        side = "the native library" if odd[0] in codes else "engine.ops.native"
+        raise LayoutError(f"{odd[0]}: a failure code only {side} knows")
+
+
+if LIB is not None:  # refuse a library built from other sources than this module's
+    for mirror in MIRRORS:
+        check_mirror(mirror, BORDER)
+    check_codes(BORDER)
+_ERRORS = {_number(name): failure for name, failure in _FAILURES.items()}  # _FAILURES by code
+
+
+def _check(rc: int, what: str) -> None:
+    """Raise the exception a failure code (rc < 0) stands for, prefixed with `what` failed."""
+    if rc < 0:
+        kind, msg = _ERRORS.get(rc, (RuntimeError, f"native failure {rc}"))
+        raise kind(f"{what}: {msg}")
 
 
 def product_cols(qtype: QT) -> int:
@@ -190,10 +333,7 @@ def moe_routed(stacks: tuple[ExpertStack, ExpertStack, ExpertStack], x: torch.Te
     y = torch.empty(x.shape[0], down.n_rows)
     rc = LIB.moe_routed(ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), x.data_ptr(), x.shape[0],  # type: ignore[union-attr]
                         idx.data_ptr(), w.data_ptr(), idx.shape[1], n_expert, y.data_ptr(), isa)
-    if rc == -2:
-        raise ValueError(f"an expert id is outside [0, {n_expert})")
-    if rc != 0:
-        raise MemoryError("no memory for the routed experts' pass")
+    _check(rc, f"the routed experts' pass over {n_expert} experts")
     return y
 
 
@@ -210,10 +350,7 @@ def moe_layer(router: torch.Tensor, shared_inp: torch.Tensor | None, shared: tup
     rc = LIB.moe_layer(router.data_ptr(), _ptr(shared_inp), sg, su, sd,  # type: ignore[union-attr]
                        *(ctypes.byref(s) for s in stacks), x.data_ptr(), n, k, e_n, logits.data_ptr(),
                        wts.data_ptr(), idx.data_ptr(), y.data_ptr(), isa)
-    if rc == -3:
-        raise ValueError(f"{e_n} experts, top {k}: more than the native MoE layer takes (1024)")
-    if rc != 0:
-        raise MemoryError("no memory for the MoE layer's pass")
+    _check(rc, f"the MoE layer ({e_n} experts, top {k})")
     return y, logits, wts, idx
 
 
@@ -226,8 +363,7 @@ def moe_route(router: torch.Tensor, shared_inp: torch.Tensor | None, x: torch.Te
     sgate = torch.empty(n, 1) if shared_inp is not None else None
     rc = LIB.moe_route(router.data_ptr(), _ptr(shared_inp), x.data_ptr(), n, x.shape[1], k, e_n,  # type: ignore[union-attr]
                        logits.data_ptr(), wts.data_ptr(), idx.data_ptr(), _ptr(sgate), threads)
-    if rc != 0:
-        raise ValueError(f"{e_n} experts, top {k}: more than the native router takes (1024)")
+    _check(rc, f"the router ({e_n} experts, top {k})")
     return logits, wts, idx, sgate
 
 
@@ -250,8 +386,7 @@ def group_pairs(idx: torch.Tensor, n_expert: int) -> Groups:
     order, tokens, experts, counts, starts = buf.split([p_n, p_n, g_max, g_max, g_max + 1])
     g = LIB.group_expert_pairs(idx.data_ptr(), idx.shape[0], idx.shape[1], n_expert, order.data_ptr(),  # type: ignore[union-attr]
                            tokens.data_ptr(), experts.data_ptr(), counts.data_ptr(), starts.data_ptr())
-    if g < 0:
-        raise ValueError(f"an expert id is outside [0, {n_expert})")
+    _check(g, f"grouping pairs by expert, ids in [0, {n_expert})")
     return Groups(order, tokens, experts[:g], counts[:g], starts[:g + 1])
 
 
@@ -265,8 +400,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale
     out = torch.empty(n, h * dv)
     rc = LIB.attention_causal(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, pos, h, h_kv, dk, dv,  # type: ignore[union-attr]
                           scale, threads, isa)
-    if rc != 0:
-        raise MemoryError("no memory for the attention scores")
+    _check(rc, "attention")
     return out
 
 
@@ -280,8 +414,7 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     o = torch.empty(n, h, dv)
     rc = LIB.gdn_recurrence(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),  # type: ignore[union-attr]
                               S.data_ptr(), out.data_ptr(), o.data_ptr(), n, h, hk, dk, dv, threads, isa)
-    if rc != 0:
-        raise ValueError(f"GDN value heads of {dv} exceed the native kernel's limit")
+    _check(rc, f"the GDN recurrence (value heads of {dv})")
     return o
 
 
@@ -313,7 +446,7 @@ def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: tor
     return u, q, k, beta, g
 
 
-DEQUANT_ROW_TYPES = frozenset({12, 13, 14, 8})  # Q4_K, Q5_K, Q6_K, Q8_0: what dequant_rows reads
+DEQUANT_ROW_TYPES = frozenset(int(t) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0))  # what dequant_rows reads
 
 
 def dequant_rows(raw: torch.Tensor, qtype: int, ids: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -323,10 +456,7 @@ def dequant_rows(raw: torch.Tensor, qtype: int, ids: torch.Tensor, n_cols: int) 
     ids = ids.contiguous()
     rc = LIB.dequant_rows(qtype, raw.data_ptr(), raw.shape[1], raw.shape[0], ids.data_ptr(),  # type: ignore[union-attr]
                           ids.numel(), n_cols, out.data_ptr())
-    if rc == -2:
-        raise IndexError(f"a row id outside the matrix's {raw.shape[0]} rows")
-    if rc != 0:
-        raise ValueError(f"dequant_rows does not read type {qtype}")
+    _check(rc, f"rows of a type {qtype} matrix of {raw.shape[0]} rows")
     return out
 
 
@@ -364,64 +494,9 @@ def sigmoid_mul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# engine/native/layer.c's structures: a decoder layer's weights (LayerW, made once) and one pass's operands
-class GdnW(ctypes.Structure):
-    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("taps", _P), ("A", _P), ("dt_bias", _P), ("norm", _P),
-                ("c", _I), ("kk", _I), ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I)]
-
-
-class AttnW(ctypes.Structure):
-    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("q_norm", _P), ("k_norm", _P), ("h", _I), ("h_kv", _I),
-                ("dk", _I), ("dv", _I), ("n_rot", _I), ("scale", ctypes.c_float)]
-
-
-class FfnW(ctypes.Structure):
-    _fields_ = [("router", _P), ("shared_inp", _P), ("sg", ExpertStack), ("su", ExpertStack), ("sd", ExpertStack),
-                ("gate", ExpertStack), ("up", ExpertStack), ("down", ExpertStack), ("k_used", _I), ("n_expert", _I),
-                ("dense", ctypes.c_int32), ("pad", ctypes.c_int32)]
-
-
-class LayerW(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("post_norm", _P), ("d", _I), ("eps", ctypes.c_float), ("attention", ctypes.c_int32),
-                ("gdn", GdnW), ("attn", AttnW), ("ffn", FfnW), ("next_p", _P), ("next_end", _P), ("next_credit", _I)]
-
-
-class LayerPass(ctypes.Structure):
-    _fields_ = [("x", _P), ("n", _I), ("pos", _I), ("threads", ctypes.c_int32), ("isa", ctypes.c_int32),
-                ("conv", _P), ("window", _P), ("s_in", _P), ("s_out", _P), ("q", _P), ("k", _P), ("v", _P),
-                ("beta", _P), ("decay", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("logits", _P),
-                ("wts", _P), ("idx", _P), ("counts", _P)]
-
-
-_LAYER_ERRORS = {-1: (MemoryError, "no memory for the layer's pass"),
-                 -2: (ValueError, "an expert id is out of range"),
-                 -3: (ValueError, "more experts than the native router takes (1024)"),
-                 -4: (ValueError, "GDN value heads exceed the native kernel's limit")}
-
-
 def decoder_layer(w: LayerW, p: LayerPass) -> None:
     """engine/native/layer.c decoder_layer: the layer w over the pass p (p.x replaced by the layer's output)."""
-    rc = LIB.decoder_layer(ctypes.byref(w), ctypes.byref(p))  # type: ignore[union-attr]
-    if rc != 0:
-        kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
-        raise kind(msg)
-
-
-class StepIn(ctypes.Structure):
-    """layer.c's StepIn: a step's token ids, whose rows of the embedding table (a dequant_rows type) become x."""
-
-    _fields_ = [("table", _P), ("row_bytes", _I), ("n_rows", _I), ("ids", _P), ("qtype", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
-
-
-class StepOut(ctypes.Structure):
-    """layer.c's StepOut: the output norm and LM head after a step's layers, and where their rows go."""
-
-    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", _STACK), ("h", _P), ("logits", _P)]
-
-
-_STEP_ERRORS = {-5: (IndexError, "a token id outside the embedding table"),
-                -6: (ValueError, "the embedding table's type is not one dequant_rows reads")}
+    _check(LIB.decoder_layer(ctypes.byref(w), ctypes.byref(p)), "the native layer")  # type: ignore[union-attr]
 
 
 def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int, cos_t: int, sin_t: int,
@@ -433,17 +508,7 @@ def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int
     rc = LIB.decoder_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
                             ctypes.byref(inp) if inp is not None else None,
                             ctypes.byref(out) if out is not None else None, ctypes.byref(failed))
-    if rc in _STEP_ERRORS:
-        kind, msg = _STEP_ERRORS[rc]
-        raise kind(msg)
-    if rc != 0:
-        kind, msg = _LAYER_ERRORS.get(rc, (RuntimeError, f"native layer failed ({rc})"))
-        raise kind(f"layer {failed.value}: {msg}")
-
-
-# engine/native/trace.c's sections, in kernels.h's TRACE_* order
-TRACE_SECTIONS = ("norm", "act_quant", "projection", "gdn_inputs", "recurrence", "gated_norm", "attention", "router",
-                  "expert_products", "expert_misc", "pool_wait", "prefetch")
+    _check(rc, "the embedding table" if failed.value == -1 else f"layer {failed.value}")
 
 
 @dataclass(frozen=True)
