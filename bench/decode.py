@@ -46,6 +46,7 @@ size: weights stay quantized and memory-mapped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -99,7 +100,9 @@ def run_record(final) -> dict:  # type: ignore[no-untyped-def]
            "decode_tokens": max(final.generated_tokens - 1, 0), "decode_s": final.elapsed_s - final.ttft_s}
     if sp is not None:
         out.update({"drafted": sp.drafted, "accepted": sp.accepted, "verify_steps": sp.verify_steps,
-                    "plain_steps": sp.plain_steps, "mean_accepted_length": sp.mean_accepted_length})
+                    "plain_steps": sp.plain_steps, "mean_accepted_length": sp.mean_accepted_length,
+                    "tried_by_depth": sp.tried_by_depth, "accepted_by_depth": sp.accepted_by_depth,
+                    "time_s": dataclasses.asdict(sp.time_s)})
     return out
 
 
