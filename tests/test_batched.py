@@ -16,7 +16,7 @@ from engine import ops
 from engine.ops.experts import route
 from engine.storage.modelfile import open_model
 from engine.models.build import load_model
-from engine.models.qwen35 import Qwen35Model
+from engine.models.runner import Runner
 from tests.conftest import backend_params
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, restore, snapshot
 
@@ -30,7 +30,7 @@ SPECS = [pytest.param(TINY_MOE, None, id="moe-f32"), pytest.param(TINY_DENSE, No
     for spec, name in ((KQUANT_MOE, "moe-q4k"), (Q8_MOE, "moe-q8")) for p in BACKENDS]
 
 
-def _model(spec: FixtureSpec, backend: ops.Backend | None = None) -> "Qwen35Model":
+def _model(spec: FixtureSpec, backend: ops.Backend | None = None) -> Runner:
     return load_model(open_model(fixture_path(spec)), n_ctx=1100, backend=backend)
 
 
@@ -38,7 +38,7 @@ def _toks(spec: FixtureSpec, n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, spec.n_vocab - 3, n).tolist()
 
 
-def _per_token(m: Qwen35Model, toks: list[int], cache=None) -> torch.Tensor:
+def _per_token(m: Runner, toks: list[int], cache=None) -> torch.Tensor:
     cache = cache or m.new_cache(1100)
     return torch.cat([m.forward([t], cache, logit_rows="all").logits for t in toks])
 
@@ -86,7 +86,7 @@ def test_q8_expert_and_block_layouts_give_the_same_bits(dense_macs: int, down_bl
                                   down_blockdiag_macs=down_blockdiag_macs,
                                   gate_up_blockdiag_macs=gate_up_blockdiag_macs)
         m = _model(spec, replace(ops.TORCH, int8=layouts))
-        assert m.layers[0].ffn.w.experts.runs_shared
+        assert m.model.layers[0].ffn.w.experts.runs_shared
         for size in (1, 3, 40):
             cache = m.new_cache(64)
             got = torch.cat([m.forward(toks[s:s + size], cache, logit_rows="all").logits for s in range(0, 40, size)])
@@ -173,7 +173,7 @@ def test_one_call_moe_layer_equals_the_layer_op_by_op(backend: ops.Backend) -> N
     experts in the same slots, routing weights and output to float32 rounding (a sum order differs: the router's
     dot products; an expert in the wrong slot or a missing shared expert is off by order 1)."""
     model = load_model(open_model(fixture_path(KQUANT_MOE)), n_ctx=64, backend=backend)
-    ffn = model.layers[1].ffn
+    ffn = model.model.layers[1].ffn
     assert ffn.w.experts.one_call(ffn.w.router, ffn.w.shared) is not None  # this layer runs in one call
     x = torch.randn(5, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(2))
     noop = lambda name, il, t: None  # noqa: E731

@@ -50,7 +50,7 @@ def test_logits_match_llama_cpp(eng, texts) -> None:
     for text in texts:
         toks = eng.tokenizer.encode(text, special=True, add_bos=False)[:384]
         ref = llama_logits(default_model_path(), toks)
-        m = eng.model
+        m = eng.runner
         got = m.forward(toks, m.new_cache(512), logit_rows="all", chunked=True).logits.numpy()
         kl = kl_ref_ours(ref, got)
         near = ref[np.arange(len(ref)), got.argmax(-1)] >= ref.max(-1) - NEAR_TIE * ref.std()
@@ -65,7 +65,7 @@ def test_logits_match_llama_cpp(eng, texts) -> None:
 
 def test_mtp_head_matches_llama_cpp(eng, texts) -> None:
     refs, ours = [], []
-    m = eng.model
+    m = eng.runner
     for text in texts:
         toks = eng.tokenizer.encode(text, special=True, add_bos=False)[:200]
         refs.append(llama_mtp(default_model_path(), toks).mtp_logits)

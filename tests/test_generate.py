@@ -37,7 +37,7 @@ def test_greedy_tokens_are_argmax_of_full_sequence_logits(spec) -> None:
     toks, _, done = _run(eng, prompt, max_tokens=48)
     assert done.reason == "max_tokens" and len(toks) == 48
     full = prompt + toks
-    m = eng.model
+    m = eng.runner
     logits = m.forward(full, m.new_cache(512), logit_rows="all", chunked=False).logits
     pred = logits[len(prompt) - 1:-1].argmax(-1).tolist()
     assert pred == toks

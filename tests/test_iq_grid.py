@@ -227,7 +227,7 @@ def test_greedy_run_in_an_iq_mix_equals_the_torch_backend(tmp_path: Path) -> Non
     mf = open_model(path)
     assert {i.qtype for i in mf.tensors.values()} == {T.F32, T.IQ2_XXS, T.IQ3_S}
     model = load_model(mf, n_ctx=64, backend=ops.default_backend())
-    assert isinstance(model.layers[0].ffn.w.experts.stacks[0], NativeLinear)  # the IQ products ran natively
+    assert isinstance(model.model.layers[0].ffn.w.experts.stacks[0], NativeLinear)  # the IQ products ran natively
     prompt = np.random.default_rng(13).integers(0, KQUANT_MOE.n_vocab - 3, 24).tolist()
     runs = {b.name: _greedy(path, b, prompt, 16) for b in ops.available_backends() if b.native}
     toks = next(iter(runs.values()))

@@ -8,13 +8,13 @@ import torch
 
 from engine.storage.modelfile import open_model
 from engine.models.build import load_model
-from engine.models.qwen35 import Qwen35Model
+from engine.models.runner import Runner
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path, restore, snapshot
 
 N_TOK = 96
 
 
-def _model(spec: FixtureSpec) -> "Qwen35Model":
+def _model(spec: FixtureSpec) -> Runner:
     return load_model(open_model(fixture_path(spec)), n_ctx=1024)
 
 
@@ -22,7 +22,7 @@ def _tokens(spec: FixtureSpec, n: int = N_TOK, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, spec.n_vocab - 3, n).tolist()
 
 
-def _run_chunks(m: Qwen35Model, toks: list[int], sizes: list[int], chunked: bool) -> torch.Tensor:
+def _run_chunks(m: Runner, toks: list[int], sizes: list[int], chunked: bool) -> torch.Tensor:
     cache = m.new_cache(1024)
     rows, s = [], 0
     i = 0
@@ -60,7 +60,7 @@ def test_chunked_differs_from_a_wrong_recurrence() -> None:
     m = _model(TINY_MOE)
     toks = _tokens(TINY_MOE, 40)
     ref = _run_chunks(m, toks, [40], chunked=True)
-    layer = m.layers[0].mixer
+    layer = m.model.layers[0].mixer
     saved = layer.w.a.clone()
     layer.w.a.zero_()
     try:

@@ -79,7 +79,7 @@ def test_greedy_with_mtp_is_self_consistent(ftype: str, tag: str | None) -> None
     eng.drafter = OracleDrafter(eng.drafter, plain, len(prompt), wrong_every=4)
     with_mtp, _, final, _ = collect(eng, prompt, max_tokens=8, mtp=True, draft=3)
     assert with_mtp == plain and final.speculative.accepted >= 3  # verify windows of several tokens were kept
-    m = eng.model
+    m = eng.runner
     seq = prompt + plain
     logits = m.forward(seq, m.new_cache(256), logit_rows="all").logits
     assert torch.argmax(logits[len(prompt) - 1:-1], -1).tolist() == plain

@@ -21,7 +21,7 @@ from tests.test_parity import NEAR_TIE, kl_ref_ours
 
 def _head_logits(spec: FixtureSpec, toks: list[int], backend: ops.Backend | None = None):  # type: ignore[no-untyped-def]
     eng = load(fixture_path(spec), EngineConfig(n_ctx=512, backend=backend))
-    m = eng.model
+    m = eng.runner
     hidden = m.forward(toks, m.new_cache(512), logit_rows="none").hidden
     h_in = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])  # row p pairs x_p with h_{p-1}
     return m.mtp.forward(toks, h_in, m.mtp.new_cache(512), logit_rows="all")
@@ -380,7 +380,7 @@ def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> Non
     """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
     the cost of drafting); the drafts are those of one pass over the whole backlog."""
     eng = _engine(TINY_MOE)
-    m = eng.model
+    m = eng.runner
     prompt = np.random.default_rng(11).integers(0, 250, 30).tolist()
     res = m.forward(prompt, m.new_cache(512), logit_rows="last")
     x = int(res.logits[-1].argmax())
