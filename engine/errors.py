@@ -10,6 +10,12 @@ class ModelFormatError(EngineError):
     """The file is not a valid GGUF, is truncated, or holds a tensor/key of the wrong shape or type."""
 
 
+class NonFiniteLogitsError(ModelFormatError):
+    """A pass's logits were not finite (NaN or infinite): what damaged weights that still load give. The sampler
+    raises it without a file name; the engine names the file and, where it can tell, the first layer that went
+    non-finite."""
+
+
 class UnsupportedModelError(EngineError):
     """A valid GGUF whose architecture, quant type or feature this engine does not run."""
 

@@ -24,7 +24,7 @@ import torch
 
 from engine import ops
 from engine.chat import ChatFormat, Message
-from engine.errors import EngineBusyError, EngineError, LoadCancelled, TokenizerError
+from engine.errors import EngineBusyError, EngineError, LoadCancelled, NonFiniteLogitsError, TokenizerError
 from engine.storage.modelfile import ModelFile, default_model_path, open_model
 from engine.storage.pages import release_mapping
 from engine.models.build import load_model
@@ -41,6 +41,7 @@ from engine.validate import validate_engine_config, validate_generation
 
 ProgressFn = Callable[[float, str], None]
 PREFILL_CHUNK = 256
+DIAGNOSE_TOKENS = 2048  # at most this many processed tokens are run again to find where a pass went non-finite
 
 
 def text_side(mf: ModelFile) -> tuple[Tokenizer, ChatFormat]:
@@ -212,9 +213,31 @@ class Engine:
         with self._hold(wait_s):
             try:
                 yield from self._generate(prompt, gen, stop)
+            except NonFiniteLogitsError:
+                raise self._damaged() from None
             finally:  # abandoned (close/break/collected) or failed: never leave a half-recorded sequence
                 if not self.consistent():
                     self._reset()
+
+    def _damaged(self) -> NonFiniteLogitsError:
+        """The error for a pass that gave non-finite logits: the file named as damaged, and the first intermediate
+        that went non-finite, found by running the tokens it had processed op by op with a hook (the check mode: it
+        costs a pass over them, and runs only once something has gone wrong)."""
+        ids = self._seq[:DIAGNOSE_TOKENS]
+        where = ""
+        if ids:
+            first: list[tuple[str, int]] = []
+
+            def hook(name: str, il: int, t: torch.Tensor) -> None:
+                if not first and not bool(torch.isfinite(t).all()):
+                    first.append((name, il))
+
+            self.runner.forward(ids, self.runner.new_cache(len(ids)), logit_rows="last", hook=hook)
+            if first:
+                name, il = first[0]
+                where = f" (first non-finite: {name}" + (f" of layer {il})" if il >= 0 else ")")
+        return NonFiniteLogitsError(f"{self.mf.path.name} is damaged: the model's logits are not finite (NaN or "
+                                    f"infinite){where}; re-download or re-convert the file")
 
     def _generate(self, prompt: Sequence[Message | Mapping[str, Any]] | Sequence[int] | str,
                   gen: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:

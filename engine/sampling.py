@@ -5,10 +5,15 @@ the same function for the draft and the target so acceptance preserves exactly t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from engine.errors import NonFiniteLogitsError
+
+NON_FINITE = "the model's logits are not finite (NaN or infinite)"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(x, cfg.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     p = torch.softmax(x, dim=-1)
+    if not torch.isfinite(p[0]):  # softmax spreads a NaN or an infinity over the whole row
+        raise NonFiniteLogitsError(NON_FINITE)
     if cfg.min_p > 0:
         p = p.masked_fill(p < cfg.min_p * p.max(), 0.0)
     if cfg.top_p < 1.0:
@@ -77,12 +84,25 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         if self.cfg.greedy:
-            x = self.penalized(logits, history)
-            # numpy's argmax on a CPU row: the first maximum, as torch's, through far less dispatch (a decode step's
-            # sampling runs with the interpreter's caches cold after the step's weights)
-            return int(x.numpy().argmax()) if x.is_cpu and x.dtype == torch.float32 and x.dim() == 1 \
-                and not x.requires_grad else int(torch.argmax(x))
+            return self.argmax(self.penalized(logits, history))
         return self.draw(self.distribution(logits, history))
+
+    @staticmethod
+    def argmax(x: torch.Tensor) -> int:
+        """The greedy token of a (penalised) logit row: its first maximum. A NaN is a maximum to both numpy and torch,
+        so a row holding one, or an infinity, ends here (NonFiniteLogitsError) instead of naming a token."""
+        if x.is_cpu and x.dtype == torch.float32 and x.dim() == 1 and not x.requires_grad:
+            # numpy on a CPU row: as torch's argmax, through far less dispatch (a decode step's sampling runs with the
+            # interpreter's caches cold after the step's weights)
+            a = x.numpy()
+            i = int(a.argmax())
+            top = float(a[i])
+        else:
+            i = int(torch.argmax(x))
+            top = float(x[i])
+        if not math.isfinite(top):
+            raise NonFiniteLogitsError(NON_FINITE)
+        return i
 
     def draw(self, p: torch.Tensor) -> int:
         return int(torch.multinomial(p.cpu(), 1, generator=self.gen))

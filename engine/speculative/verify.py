@@ -106,11 +106,11 @@ def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: S
     """(number of drafts accepted, the trunk's own next token) — the longest matching prefix."""
     hist = list(history)
     for i, d in enumerate(drafts):
-        t = int(torch.argmax(sampler.penalized(target_logits[i], hist)))
+        t = sampler.argmax(sampler.penalized(target_logits[i], hist))
         if t != d:
             return i, t
         hist.append(d)
-    return len(drafts), int(torch.argmax(sampler.penalized(target_logits[len(drafts)], hist)))
+    return len(drafts), sampler.argmax(sampler.penalized(target_logits[len(drafts)], hist))
 
 
 def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
