@@ -1,6 +1,6 @@
 """The chat transcript: Markdown replies with highlighted, copyable code blocks, collapsible thinking,
 optional colouring of tokens that came from accepted drafts, and a stats footer per reply. Each message has
-Copy, user messages Edit, and a turn with several versions ‹ i/n › links to switch between them. An empty
+Copy and Delete, user messages Edit, and a turn with several versions ‹ i/n › links to switch between them. An empty
 conversation shows the welcome pane with example questions. Lines stay readable on wide screens: the text
 column is at most READABLE_WIDTH pixels, centred.
 
@@ -85,6 +85,7 @@ class ChatView(QTextBrowser):
     copied = Signal(str)
     editRequested = Signal(int)  # index of a user message in `messages`
     versionRequested = Signal(int, int)  # index in `messages`, step (-1 previous version, +1 next)
+    deleteRequested = Signal(int)  # index in `messages`
     exampleChosen = Signal(str)  # an example question on the welcome pane
 
     def __init__(self, parent: QWidget | None = None):
@@ -167,6 +168,7 @@ class ChatView(QTextBrowser):
             if m.role == "user":
                 links.append(f'<a href="edit:{i}">Edit</a>')
             links.append(f'<a href="copymsg:{i}">Copy</a>')
+            links.append(f'<a href="del:{i}">Delete</a>')
             tools = " &nbsp; ".join(links)
             parts.append(f'<p style="margin-top:10px"><b>{who}</b> &nbsp; <span style="font-size:small">{tools}</span></p>')
             parts.append(self._message_html(m, i))
@@ -210,6 +212,8 @@ class ChatView(QTextBrowser):
             self.copied.emit(self.messages[int(arg)].text)
         elif kind == "edit" and arg.isdigit() and int(arg) < len(self.messages):
             self.editRequested.emit(int(arg))
+        elif kind == "del" and arg.isdigit() and int(arg) < len(self.messages):
+            self.deleteRequested.emit(int(arg))
         elif kind == "ver":
             i, _, step = arg.partition(":")
             if i.isdigit() and int(i) < len(self.messages) and step in ("-1", "1"):

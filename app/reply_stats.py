@@ -16,8 +16,11 @@ def mtp_mode(mtp: bool, draft: str) -> str:
     return "off" if not mtp else ("auto" if draft == "auto" else f"K={draft}")
 
 
-def stats_dict(st: Stats | None, reason: str, mode: str, model: str) -> dict[str, Any]:
+def stats_dict(st: Stats | None, reason: str, mode: str, model: str, left_out: int = 0) -> dict[str, Any]:
+    """`left_out`: the oldest messages of the conversation the reply was made without (they did not fit)."""
     d: dict[str, Any] = {"stop_reason": reason, "mtp": mode if st is None or st.mtp else "off", "model": model}
+    if left_out:
+        d["left_out"] = left_out
     if st is None:
         return d
     d.update(ttft_s=round(st.ttft_s, 3), prompt_tok_s=round(st.prefill_tok_s, 1),
@@ -50,4 +53,7 @@ def footer(stats: dict[str, Any]) -> str:
     reason = STOP_WORDS.get(stats.get("stop_reason", ""))
     if reason:
         parts.append(reason)
+    if stats.get("left_out"):
+        n = stats["left_out"]
+        parts.append(f"made without the {n} oldest message{'s' if n > 1 else ''} (they did not fit the context)")
     return " · ".join(parts)

@@ -4,7 +4,9 @@ engine has loaded. It reads and writes the store and decides what is sent to the
 draws, and wires the worker's signals to it.
 
 Nothing the user made is lost: an edit or a regenerate adds a sibling (a version) of its turn, a stopped reply is
-kept and marked. A store that fails (disk full, read-only) never stops the session: `report` is told why, a write
+kept and marked, a deleted conversation or message comes back with Undo. What is sent fits the context
+(app.context): the oldest exchanges are left out and the reply says so; a message that cannot fit is refused before
+it is stored. A store that fails (disk full, read-only) never stops the session: `report` is told why, a write
 says it did nothing (False or None), and a read that fails stands for no rows.
 """
 from __future__ import annotations
@@ -13,13 +15,23 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from app import context
+from app.context import Fit, TokenCounter
 from app.reply_stats import stats_dict
-from app.store import Conversation, Store, StoredMessage, StoreError
+from app.store import Conversation, Removed, Store, StoredMessage, StoreError
 from engine.chat import Message
-from engine.events import Stats
+from engine.events import GenerationConfig, Stats
 
 T = TypeVar("T")
 TITLE_CHARS = 48  # a new conversation is titled with the start of its first message
+
+
+def auto_title(text: str) -> str:
+    return text[:TITLE_CHARS].replace("\n", " ")
+
+
+def system_messages(system_prompt: str) -> list[Message]:
+    return [Message("system", system_prompt.strip())] if system_prompt.strip() else []
 
 
 class State(enum.Enum):
@@ -79,7 +91,10 @@ class ChatSession:
         self.state = State.IDLE
         self.model: ModelInfo | None = None
         self.last_stats: Stats | None = None
+        self.counter: TokenCounter | None = None  # the engine's prompt length and context; None: not fitted
+        self.left_out = 0  # the oldest messages the reply under way was sent without (they did not fit)
         self.deleted: int | None = None  # the conversation an Undo would bring back
+        self.removed: Removed | None = None  # or the message(s) it would put back
 
     @property
     def generating(self) -> bool:
@@ -129,20 +144,40 @@ class ChatSession:
         except StoreError as e:
             self._failed(e)
             return None
-        self.deleted = conv.id
+        self.deleted, self.removed = conv.id, None
         self.new()
         return conv
 
-    def undo_delete(self) -> bool:
-        """Bring the deleted conversation back and open it; False when there is none or the store failed."""
-        if self.deleted is None:
+    def delete_message(self, index: int) -> bool:
+        """Delete shown message `index` (`undo_delete` puts it back); False when it cannot be (a reply is under way,
+        no such message, or the store failed)."""
+        if self.generating or self.conv_id is None or not 0 <= index < len(self.shown):
             return False
         try:
-            self.store.undelete(self.deleted)
+            self.removed = self.store.delete_message(self.shown[index].id)
         except StoreError as e:
             self._failed(e)
             return False
-        conv, self.deleted = self.deleted, None
+        self.deleted, self.editing = None, None
+        self.open(self.conv_id)
+        return True
+
+    def undo_delete(self) -> bool:
+        """Bring back what was deleted last (a conversation, opened, or a message in its conversation); False when
+        there is nothing or the store failed."""
+        try:
+            if self.removed is not None:
+                self.store.restore(self.removed)
+                conv = self.removed.conversation_id
+            elif self.deleted is not None:
+                self.store.undelete(self.deleted)
+                conv = self.deleted
+            else:
+                return False
+        except StoreError as e:
+            self._failed(e)
+            return False
+        self.deleted, self.removed = None, None
         self.open(conv)
         return True
 
@@ -184,15 +219,19 @@ class ChatSession:
         return was
 
     # -- replies -----------------------------------------------------------------------------------
+    def refusal(self, text: str, system_prompt: str) -> str | None:
+        """Why `text` cannot be sent — it does not fit the context even alone — or None when it can."""
+        return context.refusal(system_messages(system_prompt), text, self.counter)
+
     def post(self, text: str) -> bool:
         """Store the user's message at the end of the shown branch, or as a new version of the message being
-        edited; a conversation is started when none is open. False when nothing was stored (no text, no model,
-        a reply under way, or the store failed): the text stays the user's."""
+        edited; a conversation is started when none is open. False when nothing was stored (no text, no model, a
+        reply under way, or the store failed): the text stays the user's."""
         if not text or self.generating or self.model is None:
             return False
         try:
             if self.conv_id is None:
-                self.conv_id = self.store.new_conversation(text[:TITLE_CHARS].replace("\n", " ")).id
+                self.conv_id = self.store.new_conversation(auto_title(text)).id
             parent = self.editing.parent_id if self.editing is not None else ...
             self.store.add_message(self.conv_id, "user", text, parent_id=parent)
         except StoreError as e:
@@ -201,9 +240,19 @@ class ChatSession:
         self.editing = None
         return True
 
-    def reply(self, system_prompt: str, mode: str) -> list[Message] | None:
+    def measure(self, system_prompt: str) -> Fit | None:
+        """How much of the context the shown branch takes; None where there is none or prompts are not counted."""
+        if self.counter is None or not self.shown:
+            return None
+        return context.measure(system_messages(system_prompt), [Message(m.role, m.content) for m in self.shown],
+                               self.counter)
+
+    def reply(self, system_prompt: str, mode: str, max_tokens: int = GenerationConfig.max_tokens
+              ) -> list[Message] | None:
         """Begin a reply to the stored branch — a new version of its last reply where it ends with one (a
-        regenerate). The messages to send to the engine, or None when there is nothing to answer."""
+        regenerate). The messages to send to the engine, the oldest left out where they do not all fit with room
+        for `max_tokens` (`left_out` says how many), or None when there is nothing to answer. DoesNotFit (nothing
+        begun) when the message to answer does not fit even alone."""
         if self.generating or self.conv_id is None or self.model is None:
             return None
         conv = self.conv_id
@@ -212,10 +261,14 @@ class ChatSession:
             branch = branch[:-1]
         if not branch or branch[-1].role != "user":
             return None
-        self.shown, self.reply_parent, self.reply_mode = branch, branch[-1].id, mode
+        system, turns = system_messages(system_prompt), [Message(m.role, m.content) for m in branch]
+        msgs, left_out = system + turns, 0
+        if self.counter is not None:
+            sent = context.fit(system, turns, self.counter, max_tokens)
+            msgs, left_out = sent.messages, sent.left_out
+        self.shown, self.reply_parent, self.reply_mode, self.left_out = branch, branch[-1].id, mode, left_out
         self.state, self.last_stats = State.WAITING, None
-        system = [Message("system", system_prompt.strip())] if system_prompt.strip() else []
-        return system + [Message(m.role, m.content) for m in branch]
+        return msgs
 
     def token_arrived(self) -> bool:
         """A token of the reply arrived; True for the first (the session goes from waiting to streaming)."""
@@ -228,7 +281,8 @@ class ChatSession:
         """The reply ended (`reason`: the engine's stop reason). It is saved as a child of the message it answers,
         stopped or empty too — all but an empty reply to a conversation that does not fit."""
         self.state = State.IDLE  # first: a failed save below must not leave the session generating
-        stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model.name if self.model else "")
+        stats = stats_dict(self.last_stats, reason, self.reply_mode, self.model.name if self.model else "",
+                           self.left_out)
         stopped = stopped_early(reason)
         conv, parent = self.conv_id, self.reply_parent
         if conv is None or parent is None or (not text and reason == "context_overflow"):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from app.store_schema import ensure_schema
 
@@ -93,6 +93,17 @@ class StoredMessage:
 
 
 _MSG_COLS = "id, conversation_id, position, role, content, stats, created, parent_id"
+_RAW_COLS = "id, conversation_id, parent_id, position, role, content, stats, created"  # rows as stored, to restore
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What `Store.delete_message` took out: enough for `Store.restore` to put it back as it was."""
+
+    conversation_id: int
+    rows: tuple[tuple, ...]  # the deleted rows as stored, parents before children
+    spliced: tuple[int, ...]  # the messages moved up to the deleted one's parent (it was its turn's only version)
+    leaf_id: int | None  # the leaf shown before
 
 
 def _message(r: tuple) -> StoredMessage:
@@ -259,6 +270,64 @@ class Store:
             self.db.execute("UPDATE conversations SET leaf_id = ? WHERE id = (SELECT conversation_id FROM messages "
                             "WHERE id = ?)", (row[0], message_id))
 
+    @_guarded("delete the message")
+    def delete_message(self, message_id: int) -> Removed:
+        """Take one message out of its conversation. A message that is the only version of its turn is spliced
+        out (what followed it moves up a turn); one of several versions goes with the branch it leads (another
+        version is shown). What `restore` needs to put it all back."""
+        with _transaction(self.db):
+            row = self.db.execute("SELECT conversation_id, parent_id FROM messages WHERE id = ?",
+                                  (message_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no message {message_id}")
+            conv, parent = row
+            leaf = self.db.execute("SELECT leaf_id FROM conversations WHERE id = ?", (conv,)).fetchone()[0]
+            siblings = [r[0] for r in self.db.execute(
+                "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? ORDER BY id", (conv, parent))]
+            below = self._subtree(message_id)
+            if len(siblings) > 1:
+                rows = self.db.execute(f"SELECT {_RAW_COLS} FROM messages WHERE id IN ({_marks(below)}) "
+                                       "ORDER BY position, id", below).fetchall()
+                self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))  # its branch goes with it
+                earlier = [i for i in siblings if i < message_id]
+                other = earlier[-1] if earlier else next(i for i in siblings if i > message_id)
+                new_leaf = max(self._subtree(other)) if leaf in below else leaf
+                spliced: tuple[int, ...] = ()
+            else:
+                rows = self.db.execute(f"SELECT {_RAW_COLS} FROM messages WHERE id = ?", (message_id,)).fetchall()
+                spliced = tuple(r[0] for r in self.db.execute("SELECT id FROM messages WHERE parent_id = ?",
+                                                              (message_id,)))
+                self._shift(below[1:], -1)
+                self.db.execute("UPDATE messages SET parent_id = ? WHERE parent_id = ?", (parent, message_id))
+                self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+                new_leaf = parent if leaf == message_id else leaf
+            self.db.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
+                            (new_leaf, time.time(), conv))
+        return Removed(conv, tuple(rows), spliced, leaf)
+
+    @_guarded("restore the message")
+    def restore(self, removed: Removed) -> None:
+        """Put back what `delete_message` took out, with the same ids, and show the branch that was shown."""
+        with _transaction(self.db):
+            self.db.executemany(f"INSERT INTO messages ({_RAW_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", removed.rows)
+            if removed.spliced:
+                top = removed.rows[0][0]
+                self.db.execute(f"UPDATE messages SET parent_id = ? WHERE id IN ({_marks(removed.spliced)})",
+                                (top, *removed.spliced))
+                self._shift(self._subtree(top)[1:], 1)
+            self.db.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (removed.leaf_id,
+                                                                                  removed.conversation_id))
+
+    def _subtree(self, message_id: int) -> list[int]:
+        """The message and every message below it, the message first."""
+        return [r[0] for r in self.db.execute(
+            "WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN sub ON m.parent_id = "
+            "sub.id) SELECT id FROM sub", (message_id,))]
+
+    def _shift(self, ids: list[int], by: int) -> None:
+        if ids:
+            self.db.execute(f"UPDATE messages SET position = position + ? WHERE id IN ({_marks(ids)})", (by, *ids))
+
     # -- export ------------------------------------------------------------------------------------
     def export_json(self, conversation_id: int, meta: dict[str, Any] | None = None) -> str:
         """The shown branch; `meta` (the model and settings it was made with) is recorded alongside."""
@@ -312,6 +381,10 @@ def move_aside(path: str | Path) -> Path:
         if src.exists():
             src.rename(Path(str(target) + suffix))
     return target
+
+
+def _marks(ids: Sequence[int]) -> str:
+    return ", ".join("?" * len(ids))
 
 
 def _escape_like(s: str) -> str:

@@ -23,7 +23,8 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
 
 from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
-from app import remote
+from app import context, remote
+from app.context import DoesNotFit, TokenCounter
 from app.library import LibraryPanel, scan
 from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
@@ -31,10 +32,12 @@ from app.session import ChatSession, ModelInfo, stopped_early
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
 from app.store import Store, StoredMessage
 from app.worker import EngineController
+from engine.errors import EngineError
 from engine.events import Stats
 
 LAYOUT_VERSION = 2  # restoreState refuses a layout saved by another version of the panels
 TABS = ("Settings", "Metrics", "Model")
+WARN_COLOUR = "#c77700"  # the context meter nearly full: amber, readable on the light and the dark theme
 
 
 class PromptBox(QPlainTextEdit):
@@ -190,6 +193,8 @@ class MainWindow(QMainWindow):
         self.cancel_load_btn.setVisible(False)
         self.context_label, self.device_label, self.model_label = QLabel(), QLabel(), QLabel()
         self.context_label.setAccessibleName("Context used")
+        self.context_label.setToolTip("Tokens of the open conversation, with the system prompt, in the model's "
+                                      "context. When a message does not fit, the oldest messages are left out.")
         self.model_label.setAccessibleName("Model")
         sb.addWidget(self.state_label, 1)
         sb.addWidget(self.progress)
@@ -305,6 +310,7 @@ class MainWindow(QMainWindow):
         self.regen_btn.clicked.connect(self.regenerate)
         self.cancel_edit_btn.clicked.connect(self.cancel_edit)
         self.chat.editRequested.connect(self.edit_message)
+        self.chat.deleteRequested.connect(self.delete_message)
         self.chat.versionRequested.connect(self.switch_version)
         self.chat.exampleChosen.connect(self.ask_example)
         self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied to the clipboard", 3000))
@@ -358,6 +364,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def on_loaded(self, info: dict) -> None:
         self.session.model = ModelInfo.of(info)
+        self.session.counter = self._token_counter(self.session.model)
         self.loading = None
         self.progress.setVisible(False)
         self.cancel_load_btn.setVisible(False)
@@ -379,7 +386,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"Foretell — {info['name']}")
         self.model_label.setText(info["name"])
         self.device_label.setText("CPU" if info["placement"].startswith("all ") else "CPU + GPU")
-        self.context_label.setText(f"context {info['context']:,} tokens")
+        self._update_context()
         self._set_state("Ready")
         self._update_buttons()
         self.refresh_library()
@@ -391,9 +398,39 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"Foretell — {info['name']}")
         self.model_label.setText(info["name"])
         self.device_label.setText(f"remote {info['server']}")
-        self.context_label.setText(f"context {info['context']:,} tokens" if info["context"] else "")
+        self._update_context()
         self._set_state("Ready")
         self._update_buttons()
+
+    def _token_counter(self, info: ModelInfo) -> TokenCounter | None:
+        """How prompts are measured against the context: the local model's own tokenizer and template; a remote
+        engine's length estimated where its server says its context, else not measured (the server decides)."""
+        if info.remote:
+            return TokenCounter(context.estimate, info.context, estimated=True) if info.context else None
+        worker = self.engine.worker
+        return TokenCounter(lambda msgs: len(worker.served.encode_prompt(msgs)) if worker.served else 0,
+                            info.context)
+
+    def _update_context(self) -> None:
+        """The status bar's context meter for the open conversation (what the next message starts from)."""
+        info = self.model_info
+        if info is None or self.loading:
+            return
+        try:
+            used = self.session.measure(self.settings.system_prompt)
+        except EngineError:
+            used = None
+        if used is None:
+            self._show_meter(f"context {info.context:,} tokens" if info.context else "", False)
+            return
+        text, warn = context.meter(used.tokens, info.context, used.left_out)
+        estimated = self.session.counter is not None and self.session.counter.estimated
+        self._show_meter(text + (" (estimated)" if estimated else ""), warn)
+
+    def _show_meter(self, text: str, warn: bool) -> None:
+        """Amber as the context fills, and once the oldest messages no longer fit."""
+        self.context_label.setText(text)
+        self.context_label.setStyleSheet(f"color: {WARN_COLOUR}; font-weight: bold" if warn else "")
 
     @Slot(str)
     def on_load_failed(self, msg: str) -> None:
@@ -517,6 +554,7 @@ class MainWindow(QMainWindow):
         self.edit_banner.setVisible(False)
         self.chat.set_messages([self._view(m) for m in self.session.shown])
         self._update_buttons()
+        self._update_context()
 
     def _view(self, m: StoredMessage) -> ViewMessage:
         return ViewMessage(m.role, m.content, [(m.content, False)], footer(m.stats) if m.role == "assistant" else "",
@@ -531,6 +569,8 @@ class MainWindow(QMainWindow):
         self.edit_banner.setVisible(False)
         self.chat.set_messages([])
         self.refresh_conversations()
+        self._update_buttons()
+        self._update_context()
         self.prompt.setFocus()
 
     def rename_conversation(self) -> None:
@@ -547,7 +587,17 @@ class MainWindow(QMainWindow):
         if conv is None:
             return
         self._show_empty()
-        self.statusBar().showMessage(f"Deleted “{conv.title}”", 20_000)
+        self._offer_undo(f"Deleted “{conv.title}”")
+
+    @Slot(int)
+    def delete_message(self, index: int) -> None:
+        """Delete one message at once, with Undo in the status bar (as a conversation)."""
+        if self.session.delete_message(index):
+            self._show_conversation()
+            self._offer_undo("Deleted a message")
+
+    def _offer_undo(self, what: str) -> None:
+        self.statusBar().showMessage(what, 20_000)
         self.undo_btn.setVisible(True)
         self.undo_timer.start()
 
@@ -600,8 +650,16 @@ class MainWindow(QMainWindow):
     def send(self) -> None:
         if self.loading:
             return
+        text = self.prompt.toPlainText().strip()
+        try:
+            refused = self.session.refusal(text, self.settings.system_prompt) if text else None
+        except EngineError as e:
+            refused = str(e)
+        if refused is not None:  # never stored: the text stays in the input, the conversation as it was
+            self.show_error("The message is too long", refused)
+            return
         started = self.conv_id is None
-        posted = self.session.post(self.prompt.toPlainText().strip())
+        posted = self.session.post(text)
         if started and self.conv_id is not None:  # this message started a conversation: reopened next time
             self.qs.setValue("last_conversation", self.conv_id)
         if not posted:
@@ -622,13 +680,21 @@ class MainWindow(QMainWindow):
     def _reply(self) -> None:
         """Show the branch the session answers and ask the engine for the reply."""
         s = self.settings
-        msgs = self.session.reply(s.system_prompt, mtp_mode(s.mtp, s.draft))
+        try:
+            msgs = self.session.reply(s.system_prompt, mtp_mode(s.mtp, s.draft), s.max_tokens)
+        except (DoesNotFit, EngineError) as e:
+            self.show_error("The message does not fit", str(e))
+            return
         if msgs is None:
             return
         self.chat.set_messages([self._view(m) for m in self.session.shown])
         self.chat.add_message("assistant")
         self.metrics.begin_reply(self.session.reply_mode)
         self._set_state("Waiting for the first token…")
+        n = self.session.left_out
+        if n:
+            self.statusBar().showMessage(f"Sent without the {n} oldest message{'s' if n > 1 else ''}: the "
+                                         "conversation no longer fits the context", 15_000)
         self._update_buttons()
         self.prompt.setFocus()
         self.engine.generate(msgs, s.generation_config())
@@ -689,8 +755,7 @@ class MainWindow(QMainWindow):
         self.session.last_stats = st
         self.metrics.push_stats(st)
         if self.model_info and self.model_info.context:
-            self.context_label.setText(f"context {st.prompt_tokens + st.generated_tokens:,} of "
-                                       f"{self.model_info.context:,} tokens")
+            self._show_meter(*context.meter(st.prompt_tokens + st.generated_tokens, self.model_info.context, 0))
         # The MTP-off estimate for the charts: the plain steps (depth 0) that auto takes and times.
         sp = st.speculative
         if sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
@@ -707,6 +772,7 @@ class MainWindow(QMainWindow):
         self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
         self.progress.setVisible(False)
         self._update_buttons()
+        self._update_context()
         self.prompt.setFocus()
         if reason == "context_overflow":
             self.show_error("The conversation does not fit", message)
@@ -729,6 +795,7 @@ class MainWindow(QMainWindow):
         self.settings = s
         save_settings(self.qs, s)
         self.apply_theme(s.theme)
+        self._update_context()  # the system prompt counts
 
     def show_error(self, title: str, msg: str, retry: bool = False) -> None:
         """A message box that leaves the window live; `retry` adds a Retry button (a new version of the reply)."""
@@ -780,5 +847,6 @@ class MainWindow(QMainWindow):
         self.engine.shutdown()
         self._save_layout()
         save_settings(self.qs, self.settings)
+        self.store.close()  # the history's lock goes with the window: another window may open it now
         super().closeEvent(e)
 

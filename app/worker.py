@@ -16,7 +16,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine.api import EngineLike
+from engine.api import EngineLike, ServedEngine
 from engine.errors import EngineError, LoadCancelled
 from app.library import check_model_file
 from engine.events import Done, EngineConfig, GenerationConfig, Progress, Stats, Token
@@ -61,6 +61,12 @@ class EngineWorker(QObject):
         # Held while generating; app.serve_panel's server takes the same lock, so the window and the
         # server never generate on one engine at once.
         self.gen_lock = threading.Lock()
+
+    @property
+    def served(self) -> ServedEngine | None:
+        """The engine where it is a local one — the model's own tokenizer, template and file, what the server
+        serves and prompts are counted with — else None (a remote engine, or none)."""
+        return self.engine if isinstance(self.engine, Engine) else None
 
     @Slot(object, object)
     def load(self, path: str | None, config: EngineConfig) -> None:

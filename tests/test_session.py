@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from app.reply_stats import footer
 from app.session import ChatSession, ModelInfo, State
 from app.store import Store
 from engine.chat import Message
@@ -173,3 +174,51 @@ def test_model_info_from_the_workers_report() -> None:
     remote = ModelInfo.of({"remote": True, "name": "box", "path": "http://h:8080", "server": "llama.cpp",
                            "context": 0, "notices": []})
     assert remote.remote and remote.server == "llama.cpp" and remote.context == 0 and remote.architecture == ""
+
+
+def _words(msgs: list[Message]) -> int:
+    """A token counter: each word a token, and 2 of template per message."""
+    return sum(len(m.content.split()) + 2 for m in msgs)
+
+
+def test_a_long_message_never_breaks_the_conversation(session: ChatSession) -> None:
+    from app.context import DoesNotFit, TokenCounter
+
+    session.counter = TokenCounter(_words, 400)
+    _exchange(session, "word " * 150, "answer " * 100)
+    long = "word " * 390  # does not fit even alone: refused before it is stored
+    assert "holds 400 tokens" in (session.refusal(long, "") or "") and session.refusal("Hello!", "") is None
+    stored = session.store.messages(session.conv_id)
+    # The next message fits only without the first exchange: it is left out, the system prompt kept.
+    assert session.post("next " * 120)
+    msgs = session.reply("Be brief.", "auto", max_tokens=100)
+    assert msgs == [Message("system", "Be brief."), Message("user", "next " * 120)] and session.left_out == 2
+    done = session.finish("Fine.", "eos")
+    assert done.stats["left_out"] == 2 and "made without the 2 oldest messages" in footer(done.stats)
+    assert len(session.store.messages(session.conv_id)) == len(stored) + 2  # nothing was deleted
+    # A conversation that already holds a message too long for the context (stored before this check) goes on.
+    session.store.add_message(session.conv_id, "user", long)
+    with pytest.raises(DoesNotFit):
+        session.reply("", "auto")
+    assert session.state is State.IDLE
+    session.store.add_message(session.conv_id, "assistant", "")
+    assert session.post("Hello!") and session.reply("", "auto") == [Message("user", "Hello!")]
+    session.finish("Hi", "eos")
+    fit = session.measure("")
+    assert fit is not None and fit.left_out == 4 and fit.tokens == 400  # from the long message on
+
+
+def test_delete_one_message_and_undo(session: ChatSession) -> None:
+    _exchange(session, "Question", "Answer")
+    _exchange(session, "Too long to keep", "Reply to it")
+    assert session.delete_message(2) and session.removed is not None
+    assert [m.content for m in session.shown] == ["Question", "Answer", "Reply to it"]
+    assert not session.delete_message(7)
+    assert session.undo_delete() and session.removed is None
+    assert [m.content for m in session.shown] == ["Question", "Answer", "Too long to keep", "Reply to it"]
+    assert session.delete_message(3) and [m.content for m in session.shown][-1] == "Too long to keep"
+    conv = session.delete()  # a later delete is what Undo brings back
+    assert conv is not None and session.removed is None and session.undo_delete()
+    assert session.conv_id == conv.id and len(session.shown) == 3
+    session.reply("", "auto")
+    assert not session.delete_message(0)  # not while a reply is under way

@@ -147,3 +147,41 @@ def test_kill_9_loses_no_completed_message(tmp_path: Path) -> None:
     assert len(convs) == 1
     got = [m.content for m in st.messages(convs[0].id)]
     assert len(got) >= shown + 1 and got[:shown + 1] == [f"message {i}" for i in range(shown + 1)]
+
+
+def test_delete_one_message_and_restore_it(tmp_path: Path) -> None:
+    st = Store(tmp_path / "c.db")
+    c = st.new_conversation()
+    u0 = st.add_message(c.id, "user", "q0")
+    a0 = st.add_message(c.id, "assistant", "a0", {"tokens": 2})
+    u1 = st.add_message(c.id, "user", "q1")
+    a1 = st.add_message(c.id, "assistant", "a1")
+    before = st.messages(c.id)
+    # The only version of its turn: spliced out, what followed moves up a turn.
+    gone = st.delete_message(u1.id)
+    assert [(m.content, m.position) for m in st.messages(c.id)] == [("q0", 0), ("a0", 1), ("a1", 2)]
+    assert st.messages(c.id)[2].parent_id == a0.id
+    st.restore(gone)
+    assert st.messages(c.id) == before
+    # The last message: the one before it is shown.
+    gone = st.delete_message(a1.id)
+    assert [m.content for m in st.messages(c.id)] == ["q0", "a0", "q1"]
+    st.restore(gone)
+    assert st.messages(c.id) == before
+    # One of several versions: it goes with the branch it leads, and the other version is shown.
+    a0b = st.add_message(c.id, "assistant", "a0 again", parent_id=u0.id)
+    st.add_message(c.id, "user", "q1 after a0b")
+    shown = st.messages(c.id)
+    gone = st.delete_message(a0b.id)
+    assert st.messages(c.id) == before and st.versions(a0.id) == [a0.id]
+    st.restore(gone)
+    assert st.messages(c.id) == shown and st.versions(a0.id) == [a0.id, a0b.id]
+    # The first message of a one-message conversation: nothing left shown, and back again.
+    d = st.new_conversation()
+    only = st.add_message(d.id, "user", "alone")
+    gone = st.delete_message(only.id)
+    assert st.messages(d.id) == []
+    st.restore(gone)
+    assert [m.content for m in st.messages(d.id)] == ["alone"]
+    with pytest.raises(KeyError):
+        st.delete_message(10_000)

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QApplication
 
 from app.store import Store
 from app.window import MainWindow
+from engine.chat import Message
 from tests.fixtures import TINY_MOE, fixture_path
 
 
@@ -313,3 +314,43 @@ def test_loading_shows_a_cancel_button_and_cancel_keeps_the_model(qtbot, tmp_pat
     assert win.state_label.text() == f"Loading cancelled — kept {name}"
     assert win.model_info.name == name and len(win.errors) == n_errors  # no error dialog for a cancel
     assert not win.cancel_load_btn.isVisibleTo(win) and not win.progress.isVisibleTo(win)
+
+
+def test_a_long_message_is_refused_and_old_turns_are_left_out(qtbot, tmp_path: Path) -> None:
+    qs = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    qs.setValue("context", 512)
+    qs.setValue("max_tokens", 8)
+    qs.sync()
+    win = _window(qtbot, tmp_path)
+    assert win.model_info.context == 512 and win.context_label.text() == "context 512 tokens"
+    count = win.session.counter.count
+    # ~5,000 tokens: refused before it is stored, the text kept in the box, the next message answered.
+    huge = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(300))
+    assert count([Message("user", huge)]) > 5000
+    win.prompt.setPlainText(huge)
+    win.send()
+    assert not win.generating and win.conv_id is None and win.store.conversations() == []
+    assert "holds 512 tokens" in win.errors[-1] and win.prompt.toPlainText() == huge
+    win.prompt.clear()
+    _send(qtbot, win, "Hello!")
+    assert win.store.messages(win.conv_id)[-1].role == "assistant" and "left out" not in win.chat.toPlainText()
+    # Messages that fill the context: the meter turns amber, then the oldest exchanges are left out and said so.
+    chunk = " ".join(f"item {i}" for i in range(27))
+    assert 180 < count([Message("user", chunk)]) < 200
+    _send(qtbot, win, chunk)
+    _send(qtbot, win, chunk)
+    assert "nearly full" in win.context_label.text() and "#c77700" in win.context_label.styleSheet()
+    _send(qtbot, win, chunk)
+    last = win.store.messages(win.conv_id)[-1]
+    assert last.role == "assistant" and last.stats["left_out"] >= 2 and last.stats["stop_reason"] != "context_overflow"
+    assert "oldest message" in win.chat.messages[-1].footer and not win.errors[1:]
+    assert len(win.store.messages(win.conv_id)) == 8  # nothing was deleted
+    _send(qtbot, win, "Hello!")  # and the conversation goes on
+    assert win.store.messages(win.conv_id)[-1].role == "assistant" and len(win.errors) == 1
+    # Delete one message (its Delete link), the meter follows; Undo brings it back.
+    before = win.context_label.text()
+    win.chat._on_anchor(QUrl("del:6"))
+    assert len(win.store.messages(win.conv_id)) == 9 and win.context_label.text() != before
+    assert win.undo_btn.isVisibleTo(win) and win.statusBar().currentMessage() == "Deleted a message"
+    win.undo_btn.click()
+    assert len(win.store.messages(win.conv_id)) == 10 and win.context_label.text() == before
