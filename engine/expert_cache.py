@@ -8,7 +8,9 @@ burst of once-used experts (a long prompt) therefore cannot flush the experts ev
 
 Fills copy from pinned host memory with non_blocking copies (asynchronous on CUDA). Experts that are
 routed in the current pass are pinned for it and never evicted mid-pass. On the CPU (tests), the "device"
-slots are ordinary CPU tensors, so the same bookkeeping and copies run without a GPU.
+slots are ordinary CPU tensors, so the same bookkeeping and copies run without a GPU. A layer's bound experts
+use it through engine.ops.experts_bound.CachedExperts, which runs the hits from the slots and the misses by the
+experts it wraps.
 """
 from __future__ import annotations
 

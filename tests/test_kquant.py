@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine import ops
 from engine.ops import native
-from engine.ops.experts import _pairs
+from engine.ops.experts_pairs import pairs_product
 from engine.ops.linear import NativeLinear
 from engine.storage.qtensor import QTensor
 from engine.storage.quantize import random_blocks
@@ -136,7 +136,7 @@ def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> 
     experts = torch.tensor([0, 3, 5])
     xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
     starts = torch.tensor([0, 2, 3, 8])
-    out = _pairs(x, stack, xrow, experts, starts)
+    out = pairs_product(x, stack, xrow, experts, starts)
     _packed_as_expected(stack)
     for g, e in enumerate(experts.tolist()):
         one_expert = _bind(stored[e], backend)

@@ -220,7 +220,6 @@ def test_cpu_experts_of_a_gpu_layer_run_in_the_native_kernels() -> None:
     """cpu_moe: a layer on the GPU whose routed experts stay in RAM runs them in the native kernels (the pass's rows
     copied over), not in torch's dequantizing path."""
     import engine.ops as ops
-    from engine.ops.experts import Experts
     from engine.storage.qtensor import QTensor
     from engine.storage.quantize import random_blocks
     from gguf import GGMLQuantizationType as QT
@@ -231,4 +230,4 @@ def test_cpu_experts_of_a_gpu_layer_run_in_the_native_kernels() -> None:
     rng = np.random.default_rng(0)
     ws = [QTensor(torch.from_numpy(random_blocks(s, QT.Q4_K, rng, 0.02)), QT.Q4_K, s)
           for s in ((4, 256, 256), (4, 256, 256), (4, 256, 256))]
-    assert Experts(*ws, backend, device="cuda").kind == "native"
+    assert ops.bind_experts(*ws, backend, device="cuda").kind == "native"

@@ -17,7 +17,8 @@ from engine import ops
 from engine.models.build import load_model
 from engine.ops import native
 from engine.ops.activations import act_format
-from engine.ops.experts import _pairs, route
+from engine.ops.experts import route
+from engine.ops.experts_pairs import NativePart, group, pairs_product
 from engine.ops.linear import NativeLinear
 from engine.storage.modelfile import open_model
 from engine.storage.qtensor import QTensor
@@ -132,7 +133,7 @@ def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> 
     x = _x(7, 512, seed=7)
     experts, starts = torch.tensor([0, 3, 5]), torch.tensor([0, 2, 3, 8])
     xrow = torch.tensor([2, 6, 0, 1, 4, 5, 3, 6])
-    out = _pairs(x, stack, xrow, experts, starts)
+    out = pairs_product(x, stack, xrow, experts, starts)
     for g, e in enumerate(experts.tolist()):
         one = _bind(stored[e], backend)
         for p in range(int(starts[g]), int(starts[g + 1])):
@@ -168,12 +169,9 @@ def test_mixed_type_experts_equal_the_torch_twin_and_one_token_passes(mix: tuple
     torch.testing.assert_close(y, twin, rtol=0, atol=tol * twin.abs().max().item())
     for i in (0, 4):
         assert torch.equal(ops.moe_experts(x[i:i + 1].clone(), idx[i:i + 1], w[i:i + 1], ex), y[i:i + 1]), i
-    from engine.ops.experts import _Native, reduce_slots
-
-    g = native.group_pairs(idx, e_n)
-    out = torch.empty(idx.numel(), d)
-    _Native(x, g.tokens, g.order, g.starts, out).run(ex.stacks, g.experts)  # type: ignore[arg-type]
-    assert torch.equal(reduce_slots(out.view(6, k_used, d), w), y)
+    pairs = group(x, idx, backend, e_n)
+    NativePart(pairs).run(ex.stacks, pairs.experts)  # type: ignore[arg-type]
+    assert torch.equal(pairs.reduce(w), y)
 
 
 def _greedy(spec, backend: ops.Backend, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]

@@ -93,8 +93,8 @@ def test_shared_expert_runs_with_the_routed_experts(slices: int, n: int) -> None
               for i, s in enumerate([(e_n, f, d), (e_n, f, d), (e_n, d, f)])]
     trio = (_weight(slices * f, d, 7), _weight(slices * f, d, 8), _weight(d, slices * f, 9))
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
-    ex = ops.Experts(*stacks, ops.TORCH, shared=trio)
-    routed = ops.Experts(*stacks, ops.TORCH)
+    ex = ops.bind_experts(*stacks, ops.TORCH, shared=trio)
+    routed = ops.bind_experts(*stacks, ops.TORCH)
     assert ex.shared_slices == slices and not routed.runs_shared
     w, idx = route(torch.randn(n, e_n, generator=torch.Generator().manual_seed(3)), 2)
     gate = torch.sigmoid(torch.randn(n, 1, generator=torch.Generator().manual_seed(4)))

@@ -23,7 +23,7 @@ from engine.generate import load
 from engine.metrics import cuda_status
 from engine.ops import triton_attention, triton_norm, triton_q
 from engine.ops.backend import TRITON, triton_runs
-from engine.ops.experts import Experts, moe_experts
+from engine.ops.experts import Experts, bind_experts, moe_experts
 from engine.ops.linear import GEMV_ROWS
 from engine.storage.qtensor import QTensor
 from tests.fixtures import UD_Q4_K_M_MOE, fixture_path
@@ -126,7 +126,7 @@ def _experts(cache: int | None) -> tuple[Experts, tuple[QTensor, QTensor, QTenso
     ws = (_blocks(QT.Q4_K, (n_e, f, d), 7), _blocks(QT.Q4_K, (n_e, f, d), 8), _blocks(QT.Q5_K, (n_e, d, f), 9))
     dev_ws = tuple(QTensor(t.raw.to(DEV) if cache is None else t.raw, t.qtype, t.shape) for t in ws)
     ec = ExpertCache(*dev_ws, capacity=cache, device=DEV) if cache is not None else None  # type: ignore[arg-type]
-    return Experts(*dev_ws, TRITON, device=DEV, cache=ec), ws  # type: ignore[arg-type]
+    return bind_experts(*dev_ws, TRITON, device=DEV, cache=ec), ws  # type: ignore[arg-type]
 
 
 def test_routed_experts_grouped_gemv_matches_the_reference_and_the_cache() -> None:

@@ -1,7 +1,7 @@
 """Which of a built model's weights miss a native product: the loader's report of tensors that fall back.
 
 Read from the bound model itself (every `Linear` and `Experts` reachable from it), so it says what `bind` and
-`Experts` chose, never what a list of types predicts. A weight falls back when its product runs on a native
+`bind_experts` chose, never what a list of types predicts. A weight falls back when its product runs on a native
 backend (on the CPU) but is not a native kernel: it is dequantized tile by tile instead, several times slower.
 F32 weights are not counted (they are float math already, nothing to dequantize), nor weights placed on an
 accelerator (their products are the torch backend's by design), nor anything on the torch backend.
