@@ -1,5 +1,5 @@
-"""Metrics tab: is MTP helping (per-reply decode speed by MTP setting, the speed-up against replies without
-MTP), draft acceptance, memory and CPU over time, expert cache and expert usage (pyqtgraph).
+"""Metrics tab: is MTP helping (per-reply decode speed by MTP setting, per engine and model, the speed-up against
+measured replies without MTP: app.speedup), draft acceptance, memory and CPU over time, expert cache and expert usage (pyqtgraph).
 
 Following pyqtgraph's scrolling-plot example: the worker only emits small Stats objects; they land in
 fixed-size ring buffers on the GUI thread, and a 100 ms QTimer redraws by `setData` on existing items.
@@ -9,21 +9,21 @@ Time series break between replies (a NaN point, drawn with connect="finite") so 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import psutil
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Slot
-from PySide6.QtWidgets import QLabel, QStackedLayout, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
 
+from app.speedup import MIN_TOKENS, SERVER, Reply, baseline, mode_name, verdict
 from engine.events import Stats
 from engine.metrics import SystemMonitor
 
 HISTORY = 600  # points per series: one minute at the 100 ms tick
 HEAT_STEPS = 120  # columns of the per-layer cache hit-rate map
 MAX_BARS = 24  # replies shown in the per-reply chart
-MODE_COLOURS = {"off": "#9e9e9e", "fixed": "#e6550d", "auto": "#2b8cbe"}
+MODE_COLOURS = {"off": "#9e9e9e", "fixed": "#e6550d", "auto": "#2b8cbe", SERVER: "#8856a7"}
 
 
 class Ring:
@@ -50,21 +50,6 @@ class Ring:
             return self.t[:self.n], self.v[:self.n]
         i = self.n % self.size
         return np.concatenate([self.t[i:], self.t[:i]]), np.concatenate([self.v[i:], self.v[:i]])
-
-
-@dataclass(frozen=True)
-class Reply:
-    tok_s: float
-    mode: str  # "off", "auto" or "K=n"
-
-    @property
-    def kind(self) -> str:
-        return self.mode if self.mode in ("off", "auto") else "fixed"
-
-
-def speedup(tok_s: float, reference: float | None) -> str:
-    """"×1.9": decode speed against the MTP-off reference."""
-    return f"×{tok_s / reference:.1f}" if reference else ""
 
 
 class Chart(QWidget):
@@ -112,9 +97,9 @@ class MetricsDock(QWidget):
         self._cache_last: dict[int, tuple[int, int]] = {}
         self.tried: list[int] = []
         self.accepted: list[int] = []
-        self.replies: list[Reply] = []
+        self.replies: list[Reply] = []  # of every engine this session; the chart shows one engine's
         self.mode = "off"
-        self.mtp_off_reference: float | None = None  # estimate from auto's plain steps, until a reply without MTP
+        self.engine = ""  # the engine and model of the reply under way (app.session.ModelInfo.engine)
         self.dark = False
         self.dirty = False
         self.last: Stats | None = None
@@ -129,6 +114,15 @@ class MetricsDock(QWidget):
                                "setting; turn MTP off in Settings for one reply to get the comparison.",
                                "decode (tokens/s)", "reply")
         self.p_replies = self.c_replies.plot
+        self.engine_box = QComboBox()  # replies of different engines are never drawn, or compared, together
+        self.engine_box.setAccessibleName("Replies of")
+        self.engine_box.currentTextChanged.connect(lambda _t: setattr(self, "dirty", True))
+        self.engine_row = QWidget()
+        er = QHBoxLayout(self.engine_row)
+        er.setContentsMargins(0, 0, 0, 0)
+        er.addWidget(QLabel("Replies of"))
+        er.addWidget(self.engine_box, 1)
+        self.engine_row.setVisible(False)
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7)
         self.p_replies.addItem(self.bars)
         self.ref_line = pg.InfiniteLine(angle=0, pen=pg.mkPen("#555", width=2, style=Qt.PenStyle.DashLine))
@@ -138,6 +132,7 @@ class MetricsDock(QWidget):
         self.replies_legend = QLabel()
         self.replies_legend.setWordWrap(True)
         self._legend()
+        lay.addWidget(self.engine_row)
         lay.addWidget(self.c_replies)
         lay.addWidget(self.replies_legend)
 
@@ -197,8 +192,10 @@ class MetricsDock(QWidget):
     def _legend(self) -> None:
         sw = '<span style="color:{c}">■</span> {t}'
         parts = [sw.format(c=MODE_COLOURS["off"], t="MTP off"), sw.format(c=MODE_COLOURS["fixed"], t="fixed depth K"),
-                 sw.format(c=MODE_COLOURS["auto"], t="auto depth"), "– – MTP-off average",
-                 "×N on a bar: its speed against that average"]
+                 sw.format(c=MODE_COLOURS["auto"], t="auto depth"),
+                 sw.format(c=MODE_COLOURS[SERVER], t="the server's own MTP (remote)"),
+                 "– – average of this model's MTP-off replies", "×N on a bar: its speed against that average "
+                 f"(replies of {MIN_TOKENS}+ tokens that drafted)"]
         self.replies_legend.setText(" &nbsp; ".join(parts))
 
     def set_dark(self, dark: bool) -> None:
@@ -218,26 +215,13 @@ class MetricsDock(QWidget):
         self.dirty = True
 
     # -- input ---------------------------------------------------------------------------------------
-    def begin_reply(self, mode: str) -> None:
-        """A reply starts with MTP `mode` ("off", "auto", "K=n"): the time series break here."""
-        self.mode = mode
+    def begin_reply(self, mode: str, engine: str) -> None:
+        """A reply starts with MTP `mode` ("off", "auto", "K=n", or SERVER) on `engine`: the time series break
+        here."""
+        self.mode, self.engine = mode, engine
         t = time.monotonic() - self.t0
         for r in (self.tok_s, self.acceptance, self.mean_len):
             r.gap(t)
-
-    def set_mtp_off_reference(self, tok_s: float | None) -> None:
-        """An estimate of decode speed without MTP (auto's timed plain steps), used until a reply without MTP."""
-        self.mtp_off_reference = tok_s
-        self.dirty = True
-
-    def reference(self) -> tuple[float | None, str]:
-        """The MTP-off speed the bars are compared with, and where it comes from."""
-        off = [r.tok_s for r in self.replies if r.kind == "off"]
-        if off:
-            return float(np.mean(off)), f"average of {len(off)} repl{'y' if len(off) == 1 else 'ies'} without MTP"
-        if self.mtp_off_reference:
-            return self.mtp_off_reference, "estimated from the steps auto decoded without drafting"
-        return None, ""
 
     @Slot(object)
     def push_stats(self, st: Stats) -> None:
@@ -258,7 +242,13 @@ class MetricsDock(QWidget):
             layers = sorted(st.expert_usage)
             self.usage = np.array([st.expert_usage[i] for i in layers], dtype=np.float64)
         if st.final and st.decode_tok_s > 0:
-            self.replies.append(Reply(st.decode_tok_s, self.mode if st.mtp else "off"))
+            mode = self.mode if st.mtp or self.mode == SERVER else "off"  # a model without an MTP head: off
+            self.replies.append(Reply(st.decode_tok_s, mode, st.generated_tokens, sp.drafted if sp else None,
+                                      self.engine))
+            if self.engine_box.findText(self.engine) < 0:
+                self.engine_box.addItem(self.engine)
+            self.engine_box.setCurrentText(self.engine)
+            self.engine_row.setVisible(self.engine_box.count() > 1)
         self.last = st
         self.dirty = True
 
@@ -332,9 +322,11 @@ class MetricsDock(QWidget):
         self._summarise()
 
     def _draw_replies(self) -> None:
-        shown = self.replies[-MAX_BARS:]
-        first = len(self.replies) - len(shown) + 1
-        ref, _ = self.reference()
+        engine = self.engine_box.currentText()
+        mine = [r for r in self.replies if r.engine == engine]
+        shown = mine[-MAX_BARS:]
+        first = len(mine) - len(shown) + 1
+        base = baseline(self.replies, engine)
         for item in self.bar_labels:
             self.p_replies.removeItem(item)
         self.bar_labels = []
@@ -346,19 +338,21 @@ class MetricsDock(QWidget):
                           pens=[pg.mkPen(None)] * len(shown))
         fg = "#d0d0d0" if self.dark else "#303030"
         for xi, r in zip(x, shown):
-            text = speedup(r.tok_s, ref) if r.kind != "off" else ""
-            label = pg.TextItem(f"{text}\n{r.mode}" if text else r.mode, color=fg, anchor=(0.5, 1.0))
-            label.setToolTip(f"{r.tok_s:.1f} tokens/s, MTP {r.mode}" + (f", {text} vs MTP off" if text else ""))
+            v = verdict(r, self.replies)
+            name = "server" if r.mode == SERVER else r.mode
+            label = pg.TextItem(f"{v.label}\n{name}" if v.label else name, color=fg, anchor=(0.5, 1.0))
+            label.setToolTip(f"{r.tok_s:.1f} tokens/s, {r.tokens} tokens, {mode_name(r.mode)}: {v.sentence}")
             label.setPos(float(xi), r.tok_s)
             self.p_replies.addItem(label)
             self.bar_labels.append(label)
-        self.ref_line.setVisible(ref is not None)
-        if ref is not None:
-            self.ref_line.setPos(ref)
-        top = max([r.tok_s for r in shown] + [ref or 0.0])
+        self.ref_line.setVisible(base is not None)
+        if base is not None:
+            self.ref_line.setPos(base.tok_s)
+        top = max([r.tok_s for r in shown] + [base.tok_s if base else 0.0])
         self.p_replies.setYRange(0, top * 1.35)
         self.p_replies.setXRange(first - 0.6, first + max(len(shown), 4) - 0.4)
         self.p_replies.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x]])  # replies are whole numbers
+        self.p_replies.setTitle(f"Decode speed per reply — {engine}", color="#d0d0d0" if self.dark else "#404040")
         self.c_replies.show_data()
 
     def _draw_depth(self) -> None:
@@ -388,11 +382,7 @@ class MetricsDock(QWidget):
             scope = "server-wide: other clients count too" if sp.server_wide else "per request"
             parts.append(f"speed timed here; acceptance from the server's {sp.source} ({scope})")
         text = " · ".join(parts)
-        ref, source = self.reference()
-        if self.replies and self.replies[-1].kind != "off" and ref:
+        if self.replies:
             r = self.replies[-1]
-            text = (f"<b>Last reply (MTP {r.mode}): {speedup(r.tok_s, ref)} vs MTP off</b> "
-                    f"({r.tok_s:.1f} against {ref:.1f} tokens/s, {source}).<br>{text}")
-        elif self.replies and not ref:
-            text += "<br>Send a reply with MTP off (Settings) to see whether MTP helps on this model."
+            text = f"<b>Last reply ({mode_name(r.mode)}, {r.engine}): {verdict(r, self.replies).sentence}.</b><br>{text}"
         self.summary.setText(text)

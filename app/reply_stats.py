@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.speedup import SERVER
 from engine.events import Stats
 
 STOP_WORDS = {"stopped": "stopped by you", "max_tokens": "reached the reply length limit",
@@ -12,13 +13,15 @@ STOP_WORDS = {"stopped": "stopped by you", "max_tokens": "reached the reply leng
 
 
 def mtp_mode(mtp: bool, draft: str) -> str:
-    """How a reply was decoded: "off", "auto" or "K=n" (a fixed draft depth)."""
+    """How a reply was decoded: "off", "auto" or "K=n" (a fixed draft depth); a remote server that chooses for
+    itself: app.speedup.SERVER."""
     return "off" if not mtp else ("auto" if draft == "auto" else f"K={draft}")
 
 
 def stats_dict(st: Stats | None, reason: str, mode: str, model: str, left_out: int = 0) -> dict[str, Any]:
     """`left_out`: the oldest messages of the conversation the reply was made without (they did not fit)."""
-    d: dict[str, Any] = {"stop_reason": reason, "mtp": mode if st is None or st.mtp else "off", "model": model}
+    chosen = st is None or st.mtp or mode == SERVER  # else the model has no MTP head: decoded without
+    d: dict[str, Any] = {"stop_reason": reason, "mtp": mode if chosen else "off", "model": model}
     if left_out:
         d["left_out"] = left_out
     if st is None:
@@ -48,6 +51,8 @@ def footer(stats: dict[str, Any]) -> str:
             parts.append(f"from {stats['source']}{' (server-wide)' if stats.get('server_wide') else ''}")
     elif stats.get("mtp") == "off":
         parts.append("MTP off")
+    elif stats.get("mtp") == SERVER:
+        parts.append("the server's own MTP setting: no drafts reported")
     elif stats.get("mtp"):
         parts.append(f"MTP {stats['mtp']}: nothing drafted")
     reason = STOP_WORDS.get(stats.get("stop_reason", ""))

@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from app import context
 from app.context import Fit, TokenCounter
-from app.reply_stats import stats_dict
+from app.reply_stats import mtp_mode, stats_dict
+from app.speedup import SERVER
 from app.store import Conversation, Removed, Store, StoredMessage, StoreError
 from engine.chat import Message
 from engine.events import GenerationConfig, Stats
@@ -50,10 +51,20 @@ class ModelInfo:
     architecture: str  # "" for a remote engine
     server: str | None  # a remote server's kind (llama.cpp, vllm, …); None for a local model
     notices: tuple[str, ...]
+    server_mtp: bool = False  # MTP and its depth are a remote server's own setting (it takes none per request)
 
     @property
     def remote(self) -> bool:
         return self.server is not None
+
+    @property
+    def engine(self) -> str:
+        """Which engine and model replies come from: replies of different engines are never compared."""
+        return f"{self.name} · remote {self.server} server" if self.remote else f"{self.name} · this computer"
+
+    def mode(self, mtp: bool, draft: str) -> str:
+        """How a reply is decoded (app.reply_stats.mtp_mode), or SERVER where the server chooses."""
+        return SERVER if self.server_mtp else mtp_mode(mtp, draft)
 
     @classmethod
     def of(cls, info: Mapping[str, Any]) -> ModelInfo:
@@ -61,7 +72,7 @@ class ModelInfo:
         remote = bool(info.get("remote", False))
         return cls(name=info["name"], path=info["path"], context=info["context"],
                    architecture="" if remote else info["architecture"], server=info["server"] if remote else None,
-                   notices=tuple(info["notices"]))
+                   notices=tuple(info["notices"]), server_mtp=remote and not info["mtp_per_request"])
 
 
 def stopped_early(reason: str) -> bool:

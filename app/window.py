@@ -681,7 +681,7 @@ class MainWindow(QMainWindow):
         """Show the branch the session answers and ask the engine for the reply."""
         s = self.settings
         try:
-            msgs = self.session.reply(s.system_prompt, mtp_mode(s.mtp, s.draft), s.max_tokens)
+            msgs = self.session.reply(s.system_prompt, self.model_info.mode(s.mtp, s.draft), s.max_tokens)
         except (DoesNotFit, EngineError) as e:
             self.show_error("The message does not fit", str(e))
             return
@@ -689,7 +689,7 @@ class MainWindow(QMainWindow):
             return
         self.chat.set_messages([self._view(m) for m in self.session.shown])
         self.chat.add_message("assistant")
-        self.metrics.begin_reply(self.session.reply_mode)
+        self.metrics.begin_reply(self.session.reply_mode, self.model_info.engine)
         self._set_state("Waiting for the first token…")
         n = self.session.left_out
         if n:
@@ -756,10 +756,6 @@ class MainWindow(QMainWindow):
         self.metrics.push_stats(st)
         if self.model_info and self.model_info.context:
             self._show_meter(*context.meter(st.prompt_tokens + st.generated_tokens, self.model_info.context, 0))
-        # The MTP-off estimate for the charts: the plain steps (depth 0) that auto takes and times.
-        sp = st.speculative
-        if sp and sp.plain_steps >= 8 and sp.time_s.plain_decode > 0:
-            self.metrics.set_mtp_off_reference(sp.plain_steps / sp.time_s.plain_decode)
 
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:

@@ -6,7 +6,8 @@ import numpy as np
 import pyqtgraph as pg
 
 from app.charts import MODE_COLOURS, MetricsDock, Ring
-from engine.events import EngineConfig, GenerationConfig, Stats
+from app.speedup import SERVER
+from engine.events import EngineConfig, GenerationConfig, SpeculativeStats, Stats
 from engine.generate import load
 from tests.fixtures import TINY_MOE, fixture_path
 
@@ -29,8 +30,8 @@ def test_ring_gaps_break_the_line() -> None:
 
 
 def _reply(dock: MetricsDock, eng, mode: str, **gen) -> None:
-    dock.begin_reply(mode)
-    for ev in eng.generate([1, 2, 3], GenerationConfig(max_tokens=20, stats_interval_s=0.0, **gen)):
+    dock.begin_reply(mode, "tiny · this computer")
+    for ev in eng.generate([1, 2, 3], GenerationConfig(max_tokens=40, stats_interval_s=0.0, **gen)):
         if isinstance(ev, Stats):
             dock.push_stats(ev)
 
@@ -48,14 +49,14 @@ def test_charts_answer_whether_mtp_helps(qtbot) -> None:
     _reply(dock, eng, "auto")
     _reply(dock, eng, "K=2", draft=2)
     dock.refresh()
-    assert [r.kind for r in dock.replies] == ["off", "auto", "fixed"]
-    ref, source = dock.reference()
-    assert ref == dock.replies[0].tok_s and "1 reply without MTP" in source
+    assert [r.kind for r in dock.replies] == ["off", "auto", "fixed"] and dock.replies[2].tokens == 40
+    ref = dock.replies[0].tok_s
     assert dock.ref_line.isVisible() and dock.ref_line.value() == ref
     k2 = dock.replies[2]
     want = f"×{k2.tok_s / ref:.1f}"
     assert any(lab.textItem.toPlainText() == f"{want}\nK=2" for lab in dock.bar_labels)
-    assert f"{want} vs MTP off" in dock.summary.text()
+    assert f"{want} vs MTP off ({k2.tok_s:.1f} against {ref:.1f} tokens/s, one MTP-off reply of this model)" \
+        in dock.summary.text()
     brushes = dock.bars.opts["brushes"]
     assert [pg.mkBrush(b).color().name() for b in brushes] == [MODE_COLOURS[k] for k in ("off", "auto", "fixed")]
     # Time series: separate charts with units, a break between replies, acceptance in percent.
@@ -75,12 +76,53 @@ def test_charts_answer_whether_mtp_helps(qtbot) -> None:
     assert "x0.001" not in dock.c_mem.plot.getAxis("bottom").labelString()
 
 
-def test_reference_estimate_until_a_reply_without_mtp(qtbot) -> None:
+def _final(tok_s: float, tokens: int, mtp: bool = True, drafted: int | None = None) -> Stats:
+    """A reply's last Stats, as an engine sends it."""
+    spec = SpeculativeStats(drafted=drafted, accepted=drafted // 2) if drafted is not None else None
+    return Stats(prompt_tokens=10, prefill_tokens=10, generated_tokens=tokens, ttft_s=0.1, prefill_tok_s=100.0,
+                 decode_tok_s=tok_s, elapsed_s=1.0, cache_bytes=0, state_bytes=0, final=True, mtp=mtp,
+                 speculative=spec)
+
+
+def _label(dock: MetricsDock, i: int) -> str:
+    dock.refresh()
+    return dock.bar_labels[i].textItem.toPlainText()
+
+
+def test_speed_ups_are_claimed_only_where_measured(qtbot) -> None:
     dock = MetricsDock()
     qtbot.addWidget(dock)
-    assert dock.reference() == (None, "")
-    dock.set_mtp_off_reference(5.0)
-    assert dock.reference()[0] == 5.0 and "estimated" in dock.reference()[1]
+    local, remote = "tiny · this computer", "qwen @ gpu:8080 · remote llama.cpp server"
+    dock.begin_reply("auto", local)
+    dock.push_stats(_final(60.0, 100, drafted=40))
+    assert _label(dock, 0) == "auto" and "no MTP-off reply yet to compare with" in dock.summary.text()
+    assert not dock.ref_line.isVisible()  # no estimate stands in for a measurement
+    dock.begin_reply("auto", local)
+    dock.push_stats(_final(45.0, 100, drafted=0))  # auto chose not to draft: no speed-up to credit
+    assert _label(dock, 1) == "no drafts\nauto" and "MTP auto drafted nothing" in dock.summary.text()
+    dock.begin_reply("K=2", local)
+    dock.push_stats(_final(80.0, 12, drafted=10))
+    assert _label(dock, 2) == "too short\nK=2" and "12 tokens: too short to compare" in dock.summary.text()
+    dock.begin_reply("off", local)
+    dock.push_stats(_final(30.0, 20, mtp=False))  # too short to be a baseline either
+    assert _label(dock, 0) == "auto" and _label(dock, 3) == "too short\noff"
+    dock.begin_reply("off", local)
+    dock.push_stats(_final(40.0, 64, mtp=False))
+    assert _label(dock, 0) == "×1.5\nauto" and _label(dock, 1) == "no drafts\nauto" and _label(dock, 4) == "off"
+    assert dock.ref_line.isVisible() and dock.ref_line.value() == 40.0
+    tip = dock.bar_labels[0].toolTip()
+    assert "×1.5 vs MTP off (60.0 against 40.0 tokens/s, one MTP-off reply of this model)" in tip
+    # A remote server's replies: their own series, never compared with this computer's, "server" not "auto".
+    dock.begin_reply(SERVER, remote)
+    dock.push_stats(_final(175.7, 100, mtp=True, drafted=50))
+    dock.refresh()
+    assert dock.engine_row.isVisibleTo(dock) and dock.engine_box.currentText() == remote
+    assert len(dock.bar_labels) == 1 and _label(dock, 0) == "server" and not dock.ref_line.isVisible()
+    assert "server's own setting" in dock.summary.text() and "vs MTP off" not in dock.summary.text()
+    assert remote in dock.p_replies.plotItem.titleLabel.text
+    assert [pg.mkBrush(b).color().name() for b in dock.bars.opts["brushes"]] == [MODE_COLOURS[SERVER]]
+    dock.engine_box.setCurrentText(local)  # back to this computer's replies, unchanged
+    assert _label(dock, 0) == "×1.5\nauto" and len(dock.bar_labels) == 5
 
 
 def test_expert_cache_charts_from_a_hybrid_run(qtbot) -> None:

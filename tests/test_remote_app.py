@@ -60,7 +60,10 @@ def test_chat_through_llama_server_with_acceptance_in_the_charts(qtbot, tmp_path
     reply = win.store.messages(win.conv_id)[-1]
     assert reply.role == "assistant" and reply.content and reply.stats["drafted"] > 0
     assert reply.stats["source"].startswith("timings") and "drafted tokens accepted" in win.chat.toPlainText()
+    assert reply.stats["mtp"] == "server"  # llama-server chose its own depth: not "auto"
     win.metrics.refresh()
+    assert win.metrics.replies[-1].engine == "llama box · remote llama.cpp server"
+    assert "the server's own setting" in win.metrics.summary.text() and "vs MTP off" not in win.metrics.summary.text()
     assert win.metrics.c_acc.has_data and "acceptance from the server's timings" in win.metrics.summary.text()
     assert "per request" in win.metrics.summary.text()
     # back to a local model: the local settings come back

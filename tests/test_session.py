@@ -172,8 +172,15 @@ def test_model_info_from_the_workers_report() -> None:
                           "notices": ["native kernels"], "layers": 2})
     assert local == ModelInfo("a", "/m/a.gguf", 2048, "qwen35moe", None, ("native kernels",)) and not local.remote
     remote = ModelInfo.of({"remote": True, "name": "box", "path": "http://h:8080", "server": "llama.cpp",
-                           "context": 0, "notices": []})
+                           "context": 0, "notices": [], "mtp_per_request": False})
     assert remote.remote and remote.server == "llama.cpp" and remote.context == 0 and remote.architecture == ""
+    # Replies of different engines are told apart; a server that chooses its own MTP is never called "auto".
+    assert local.engine == "a · this computer" and remote.engine == "box · remote llama.cpp server"
+    assert local.mode(True, "auto") == "auto" and local.mode(False, "auto") == "off"
+    assert remote.server_mtp and remote.mode(True, "auto") == "server" and remote.mode(False, "3") == "server"
+    foretell = ModelInfo.of({"remote": True, "name": "f", "path": "http://h:8000", "server": "foretell",
+                             "context": 4096, "notices": [], "mtp_per_request": True})
+    assert not foretell.server_mtp and foretell.mode(True, "2") == "K=2"
 
 
 def _words(msgs: list[Message]) -> int:

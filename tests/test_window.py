@@ -354,3 +354,25 @@ def test_a_long_message_is_refused_and_old_turns_are_left_out(qtbot, tmp_path: P
     assert win.undo_btn.isVisibleTo(win) and win.statusBar().currentMessage() == "Deleted a message"
     win.undo_btn.click()
     assert len(win.store.messages(win.conv_id)) == 10 and win.context_label.text() == before
+
+
+def test_metrics_compare_only_measured_replies_of_this_model(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    win.engine.worker.engine.tokenizer.eog_ids = frozenset()
+    win.settings_panel.max_tokens.setValue(8)
+    _send(qtbot, win, "Hello!")  # auto, 8 tokens: too short to say anything of
+    win.metrics.refresh()
+    assert "too short to compare" in win.metrics.summary.text() and "vs MTP off" not in win.metrics.summary.text()
+    win.settings_panel.max_tokens.setValue(40)
+    win.settings_panel.draft.setCurrentText("2")
+    _send(qtbot, win, "Count on")
+    win.metrics.refresh()
+    assert "no MTP-off reply yet to compare with" in win.metrics.summary.text()
+    win.settings_panel.mtp.setChecked(False)
+    _send(qtbot, win, "And on")
+    win.metrics.refresh()
+    k2, off = win.metrics.replies[1], win.metrics.replies[2]
+    assert (k2.mode, off.mode, k2.tokens, off.tokens) == ("K=2", "off", 40, 40)
+    assert k2.engine == off.engine == win.model_info.engine
+    label = win.metrics.bar_labels[1].textItem.toPlainText()
+    assert label == f"×{k2.tok_s / off.tok_s:.1f}\nK=2" and win.metrics.ref_line.value() == off.tok_s
