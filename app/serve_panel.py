@@ -3,7 +3,8 @@ and how many requests it has answered.
 
 The server runs on its own threads (uvicorn's and one generation thread) and shares the worker's `gen_lock`,
 the lock the worker holds while it generates, so a chat in the window and a request never run on the engine
-at once. Only 127.0.0.1 is offered here; `python -m engine serve --host` is for anything wider.
+at once. It serves a local model only (`EngineWorker.served`): connecting to a remote engine switches it off.
+Only 127.0.0.1 is offered here; `python -m engine serve --host` is for anything wider.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from PySide6.QtWidgets import QCheckBox, QFormLayout, QLabel, QSpinBox, QWidget
 from app.worker import EngineWorker
 from engine.errors import EngineError
 from engine.events import GenerationConfig
+
+REMOTE_NOTE = "A remote engine is served by its own server: open a local model to serve it"
 
 
 class ServePanel(QWidget):
@@ -61,12 +64,12 @@ class ServePanel(QWidget):
         if self.worker.engine is None:
             self._off("Load a model first")
             return
-        if not hasattr(self.worker.engine, "mf"):  # a remote engine: it is a server already
-            self._off("A remote engine is served by its own server: open a local model to serve it")
+        served = self.worker.served
+        if served is None:  # a remote engine: it is a server already
+            self._off(REMOTE_NOTE)
             return
         try:
-            server = LocalServer(self.worker.engine, port=self.port.value(), defaults=self.defaults,
-                                 lock=self.worker.gen_lock)
+            server = LocalServer(served, port=self.port.value(), defaults=self.defaults, lock=self.worker.gen_lock)
             server.start()
         except EngineError as e:
             self._off(f"Not serving: {e}")
@@ -100,5 +103,12 @@ class ServePanel(QWidget):
 
     @Slot(object)
     def _on_loaded(self, info: dict) -> None:
-        if self.server is not None and self.worker.engine is not None:
-            self.server.set_engine(self.worker.engine)
+        """The server goes on with a newly loaded local model; a remote engine is not served (switched off)."""
+        if self.server is None:
+            return
+        served = self.worker.served
+        if served is not None:
+            self.server.set_engine(served)
+            return
+        self.stop()
+        self._off(f"Stopped. {REMOTE_NOTE}")

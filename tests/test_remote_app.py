@@ -104,3 +104,32 @@ def test_failed_connection_keeps_the_current_engine(qtbot, tmp_path: Path) -> No
     _connect(qtbot, win, RemoteConfig(f"127.0.0.1:{port}"))
     assert "refused" in win.errors[-1] and win.model_info.architecture == "qwen35moe"
     assert win.send_btn.isEnabled() and win.progress.maximum() == 100
+
+
+def test_connecting_to_a_remote_engine_switches_serving_off(qtbot, tmp_path: Path) -> None:
+    import http.client
+
+    win = _window(qtbot, tmp_path)
+    panel = win.serve_panel
+    panel.port.setValue(0)
+    panel.switch.setChecked(True)
+    port = panel.server.port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().status == 200
+    conn.close()
+    with Stub(Behaviour()) as stub:
+        _connect(qtbot, win, RemoteConfig(stub.url))
+        assert win.model_info.remote and panel.server is None and not panel.switch.isChecked()
+        assert panel.url.text().startswith("Stopped. A remote engine is served by its own server")
+        assert panel.port.isEnabled()
+        with pytest.raises(ConnectionRefusedError):  # not an HTTP 500 about the remote engine's missing file
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/v1/models")
+        panel.switch.setChecked(True)  # refused with the reason while the engine is remote
+        assert panel.server is None and not panel.switch.isChecked() and "own server" in panel.url.text()
+    win.load_model(str(fixture_path(TINY_MOE)))  # a local model again: it can be served
+    qtbot.waitUntil(lambda: win.loading is None, timeout=30_000)
+    panel.switch.setChecked(True)
+    assert panel.server is not None and panel.url.text().startswith("http://127.0.0.1:")
+    panel.switch.setChecked(False)
