@@ -14,7 +14,7 @@ import datetime as dt
 import re
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, QStandardPaths, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import QDir, QSettings, QStandardPaths, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QColor, QGuiApplication, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QGridLayout, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow,
@@ -50,6 +50,13 @@ class PromptBox(QPlainTextEdit):
             self.submitted.emit()
             return
         super().keyPressEvent(e)
+
+
+def export_folder() -> Path:
+    """Where an export is suggested: the Documents folder where it exists, else the home folder — never the
+    folder the app was started from (a file dialog falls back to it for a folder that does not exist)."""
+    docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(docs) if docs and Path(docs).is_dir() else Path(QDir.homePath())
 
 
 def _scroll(w: QWidget) -> QScrollArea:
@@ -622,8 +629,7 @@ class MainWindow(QMainWindow):
     def default_export_path(self) -> str:
         title = self.store.conversation(self.conv_id).title if self.conv_id is not None else "conversation"
         stem = re.sub(r"[^\w\- ]+", "", title).strip().replace(" ", "-")[:60] or "conversation"
-        docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation) or str(Path.home())
-        return str(Path(docs) / f"{stem}.md")
+        return str(export_folder() / f"{stem}.md")
 
     def export_conversation(self) -> None:
         if self.conv_id is None:

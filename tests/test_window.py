@@ -376,3 +376,19 @@ def test_metrics_compare_only_measured_replies_of_this_model(qtbot, tmp_path: Pa
     assert k2.engine == off.engine == win.model_info.engine
     label = win.metrics.bar_labels[1].textItem.toPlainText()
     assert label == f"×{k2.tok_s / off.tok_s:.1f}\nK=2" and win.metrics.ref_line.value() == off.tok_s
+
+
+def test_export_suggests_documents_only_where_it_exists(qtbot, tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.chdir(tmp_path)  # the folder the app was started from: never suggested
+    win = _window(qtbot, tmp_path)
+    win.settings_panel.max_tokens.setValue(2)
+    _send(qtbot, win, "What is 12 plus 30?")
+    assert Path(win.default_export_path()) == home / "What-is-12-plus-30.md" and os.getcwd() == str(tmp_path)
+    (home / "Documents").mkdir()
+    assert Path(win.default_export_path()) == home / "Documents" / "What-is-12-plus-30.md"
