@@ -29,6 +29,7 @@ from app.library import LibraryPanel, scan
 from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
 from app.session import ChatSession, ModelInfo, stopped_early
+from app.shortcuts import ShortcutsDialog, shortcut_rows
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
 from app.store import Store, StoredMessage
 from app.worker import EngineController
@@ -41,9 +42,14 @@ WARN_COLOUR = "#c77700"  # the context meter nearly full: amber, readable on the
 
 
 class PromptBox(QPlainTextEdit):
-    """Enter sends, Shift+Enter inserts a newline."""
+    """Enter sends, Shift+Enter inserts a newline, Tab and Shift+Tab move the focus on (a message rarely wants a
+    tab, and the keyboard must be able to leave the box)."""
 
     submitted = Signal()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setTabChangesFocus(True)
 
     def keyPressEvent(self, e) -> None:  # noqa: N802 (Qt override)
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not e.modifiers() & Qt.KeyboardModifier.ShiftModifier:
@@ -246,6 +252,15 @@ class MainWindow(QMainWindow):
         view.addAction(self.drafts_action)
         self.reset_layout_action = view.addAction("&Reset layout")
 
+        self.help_menu = self.menuBar().addMenu("&Help")
+        self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("F1"))
+        self.help_menu.addAction(self.shortcuts_action)
+
+    def show_shortcuts(self) -> None:
+        menus = [a.menu() for a in self.menuBar().actions() if a.menu() is not None]
+        self.shortcuts_dialog = ShortcutsDialog(shortcut_rows(menus, self.shortcuts), self)
+        self.shortcuts_dialog.open()
+
     def _dock(self, title: str, name: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
         d = QDockWidget(title, self)
         d.setObjectName(name)
@@ -338,14 +353,17 @@ class MainWindow(QMainWindow):
         self.quit_action.triggered.connect(self.close)
         self.reset_layout_action.triggered.connect(self._default_layout)
         self.drafts_action.toggled.connect(self.highlight_drafts)
+        self.shortcuts_action.triggered.connect(self.show_shortcuts)
         self.library.openRequested.connect(self.load_model)
         self.library.folderChanged.connect(self._set_library_folder)
         self.library.refresh_btn.clicked.connect(self.refresh_library)
         self.tabs.currentChanged.connect(lambda _i: self._library_stale and self.refresh_library())
         self.panel.visibilityChanged.connect(lambda _v: self._library_stale and self.refresh_library())
-        QShortcut(QKeySequence("Esc"), self, activated=self.stop_or_cancel)
-        QShortcut(QKeySequence("Ctrl+Shift+C"), self,
-                  activated=lambda: QGuiApplication.clipboard().setText(self.chat.last_reply()))
+        self.shortcuts = [
+            QShortcut(QKeySequence("Esc"), self, activated=self.stop_or_cancel,
+                      whatsThis="Stop the reply, cancel loading a model, or cancel an edit"),
+            QShortcut(QKeySequence("Ctrl+Shift+C"), self, whatsThis="Copy the last reply",
+                      activated=lambda: QGuiApplication.clipboard().setText(self.chat.last_reply()))]
         self._update_buttons()
 
     # -- model -------------------------------------------------------------------------------------

@@ -392,3 +392,24 @@ def test_export_suggests_documents_only_where_it_exists(qtbot, tmp_path: Path, m
     assert Path(win.default_export_path()) == home / "What-is-12-plus-30.md" and os.getcwd() == str(tmp_path)
     (home / "Documents").mkdir()
     assert Path(win.default_export_path()) == home / "Documents" / "What-is-12-plus-30.md"
+
+
+def test_tab_leaves_the_message_box_and_the_shortcuts_are_listed(qtbot, tmp_path: Path) -> None:
+    from PySide6.QtTest import QTest
+
+    win = _window(qtbot, tmp_path)
+    _focus(qtbot, win)
+    win.prompt.setFocus()
+    QTest.keyClicks(win.prompt, "Hi")
+    QTest.keyClick(win.prompt, Qt.Key.Key_Tab)
+    assert win.prompt.toPlainText() == "Hi" and QApplication.focusWidget() is win.send_btn
+    QTest.keyClick(win.send_btn, Qt.Key.Key_Backtab, Qt.KeyboardModifier.ShiftModifier)
+    assert QApplication.focusWidget() is win.prompt
+    assert "&Help" in [a.text() for a in win.menuBar().actions()]
+    win.shortcuts_action.trigger()
+    text = win.shortcuts_dialog.table.text()
+    for keys, what in (("Enter", "Send the message"), ("Tab / Shift+Tab", "Move to the next"), ("Esc", "Stop the reply"),
+                       ("Ctrl+N", "New chat"), ("Ctrl+E", "Export conversation"), ("Ctrl+M", "Metrics"),
+                       ("Ctrl+Shift+C", "Copy the last reply"), ("F1", "Keyboard shortcuts")):
+        assert f"<b>{keys}</b></td><td>{what}" in text, keys
+    win.shortcuts_dialog.close()
