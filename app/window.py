@@ -212,7 +212,7 @@ class MainWindow(QMainWindow):
         sb.addWidget(self.state_label, 1)
         sb.addWidget(self.progress)
         sb.addWidget(self.cancel_load_btn)
-        sb.addWidget(self.undo_btn)
+        sb.addPermanentWidget(self.undo_btn)  # permanent: beside the message it undoes, never over it
         for w in (self.context_label, self.device_label, self.model_label):
             w.setContentsMargins(8, 0, 8, 0)
             sb.addPermanentWidget(w)
@@ -857,7 +857,7 @@ class MainWindow(QMainWindow):
         ready = self.model_info is not None and self.loading is None
         self.send_btn.setEnabled(ready and not self.generating)
         self.stop_btn.setEnabled(self.generating)
-        self.regen_btn.setEnabled(ready and not self.generating and bool(self.session.shown))
+        self.regen_btn.setEnabled(ready and not self.generating and self.conv_id is not None and bool(self.session.shown))
         for b in (self.rename_btn, self.delete_btn, self.export_btn):
             b.setEnabled(self.conv_id is not None and not self.generating)
         self.export_action.setEnabled(self.conv_id is not None)

@@ -413,3 +413,27 @@ def test_tab_leaves_the_message_box_and_the_shortcuts_are_listed(qtbot, tmp_path
                        ("Ctrl+Shift+C", "Copy the last reply"), ("F1", "Keyboard shortcuts")):
         assert f"<b>{keys}</b></td><td>{what}" in text, keys
     win.shortcuts_dialog.close()
+
+
+def test_undo_beside_its_message_regenerate_and_the_meter_follow_the_conversation(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    win.resize(1366, 708)
+    win.show()
+    win.settings_panel.max_tokens.setValue(4)
+    empty = win.context_label.text()
+    assert not win.regen_btn.isEnabled()
+    _send(qtbot, win, "What is 12 plus 30?")
+    assert win.regen_btn.isEnabled() and win.context_label.text() != empty
+    win.new_conversation()
+    assert not win.regen_btn.isEnabled() and win.context_label.text() == empty
+    win.open_conversation(win.store.conversations()[0].id)
+    assert win.regen_btn.isEnabled()
+    win.delete_conversation()
+    assert not win.regen_btn.isEnabled() and win.context_label.text() == empty
+    qtbot.waitUntil(lambda: win.undo_btn.isVisible(), timeout=3000)
+    message = win.statusBar().currentMessage()
+    assert message == "Deleted “What is 12 plus 30?”"
+    text_end = win.statusBar().fontMetrics().horizontalAdvance(message) + 12  # the message's margin
+    assert win.undo_btn.mapTo(win.statusBar(), win.undo_btn.rect().topLeft()).x() > text_end
+    win.undo_btn.click()
+    assert win.regen_btn.isEnabled() and win.context_label.text() != empty and not win.undo_btn.isVisible()
