@@ -11,7 +11,9 @@ says it did nothing (False or None), and a read that fails stands for no rows.
 """
 from __future__ import annotations
 
+import datetime as dt
 import enum
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -29,6 +31,18 @@ TITLE_CHARS = 48  # a new conversation is titled with the start of its first mes
 
 def auto_title(text: str) -> str:
     return text[:TITLE_CHARS].replace("\n", " ")
+
+
+def list_labels(convs: list[Conversation], models: Mapping[int, str]) -> list[tuple[str, str]]:
+    """(text, tooltip) of each conversation in the list: a title that several conversations share is followed by
+    when each was started and its model, so they can be told apart."""
+    seen = Counter(c.title for c in convs)
+    out = []
+    for c in convs:
+        started = dt.datetime.fromtimestamp(c.created).strftime("%d %b %Y, %H:%M")
+        about = " · ".join([started] + ([models[c.id]] if c.id in models else []))
+        out.append((f"{c.title}\n{about}" if seen[c.title] > 1 else c.title, f"{c.title}\nStarted {about}"))
+    return out
 
 
 def system_messages(system_prompt: str) -> list[Message]:
@@ -125,6 +139,10 @@ class ChatSession:
     # -- conversations -----------------------------------------------------------------------------
     def conversations(self, search: str | None = None) -> list[Conversation]:
         return self._read(lambda: self.store.conversations(search), [])
+
+    def models(self) -> dict[int, str]:
+        """Each conversation's model (that of its newest reply)."""
+        return self._read(self.store.models, {})
 
     def open(self, conv_id: int) -> None:
         self.conv_id, self.editing = conv_id, None
@@ -236,8 +254,9 @@ class ChatSession:
 
     def post(self, text: str) -> bool:
         """Store the user's message at the end of the shown branch, or as a new version of the message being
-        edited; a conversation is started when none is open. False when nothing was stored (no text, no model, a
-        reply under way, or the store failed): the text stays the user's."""
+        edited (a new first message retitles a conversation still named after the old one); a conversation is
+        started when none is open. False when nothing was stored (no text, no model, a reply under way, or the
+        store failed): the text stays the user's."""
         if not text or self.generating or self.model is None:
             return False
         try:
@@ -245,6 +264,9 @@ class ChatSession:
                 self.conv_id = self.store.new_conversation(auto_title(text)).id
             parent = self.editing.parent_id if self.editing is not None else ...
             self.store.add_message(self.conv_id, "user", text, parent_id=parent)
+            if self.editing is not None and parent is None and \
+                    self.store.conversation(self.conv_id).title == auto_title(self.editing.content):
+                self.store.rename(self.conv_id, auto_title(text))  # still named after the old first message
         except StoreError as e:
             self._failed(e)
             return False

@@ -193,6 +193,14 @@ class Store:
                 "ORDER BY updated DESC, id DESC").fetchall()
         return [Conversation(*r) for r in rows]
 
+    @_guarded("read the models")
+    def models(self) -> dict[int, str]:
+        """Each conversation's model: the one that made its newest reply (from the reply's stats)."""
+        return dict(self.db.execute(
+            "SELECT m.conversation_id, json_extract(m.stats, '$.model') FROM messages m JOIN (SELECT MAX(id) AS id "
+            "FROM messages WHERE role = 'assistant' AND stats IS NOT NULL GROUP BY conversation_id) last "
+            "ON last.id = m.id WHERE json_extract(m.stats, '$.model') IS NOT NULL").fetchall())
+
     @_guarded("read the conversation")
     def conversation(self, conversation_id: int) -> Conversation:
         row = self.db.execute("SELECT id, title, created, updated FROM conversations WHERE id = ?",

@@ -28,7 +28,7 @@ from app.context import DoesNotFit, TokenCounter
 from app.library import LibraryPanel, scan
 from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
-from app.session import ChatSession, ModelInfo, stopped_early
+from app.session import ChatSession, ModelInfo, list_labels, stopped_early
 from app.shortcuts import ShortcutsDialog, shortcut_rows
 from app.settings import AppSettings, SettingsPanel, load_settings, save_settings
 from app.store import Store, StoredMessage
@@ -549,8 +549,10 @@ class MainWindow(QMainWindow):
     def refresh_conversations(self) -> None:
         self.conv_list.blockSignals(True)
         self.conv_list.clear()
-        for c in self.session.conversations(self.search.text() or None):
-            item = QListWidgetItem(c.title)
+        convs = self.session.conversations(self.search.text() or None)
+        for c, (text, tip) in zip(convs, list_labels(convs, self.session.models())):
+            item = QListWidgetItem(text)
+            item.setToolTip(tip)
             item.setData(Qt.ItemDataRole.UserRole, c.id)
             self.conv_list.addItem(item)
             if c.id == self.conv_id:
@@ -788,6 +790,7 @@ class MainWindow(QMainWindow):
         if done.saved is not None:  # else the reply stays in the window (not saved), and an error says so
             last = self.chat.messages[-1]
             last.version, last.stopped = (done.versions, done.versions), done.stopped
+            self.refresh_conversations()  # the list names a conversation's model, known now
         self.chat.set_footer(footer(done.stats))
         self._set_state("Ready" if reason != "stopped" else "Ready — the reply was stopped and kept")
         self.progress.setVisible(False)

@@ -229,3 +229,32 @@ def test_delete_one_message_and_undo(session: ChatSession) -> None:
     assert session.conv_id == conv.id and len(session.shown) == 3
     session.reply("", "auto")
     assert not session.delete_message(0)  # not while a reply is under way
+
+
+def test_titles_tell_conversations_apart_and_follow_the_first_message(session: ChatSession) -> None:
+    from app.session import list_labels
+
+    _exchange(session, "Hello!", "Hi")
+    first = session.conv_id
+    session.edit(0)
+    _exchange(session, "Hello, how are you?", "Fine")
+    assert session.store.conversation(first).title == "Hello, how are you?"  # still named after its first message
+    session.rename("Greetings")
+    session.edit(0)
+    _exchange(session, "Hey", "Hi")
+    assert session.store.conversation(first).title == "Greetings"  # a title the user chose stays
+    _exchange(session, "Second question", "Answer")
+    session.edit(2)  # not the first message: the title stays
+    _exchange(session, "Second question, edited", "Answer")
+    assert session.store.conversation(first).title == "Greetings"
+    session.new()
+    _exchange(session, "Hello!", "Hi")
+    session.new()
+    _exchange(session, "Hello!", "Hi")
+    convs = session.conversations()
+    labels = list_labels(convs, session.models())
+    assert session.models() == {c.id: "tiny" for c in convs}
+    twins = [text for c, (text, _tip) in zip(convs, labels) if c.title == "Hello!"]
+    assert len(twins) == 2 and all(t.startswith("Hello!\n") and t.endswith(" · tiny") for t in twins)
+    assert dict(zip([c.title for c in convs], labels))["Greetings"][0] == "Greetings"  # unique: the title alone
+    assert all(tip.split("\n")[1].startswith("Started ") for _t, tip in labels)

@@ -437,3 +437,20 @@ def test_undo_beside_its_message_regenerate_and_the_meter_follow_the_conversatio
     assert win.undo_btn.mapTo(win.statusBar(), win.undo_btn.rect().topLeft()).x() > text_end
     win.undo_btn.click()
     assert win.regen_btn.isEnabled() and win.context_label.text() != empty and not win.undo_btn.isVisible()
+
+
+def test_identical_titles_show_date_and_model_and_editing_retitles(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    win.settings_panel.max_tokens.setValue(2)
+    _send(qtbot, win, "Hello!")
+    win.new_conversation()
+    _send(qtbot, win, "Hello!")
+    items = [win.conv_list.item(i) for i in range(win.conv_list.count())]
+    assert all(it.text().startswith("Hello!\n") and it.text().endswith(f" · {win.model_info.name}") for it in items)
+    assert all("Started " in it.toolTip() for it in items)
+    win.chat._on_anchor(QUrl("edit:0"))
+    win.prompt.setPlainText("Count from 3 to 9.")
+    win.send()
+    qtbot.waitUntil(lambda: not win.generating, timeout=60_000)
+    assert win.store.conversation(win.conv_id).title == "Count from 3 to 9."
+    assert sorted(win.conv_list.item(i).text() for i in range(2)) == ["Count from 3 to 9.", "Hello!"]
