@@ -17,7 +17,7 @@ MIN_REPLY_TOKENS = 64  # a message is refused when it leaves less room than this
 REPLY_SHARE = 4  # the fitted prompt leaves room for max_tokens, or a quarter of the context where that is less
 CHARS_PER_TOKEN = 3  # a remote engine's estimate: fewer characters a token than most tokenizers, so it errs long
 ESTIMATE_OVERHEAD = 8  # tokens of template around each message, in the estimate
-WARN_SHARE = 0.8  # the context meter warns past this share of the context
+WARN_SHARE = 0.8  # the context meter warns past this share of the prompt budget (`budget`)
 
 
 class DoesNotFit(ValueError):
@@ -64,20 +64,24 @@ def _trim(system: list[Message], turns: list[Message], counter: TokenCounter, ta
     return Fit(kept, counter.count(kept), starts[lo])
 
 
+def budget(context: int, max_tokens: int) -> int:
+    """The most prompt tokens sent: the context less room for a reply of max_tokens (a quarter at most)."""
+    return context - min(max_tokens, context // REPLY_SHARE)
+
+
 def fit(system: list[Message], turns: Sequence[Message], counter: TokenCounter, max_tokens: int) -> Fit:
     """The newest turns of `turns` (which ends with the message to answer) that fit `counter.context` with
     room for a reply; DoesNotFit when the last turn alone does not."""
-    reserve = min(max_tokens, counter.context // REPLY_SHARE)
-    out = _trim(system, list(turns), counter, counter.context - reserve)
+    out = _trim(system, list(turns), counter, budget(counter.context, max_tokens))
     if out.tokens > counter.context - MIN_REPLY_TOKENS:
         raise DoesNotFit(too_long(out.tokens, counter))
     return out
 
 
-def measure(system: list[Message], turns: Sequence[Message], counter: TokenCounter) -> Fit:
-    """How much of the context the conversation `turns` takes, and how many of its oldest messages are already
-    beyond it."""
-    return _trim(system, list(turns), counter, counter.context)
+def measure(system: list[Message], turns: Sequence[Message], counter: TokenCounter, max_tokens: int) -> Fit:
+    """How much of the prompt budget the conversation `turns` takes, and how many of its oldest messages the next
+    reply would be sent without."""
+    return _trim(system, list(turns), counter, budget(counter.context, max_tokens))
 
 
 def refusal(system: list[Message], text: str, counter: TokenCounter | None) -> str | None:
@@ -95,10 +99,11 @@ def too_long(n: int, counter: TokenCounter) -> str:
             f"or raise the context length in Settings (it applies when the model is next loaded).")
 
 
-def meter(tokens: int, context: int, left_out: int) -> tuple[str, bool]:
-    """The status bar's context text for a conversation of `tokens`, and whether it warns."""
+def meter(tokens: int, context: int, max_tokens: int, left_out: int) -> tuple[str, bool]:
+    """The status bar's context text for a conversation of `tokens`, and whether it warns: past WARN_SHARE of the
+    prompt budget (the context less the reply's room), and once messages are left out."""
     if left_out:
         return (f"context full: {left_out} earlier message{'s' if left_out > 1 else ''} left out", True)
-    warn = tokens >= WARN_SHARE * context
+    warn = tokens >= WARN_SHARE * budget(context, max_tokens)
     note = " — nearly full: the oldest messages will be left out" if warn else ""
     return f"context {tokens:,} of {context:,} tokens{note}", warn

@@ -273,12 +273,13 @@ class ChatSession:
         self.editing = None
         return True
 
-    def measure(self, system_prompt: str) -> Fit | None:
-        """How much of the context the shown branch takes; None where there is none or prompts are not counted."""
+    def measure(self, system_prompt: str, max_tokens: int) -> Fit | None:
+        """How much of the context the shown branch takes (as the next reply would send it); None where there is
+        none or prompts are not counted."""
         if self.counter is None or not self.shown:
             return None
         return context.measure(system_messages(system_prompt), [Message(m.role, m.content) for m in self.shown],
-                               self.counter)
+                               self.counter, max_tokens)
 
     def reply(self, system_prompt: str, mode: str, max_tokens: int = GenerationConfig.max_tokens
               ) -> list[Message] | None:

@@ -442,13 +442,13 @@ class MainWindow(QMainWindow):
         if info is None or self.loading:
             return
         try:
-            used = self.session.measure(self.settings.system_prompt)
+            used = self.session.measure(self.settings.system_prompt, self.settings.max_tokens)
         except EngineError:
             used = None
         if used is None:
             self._show_meter(f"context {info.context:,} tokens" if info.context else "", False)
             return
-        text, warn = context.meter(used.tokens, info.context, used.left_out)
+        text, warn = context.meter(used.tokens, info.context, self.settings.max_tokens, used.left_out)
         estimated = self.session.counter is not None and self.session.counter.estimated
         self._show_meter(text + (" (estimated)" if estimated else ""), warn)
 
@@ -781,7 +781,8 @@ class MainWindow(QMainWindow):
         self.session.last_stats = st
         self.metrics.push_stats(st)
         if self.model_info and self.model_info.context:
-            self._show_meter(*context.meter(st.prompt_tokens + st.generated_tokens, self.model_info.context, 0))
+            self._show_meter(*context.meter(st.prompt_tokens + st.generated_tokens, self.model_info.context,
+                                            self.settings.max_tokens, 0))
 
     @Slot(str, str)
     def on_finished(self, reason: str, message: str) -> None:

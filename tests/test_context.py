@@ -59,13 +59,16 @@ def test_a_message_that_cannot_fit_is_refused_with_the_reason() -> None:
 
 def test_measure_and_the_meter() -> None:
     c = TokenCounter(words, 1000)
-    m = measure(SYSTEM, turns(300, 300, 100, 100), c)
+    m = measure(SYSTEM, turns(300, 300, 100, 100), c, max_tokens=100)
     assert (m.tokens, m.left_out) == (4 + 808, 0)
-    assert meter(m.tokens, 1000, 0) == ("context 812 of 1,000 tokens — nearly full: the oldest messages will be "
-                                         "left out", True)
-    assert meter(500, 1000, 0) == ("context 500 of 1,000 tokens", False)
-    over = measure(SYSTEM, turns(600, 600, 100, 100), c)
-    assert over.left_out == 2 and meter(over.tokens, 1000, over.left_out) == (
+    assert meter(m.tokens, 1000, 100, 0) == ("context 812 of 1,000 tokens — nearly full: the oldest messages will "
+                                              "be left out", True)
+    assert meter(500, 1000, 100, 0) == ("context 500 of 1,000 tokens", False)
+    assert meter(650, 1000, 500, 0)[1]  # past 80 % of what is sent with room for a long reply (750)
+    # The meter counts as the next reply sends: what it would leave out, it says.
+    assert measure(SYSTEM, turns(300, 300, 100, 100), c, max_tokens=200).left_out == 2
+    over = measure(SYSTEM, turns(600, 600, 100, 100), c, max_tokens=100)
+    assert over.left_out == 2 and meter(over.tokens, 1000, 100, over.left_out) == (
         "context full: 2 earlier messages left out", True)
 
 

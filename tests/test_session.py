@@ -211,8 +211,9 @@ def test_a_long_message_never_breaks_the_conversation(session: ChatSession) -> N
     session.store.add_message(session.conv_id, "assistant", "")
     assert session.post("Hello!") and session.reply("", "auto") == [Message("user", "Hello!")]
     session.finish("Hi", "eos")
-    fit = session.measure("")
-    assert fit is not None and fit.left_out == 4 and fit.tokens == 400  # from the long message on
+    fit = session.measure("", 100)  # the meter: what the next reply would be sent without
+    assert fit is not None and fit.left_out == 6 and fit.tokens == _words([Message("user", "Hello!"),
+                                                                          Message("assistant", "Hi")])
 
 
 def test_delete_one_message_and_undo(session: ChatSession) -> None:
