@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from engine.errors import EngineError, OutOfMemoryError
 from engine.storage.modelfile import HParams
+from engine.validate import expert_cache
 
 MiB = 1 << 20
 # Left free on the device: the CUDA context, the allocator's fragmentation, dequantization tiles.
@@ -124,20 +125,6 @@ class Plan:
         return d
 
 
-def _cache_request(spec: str | None, one_expert: int) -> tuple[int | None, int | None]:
-    """"64" → 64 experts per layer; "512MiB"/"512 MiB"/"2GiB" → a byte total; None → auto."""
-    if spec is None or str(spec).strip().lower() in ("", "auto"):
-        return None, None
-    s = str(spec).strip().replace(" ", "")
-    m = re.fullmatch(r"(\d+)(MiB|GiB|M|G)?", s, flags=re.IGNORECASE)
-    if m is None:
-        raise EngineError(f"expert cache '{spec}': give a number of experts per layer (64) or a size (512MiB)")
-    n, unit = int(m.group(1)), (m.group(2) or "").lower()
-    if not unit:
-        return n, None
-    return None, n * (MiB if unit in ("mib", "m") else 1024 * MiB)
-
-
 def plan_placement(sizes: ModelSizes, cfg: PlacementConfig, free_bytes: int | None) -> Plan:
     """The plan for `cfg` on a device with `free_bytes` free (None: unknown, only explicit choices)."""
     L = sizes.n_layer
@@ -211,7 +198,7 @@ def plan_placement(sizes: ModelSizes, cfg: PlacementConfig, free_bytes: int | No
     cached = [i for i in range(L) if on[i] and not ex_on[i] and sizes.experts[i] > 0]
     cache = [0] * L
     if cached:
-        n_req, bytes_req = _cache_request(cfg.expert_cache, 1)
+        n_req, bytes_req = expert_cache(cfg.expert_cache)
         one = max(sizes.expert_one[i] for i in cached)
         left = None if budget is None else budget - sum(parts.values())
         if n_req is not None:

@@ -10,7 +10,7 @@ import argparse
 import math
 import numbers
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from engine.errors import InvalidParameterError
 
@@ -18,7 +18,21 @@ MAX_CTX = 1 << 22  # 4M tokens: far past any model we run, and a context whose t
 MAX_THREADS = 1024
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_DRAFT = 8  # the deepest draft chain (GenerationConfig.draft): a verify pass is at most MAX_DRAFT + 1 rows
+MAX_TOKENS = 1 << 31  # a reply's length (max_tokens); a server caps it further by the room left in the context
+MAX_TOP_K = 1 << 31  # top_k past the vocabulary is the whole vocabulary
+# temperature and repeat_penalty divide logits: below this the quotient may pass float32's range and read as a
+# damaged model (a smaller temperature is greedy in all but name: give 0)
+MIN_LOGIT_DIVISOR = 1e-6
+MAX_STOP_STRINGS = 16  # each stop string is searched for after every token: their count and length bound that work
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096  # a chat request's messages, each rendered through the template before the context is known
+MAX_TEXT_FILE_BYTES = 16 << 20  # `tokenize --text-file`: ~4M tokens, the largest context (MAX_CTX)
+MAX_QUEUE = 1024  # requests waiting behind a server's running one
+MAX_PORT = 65535
+MAX_API_KEY_CHARS = 256
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^\s/?#]+")  # what a browser sends as Origin: scheme://host[:port]
+_EXPERT_CACHE = re.compile(r"(\d{1,12})(MiB|GiB|M|G)?", flags=re.IGNORECASE)
 _MESSAGE_TEXT_FIELDS = ("role", "content", "reasoning_content", "name")
 
 
@@ -34,30 +48,31 @@ def _number(name: str, v: Any, lo: float, hi: float, *, lo_open: bool = False, h
     """A finite real in [lo, hi] (or (lo, hi] with lo_open)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         _fail(f"{name} must be a number, not {type(v).__name__}")
-    x = float(v)
-    if not math.isfinite(x):
+    if isinstance(v, float) and not math.isfinite(v):
         _fail(f"{name} must be a finite number, not {v}")
-    if x < lo or (lo_open and x == lo) or x > hi:
-        _fail(f"{name} {v:g} is out of range: it must be {'>' if lo_open else '≥'} {lo:g} and ≤ {hi:g}{hint}")
-    return x
+    if not (lo < v if lo_open else lo <= v) or v > hi:  # compared as given: an int may be past any float
+        _fail(f"{name} {shown(v)} is out of range: it must be {'>' if lo_open else '≥'} {lo:g} and ≤ {hi:g}{hint}")
+    return float(v)
 
 
 def integer(name: str, v: Any, lo: int, hi: int, hint: str = "") -> int:
     """An int (not a bool) in [lo, hi]."""
     if not _is_int(v):
-        _fail(f"{name} must be a whole number, not {v!r}")
+        _fail(f"{name} must be a whole number, not {shown(v)}")
     if not lo <= v <= hi:
-        _fail(f"{name} {v} is out of range: it must be {lo}…{hi}{hint}")
+        _fail(f"{name} {shown(v)} is out of range: it must be {lo}…{hi}{hint}")
     return int(v)
 
 
 def validate_sampling(cfg: Any) -> None:
     """engine.sampling.SamplingConfig."""
-    _number("temperature", cfg.temperature, 0.0, 100.0, hint=" (0 = greedy)")
-    integer("top_k", cfg.top_k, 0, 1 << 31, hint=" (0 = off)")
+    t = _number("temperature", cfg.temperature, 0.0, 100.0, hint=" (0 = greedy)")
+    if 0 < t < MIN_LOGIT_DIVISOR:
+        _fail(f"temperature {t:g} is too small: give 0 (greedy) or at least {MIN_LOGIT_DIVISOR:g}")
+    integer("top_k", cfg.top_k, 0, MAX_TOP_K, hint=" (0 = off)")
     _number("top_p", cfg.top_p, 0.0, 1.0, lo_open=True, hint=" (1 = off)")
     _number("min_p", cfg.min_p, 0.0, 1.0, hint=" (0 = off)")
-    _number("repeat_penalty", cfg.repeat_penalty, 0.0, 100.0, lo_open=True, hint=" (1 = off)")
+    _number("repeat_penalty", cfg.repeat_penalty, MIN_LOGIT_DIVISOR, 100.0, hint=" (1 = off)")
     integer("repeat_last_n", cfg.repeat_last_n, 0, 1 << 31)
     if cfg.seed is not None:
         integer("seed", cfg.seed, 0, MAX_SEED)
@@ -65,13 +80,9 @@ def validate_sampling(cfg: Any) -> None:
 
 def validate_generation(gen: Any) -> None:
     """engine.events.GenerationConfig (its sampling settings included)."""
-    integer("max_tokens", gen.max_tokens, 1, 1 << 31, hint=" (at least one token is generated)")
+    integer("max_tokens", gen.max_tokens, 1, MAX_TOKENS, hint=" (at least one token is generated)")
     validate_sampling(gen.sampling)
-    stops = gen.stop_strings
-    if isinstance(stops, str) or not all(isinstance(s, str) for s in stops):
-        _fail("stop strings must be a list of strings")
-    for s in stops:
-        text("stop string", s)
+    stop_strings(gen.stop_strings)
     if gen.enable_thinking is not None and not isinstance(gen.enable_thinking, bool):
         _fail(f"enable_thinking must be true, false or unset, not {gen.enable_thinking!r}")
     _number("stats_interval_s", gen.stats_interval_s, 0.0, 3600.0)
@@ -95,6 +106,35 @@ def validate_engine_config(cfg: Any) -> None:
         _fail(f"step graphs must be 'auto', 'on' or 'off', not {cfg.step_graphs!r}")
     if cfg.memory_budget is not None:
         integer("memory budget", cfg.memory_budget, 1, 1 << 62)
+    expert_cache(cfg.expert_cache)
+
+
+def stop_strings(stops: Any) -> tuple[str, ...]:
+    """At most MAX_STOP_STRINGS strings of 1…MAX_STOP_CHARS characters (an empty one would stop nothing)."""
+    stops = tuple(stops) if isinstance(stops, Iterable) and not isinstance(stops, str) else None
+    if stops is None or not all(isinstance(s, str) for s in stops):
+        _fail("stop strings must be a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        _fail(f"{len(stops)} stop strings are too many: at most {MAX_STOP_STRINGS}")
+    for s in stops:
+        text("stop string", s)
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            _fail(f"a stop string must have 1…{MAX_STOP_CHARS} characters, not {len(s)}")
+    return stops
+
+
+def expert_cache(spec: Any) -> tuple[int | None, int | None]:
+    """A GPU expert-cache size (EngineConfig.expert_cache) as (experts per layer, bytes in all): "64" is 64
+    experts per layer, "512MiB" / "512 MiB" / "2GiB" a byte total, None or "auto" (None, None): what is left."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "auto"):
+        return None, None
+    m = _EXPERT_CACHE.fullmatch(spec.replace(" ", "")) if isinstance(spec, str) else None
+    if m is None:
+        _fail(f"expert cache {shown(spec)}: give a number of experts per layer (64), a size (512MiB) or auto")
+    n, unit = int(m.group(1)), (m.group(2) or "").lower()
+    if not unit:
+        return n, None
+    return None, n << (20 if unit in ("mib", "m") else 30)
 
 
 def parse_draft(value: str | int | None) -> int | None:
@@ -104,23 +144,81 @@ def parse_draft(value: str | int | None) -> int | None:
         return None
     if isinstance(value, str):
         if not (value.isascii() and value.isdigit()):
-            _fail(f"draft depth must be 1…{MAX_DRAFT} or auto, not {value!r}")
+            _fail(f"draft depth must be 1…{MAX_DRAFT} or auto, not {shown(value)}")
         value = int(value)
     return integer("draft depth", value, 1, MAX_DRAFT, hint=" (or auto)")
 
 
 def draft_arg(value: str) -> int | None:
     """`parse_draft` as an argparse type: a bad depth is one argparse error line (exit 2) before anything loads."""
+    return _arg(parse_draft, value)
+
+
+def _arg(parse: Callable[[str], Any], value: str) -> Any:
     try:
-        return parse_draft(value)
+        return parse(value)
     except InvalidParameterError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _whole(name: str, value: str, lo: int, hi: int) -> int:
+    """A flag's digits (an optional sign) as an int in lo…hi."""
+    body = value.strip()
+    body = body[1:] if body.startswith(("+", "-")) else body
+    if not (body.isascii() and body.isdigit()) or len(body) > 20:
+        _fail(f"{name} must be a whole number {lo}…{hi}, not {shown(value)}")
+    return integer(name, int(value), lo, hi)
+
+
+def port_arg(value: str) -> int:
+    """A TCP port to listen on (0: any free port)."""
+    return _arg(lambda v: _whole("port", v, 0, MAX_PORT), value)
+
+
+def queue_arg(value: str) -> int:
+    """How many requests may wait behind a server's running one."""
+    return _arg(lambda v: _whole("queue", v, 0, MAX_QUEUE), value)
+
+
+def api_key(value: str) -> str:
+    """An API key: 1…MAX_API_KEY_CHARS visible ASCII characters (it travels in an HTTP header)."""
+    if not 1 <= len(value) <= MAX_API_KEY_CHARS or not all("!" <= c <= "~" for c in value):
+        _fail(f"an API key must be 1…{MAX_API_KEY_CHARS} visible ASCII characters (no spaces)")
+    return value
+
+
+def api_key_arg(value: str) -> str:
+    return _arg(api_key, value)
+
+
+def origin(value: str) -> str:
+    """A browser origin as browsers send it in `Origin`, e.g. http://localhost:3000 (no path, no '*')."""
+    if not _ORIGIN.fullmatch(value):
+        _fail(f"{shown(value)} is not an origin: give scheme://host[:port] as a browser sends it, "
+              "e.g. http://localhost:3000")
+    return value
+
+
+def origin_arg(value: str) -> str:
+    return _arg(origin, value)
+
+
+def expert_cache_arg(value: str) -> str:
+    """`--expert-cache`: checked as the flag is read, kept as written (EngineConfig takes the text)."""
+    _arg(expert_cache, value)
+    return value
+
+
 def device(name: Any) -> str:
     if not isinstance(name, str) or not _DEVICE.fullmatch(name):
-        _fail(f"device {name!r} is not known: use cpu, cuda or cuda:N")
+        _fail(f"device {shown(name)} is not known: use cpu, cuda or cuda:N")
     return name
+
+
+def shown(v: Any) -> str:
+    """A value as a message quotes it: its repr, cut short (a client may send megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "…"
 
 
 def text(name: str, s: Any) -> str:
@@ -139,7 +237,7 @@ def token_ids(ids: Iterable[Any], n_vocab: int) -> list[int]:
     out = []
     for i in ids:
         if not _is_int(i):
-            _fail(f"token ids must be whole numbers, got {i!r}")
+            _fail(f"token ids must be whole numbers, got {shown(i)}")
         if not 0 <= i < n_vocab:
             _fail(f"token id {i} is outside the vocabulary (0…{n_vocab - 1})")
         out.append(int(i))

@@ -221,3 +221,54 @@ def test_inspect_runs_the_tokenizer_checks_that_load_runs(tmp_path, capsys) -> N
     assert cli.main(["inspect", str(bad)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: bad.gguf: tokenizer.ggml.token_type[0] = 9 is not a token type") and "\n" not in err
+
+
+def test_stop_strings_are_bounded_in_count_and_length() -> None:
+    ok = GenerationConfig(stop_strings=("x" * validate.MAX_STOP_CHARS,) * validate.MAX_STOP_STRINGS)
+    validate.validate_generation(ok)
+    for stops, needle in [(("",), "1…256 characters"), (("x" * (validate.MAX_STOP_CHARS + 1),), "not 257"),
+                          (("a",) * (validate.MAX_STOP_STRINGS + 1), "too many"), ("abc", "list of strings"),
+                          (None, "list of strings"), (("a\udcff",), "UTF-8")]:
+        with pytest.raises(InvalidParameterError, match=needle):
+            validate.validate_generation(replace(ok, stop_strings=stops))
+
+
+def test_logit_divisors_cannot_overflow_the_logits() -> None:
+    """A temperature or repeat penalty of 1e-300 divided the logits to infinity: the model read as damaged."""
+    for cfg in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=validate.MIN_LOGIT_DIVISOR),
+                SamplingConfig(repeat_penalty=validate.MIN_LOGIT_DIVISOR)):
+        validate.validate_sampling(cfg)
+    for cfg, name in [(SamplingConfig(temperature=1e-300), "temperature"),
+                      (SamplingConfig(temperature=10 ** 400), "temperature"),
+                      (SamplingConfig(repeat_penalty=1e-300), "repeat_penalty"),
+                      (SamplingConfig(top_p=10 ** 400), "top_p")]:
+        with pytest.raises(InvalidParameterError, match=name):
+            validate.validate_sampling(cfg)
+
+
+def test_expert_cache_sizes_are_read_once_by_one_parser() -> None:
+    for spec, want in [(None, (None, None)), ("auto", (None, None)), (" AUTO ", (None, None)), ("64", (64, None)),
+                       ("512MiB", (None, 512 << 20)), ("2 GiB", (None, 2 << 30)), ("3g", (None, 3 << 30))]:
+        assert validate.expert_cache(spec) == want
+    for spec in ("lots", "", "-1", "1.5GiB", "64 experts", "9" * 13, 64, "1TiB"):
+        with pytest.raises(InvalidParameterError, match="expert cache"):
+            validate.expert_cache(spec)
+        with pytest.raises(InvalidParameterError, match="expert cache"):
+            validate.validate_engine_config(EngineConfig(expert_cache=spec))
+
+
+def test_server_flag_parsers() -> None:
+    import argparse
+
+    assert [validate.port_arg(v) for v in ("0", "8080", " +65535 ")] == [0, 8080, 65535]
+    assert validate.queue_arg("0") == 0 and validate.queue_arg(str(validate.MAX_QUEUE)) == validate.MAX_QUEUE
+    assert validate.api_key_arg("k") == "k" and validate.origin_arg("http://localhost:3000") == "http://localhost:3000"
+    for parse, value in [(validate.port_arg, "70000"), (validate.port_arg, "-1"), (validate.port_arg, "8o80"),
+                         (validate.port_arg, "1_000"), (validate.port_arg, "9" * 40), (validate.queue_arg, "-1"),
+                         (validate.queue_arg, str(validate.MAX_QUEUE + 1)), (validate.api_key_arg, ""),
+                         (validate.api_key_arg, "two words"), (validate.api_key_arg, "clé"),
+                         (validate.api_key_arg, "k" * (validate.MAX_API_KEY_CHARS + 1)), (validate.origin_arg, "*"),
+                         (validate.origin_arg, "http://localhost:3000/"), (validate.origin_arg, "localhost:3000"),
+                         (validate.expert_cache_arg, "lots")]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(value)
