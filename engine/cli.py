@@ -256,9 +256,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.server.run import serve
+    from engine.server.run import defaults, serve
 
-    return serve(args, _engine(args, n_ctx=args.ctx))
+    gen = defaults(args)
+    _check_engine_args(args, args.ctx)
+    return serve(args, _engine(args, n_ctx=args.ctx), gen)
 
 
 def _size(n: float) -> str:

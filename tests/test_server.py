@@ -307,7 +307,8 @@ def test_stopping_the_server_stops_a_reply_in_flight(eng, server, monkeypatch) -
     srv.start()
     body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    threading.Thread(target=lambda: conn.request("POST", "/v1/completions", body=body), daemon=True).start()
+    threading.Thread(target=lambda: conn.request("POST", "/v1/completions", body=body,
+                                                 headers={"Content-Type": "application/json"}), daemon=True).start()
     deadline = time.monotonic() + 10
     while srv.metrics.running < 1:
         assert time.monotonic() < deadline

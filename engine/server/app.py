@@ -2,9 +2,11 @@
 not), `/health`, `/metrics`. Every error is answered in OpenAI's shape; nothing a client sends reaches it as a
 traceback or stops the server.
 
+A /v1 request from a web page that is not allowed is refused (engine.server.guard); a POST's body must be JSON.
 A request is checked and tokenized before it queues, so a bad body or a prompt over the context is a 400 at
-once. A streamed reply starts with its headers right away and ends its generation when the client goes away
-(starlette cancels the stream on `http.disconnect`); a plain reply watches for the disconnect itself.
+once, and its reply is capped by the room left in the context. A streamed reply starts with its headers right
+away and ends its generation when the client goes away (starlette cancels the stream on `http.disconnect`); a
+plain reply watches for the disconnect itself.
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine import validate
 from engine.api import ServedEngine
-from engine.errors import ChatTemplateError
+from engine.errors import ChatTemplateError, InvalidParameterError
 from engine.events import Done, Stats, Token
-from engine.server import protocol
+from engine.server import guard, protocol
 from engine.server.protocol import APIError, Request, bad
 from engine.server.reasoning import ReasoningSplitter, opens_thinking
 from engine.server.scheduler import Failure, Job, QueueFullError, Scheduler
@@ -41,12 +44,15 @@ def model_name(eng: ServedEngine) -> str:
     return eng.mf.get("general.name") or eng.mf.path.stem
 
 
-def create_app(scheduler: Scheduler, *, api_key: str | None = None, cors_origins: tuple[str, ...] = ()) -> Starlette:
-    """The ASGI app over `scheduler`'s engine (which may be swapped between requests); `api_key` guards /v1,
-    not /health or /metrics."""
+def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
+               cors_origins: tuple[str, ...] = ()) -> Starlette:
+    """The ASGI app over `scheduler`'s engine (which may be swapped between requests), served on `port`;
+    `api_key` and the browser-origin check guard /v1, not /health or /metrics."""
     created = int(time.time())
+    origins = guard.allowed_origins(cors_origins, port)
 
     def authorize(request: HTTPRequest) -> None:
+        guard.check_origin(request.headers, origins)
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -75,14 +81,20 @@ def create_app(scheduler: Scheduler, *, api_key: str | None = None, cors_origins
 
     async def complete(request: HTTPRequest, chat: bool) -> Response:
         authorize(request)
+        guard.check_json_body(request.headers)
         body = protocol.parse_json(await _read_body(request))
         req = (protocol.parse_chat if chat else protocol.parse_completion)(body, scheduler.defaults())
+        try:  # what the engine would refuse once queued, refused now (the fields' own checks name them)
+            validate.validate_generation(req.gen)
+        except InvalidParameterError as e:
+            raise bad(str(e)) from None
         eng = scheduler.engine
         ids, thinking = await run_in_threadpool(_encode, eng, req)
         if len(ids) >= eng.n_ctx:
             raise bad(f"the prompt has {len(ids)} tokens but the context holds {eng.n_ctx}; shorten it",
                       "messages" if chat else "prompt", "context_length_exceeded")
-        gen = replace(req.gen, max_tokens=req.max_tokens or req.gen.max_tokens)  # else the settings' default
+        # the settings' default when the request sets none; never more than the context has room for
+        gen = replace(req.gen, max_tokens=min(req.max_tokens or req.gen.max_tokens, eng.n_ctx - len(ids)))
         try:
             job = scheduler.submit(eng, ids, gen)
         except QueueFullError as e:
@@ -151,7 +163,7 @@ def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
     try:
         ids = eng.encode_prompt(req.prompt, req.enable_thinking)
         thinking = opens_thinking(eng.chat.render(req.prompt, enable_thinking=req.enable_thinking))
-    except ChatTemplateError as e:
+    except (ChatTemplateError, InvalidParameterError) as e:
         raise bad(str(e), "messages") from None
     return ids, thinking
 

@@ -3,8 +3,10 @@
 
 Validation is hand-written rather than a schema library: the few fields are checked with messages that name
 the field, bools are never taken for numbers (JSON `true` is not 1), and unknown fields are ignored as
-OpenAI clients send many. A field the engine cannot honour (n > 1, logprobs, tools, penalties) is refused
-with 400 rather than silently ignored.
+OpenAI clients send many. A field the engine cannot honour (n > 1, logprobs, logit_bias, tools, penalties) is
+refused with 400 rather than silently ignored. The body as a whole must be plain JSON: no NaN or Infinity, no
+nesting past what the parser takes, no string (or key) that is not Unicode (a lone surrogate such as "\\ud800").
+The limits are engine.validate's: a request is a 400 here, never a failure in the engine.
 """
 from __future__ import annotations
 
@@ -13,13 +15,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine import validate
 from engine.errors import InvalidParameterError
 from engine.events import GenerationConfig, Stats
 from engine.sampling import SamplingConfig
-from engine.validate import MAX_DRAFT, parse_draft
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_STOP_STRINGS = 16
 
 
 class APIError(Exception):
@@ -53,31 +54,74 @@ class Request:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # ints past 4300 digits too
+        raise bad(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
+    where = _not_unicode(body)
+    if where is not None:
+        raise bad(f"{where or 'a key'} holds a lone surrogate (such as \\ud800): it is not Unicode text", where or None,
+                  "invalid_json")
     return body
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _not_unicode(body: dict[str, Any]) -> str | None:
+    """Where the first string that is not valid Unicode is ('messages[0].content'; '' for a key), or None."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _unicode(value):
+                return _path(path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not _unicode(k):
+                    return ""
+                stack.append((v, (path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (path, i)) for i, v in enumerate(value))
+    return None
+
+
+def _unicode(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    """A (parent, key) chain as a param name: messages[0].content."""
+    keys = []
+    while path:
+        path, key = path
+        keys.append(key)
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in reversed(keys)).lstrip(".")
 
 
 def parse_chat(body: dict[str, Any], defaults: GenerationConfig) -> Request:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of messages", "messages")
+    if len(msgs) > validate.MAX_MESSAGES:
+        raise bad(f"{len(msgs)} messages are too many: at most {validate.MAX_MESSAGES}", "messages")
     messages = [_message(m, i) for i, m in enumerate(msgs)]
-    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_completion_tokens", 1, validate.MAX_TOKENS)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    thinking = (kwargs or {}).get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise bad("'chat_template_kwargs.enable_thinking' must be true or false", "chat_template_kwargs")
+        max_tokens = _int(body, "max_tokens", 1, validate.MAX_TOKENS)
+    thinking = _bool(_object(body, "chat_template_kwargs"), "enable_thinking", "chat_template_kwargs")
     for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+        _off(body, name, [])
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad("only the 'text' response_format is supported", "response_format", "unsupported_parameter")
@@ -93,19 +137,17 @@ def parse_completion(body: dict[str, Any], defaults: GenerationConfig) -> Reques
             raise bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string", "prompt")
-    if body.get("echo") or body.get("suffix") or _int(body, "best_of", 1) not in (None, 1):
-        raise bad("'echo', 'suffix' and 'best_of' are not supported by this server", None, "unsupported_parameter")
-    max_tokens = _int(body, "max_tokens", 1)
+    for name, off in (("echo", False), ("suffix", ""), ("best_of", 1)):
+        _off(body, name, off)
+    max_tokens = _int(body, "max_tokens", 1, validate.MAX_TOKENS)
     return _request(body, defaults, chat=False, prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens,
                     enable_thinking=None)
 
 
 def _request(body: dict[str, Any], defaults: GenerationConfig, *, chat: bool, prompt: Any, max_tokens: int | None,
              enable_thinking: bool | None) -> Request:
-    if _int(body, "n", 1) not in (None, 1):
-        raise bad("only n = 1 is supported", "n", "unsupported_parameter")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+    for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("logit_bias", {})):
+        _off(body, name, off)
     for name in ("presence_penalty", "frequency_penalty"):
         if _float(body, name, -2.0, 2.0) not in (None, 0.0):
             raise bad(f"'{name}' is not supported; use 'repeat_penalty'", name, "unsupported_parameter")
@@ -113,26 +155,22 @@ def _request(body: dict[str, Any], defaults: GenerationConfig, *, chat: bool, pr
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     s = defaults.sampling
-    seed = _int(body, "seed", -1)  # -1: a random seed (llama-server's convention)
+    seed = _int(body, "seed", -1, validate.MAX_SEED)  # -1: a random seed (llama-server's convention)
+    temperature = _float(body, "temperature", 0.0, 2.0)
+    if temperature and temperature < validate.MIN_LOGIT_DIVISOR:
+        raise bad(f"'temperature' must be 0 (greedy) or at least {validate.MIN_LOGIT_DIVISOR:g}", "temperature")
     sampling = SamplingConfig(
-        temperature=_or(_float(body, "temperature", 0.0, 2.0), s.temperature),
-        top_k=_or(_int(body, "top_k", 0), s.top_k),
+        temperature=_or(temperature, s.temperature),
+        top_k=_or(_int(body, "top_k", 0, validate.MAX_TOP_K), s.top_k),
         top_p=_or(_float(body, "top_p", 0.0, 1.0, low_open=True), s.top_p),
         min_p=_or(_float(body, "min_p", 0.0, 1.0), s.min_p),
-        repeat_penalty=_or(_float(body, "repeat_penalty", 0.0, 10.0, low_open=True), s.repeat_penalty),
+        repeat_penalty=_or(_float(body, "repeat_penalty", validate.MIN_LOGIT_DIVISOR, 10.0), s.repeat_penalty),
         repeat_last_n=s.repeat_last_n,
         seed=s.seed if seed is None else None if seed == -1 else seed,
     )
     mtp, draft = _mtp(body.get("mtp"), defaults)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be true or false", "stream")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    include_usage = (opts or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
+    stream = _bool(body, "stream", "stream") or False
+    include_usage = _bool(_object(body, "stream_options"), "include_usage", "stream_options") or False
     gen = replace(defaults, sampling=sampling, stop_strings=_stop(body.get("stop")), mtp=mtp, draft=draft,
                   enable_thinking=enable_thinking)
     return Request(chat=chat, prompt=prompt, gen=gen, max_tokens=max_tokens, stream=stream,
@@ -144,8 +182,9 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict):
         raise bad(f"{param} must be an object with 'role' and 'content'", param)
     role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{param}.role is {role!r}; this server takes {', '.join(sorted(ROLES))}", f"{param}.role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad(f"{param}.role is {validate.shown(role)}; this server takes {', '.join(sorted(ROLES))}",
+                  f"{param}.role")
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -156,6 +195,28 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise bad(f"{param}.content must be a string or an array of text parts", f"{param}.content")
     return {"role": ROLES[role], "content": content}
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """An optional object field ({} when left out)."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, dict):
+        raise bad(f"'{name}' must be an object", name)
+    return v or {}
+
+
+def _bool(body: dict[str, Any], name: str, param: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{param}{'' if param == name else '.' + name}' must be true or false", param)
+    return v
+
+
+def _off(body: dict[str, Any], name: str, off: Any) -> None:
+    """A field this server cannot honour: only left out, null, or its 'off' value (of that JSON type) is taken."""
+    v = body.get(name)
+    if v is not None and (type(v) is not type(off) or v != off):
+        raise bad(f"'{name}' is not supported by this server (only {json.dumps(off)})", name, "unsupported_parameter")
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -171,7 +232,7 @@ def _int(body: dict[str, Any], name: str, low: int, high: int = 2**63 - 1) -> in
     if not isinstance(v, int) or isinstance(v, bool):
         raise bad(f"'{name}' must be an integer", name)
     if not low <= v <= high:
-        raise bad(f"'{name}' must be in [{low}, {high}], got {v}", name)
+        raise bad(f"'{name}' must be in [{low}, {high}], got {validate.shown(v)}", name)
     return v
 
 
@@ -179,23 +240,26 @@ def _float(body: dict[str, Any], name: str, low: float, high: float, *, low_open
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or (isinstance(v, float) and not math.isfinite(v)):
         raise bad(f"'{name}' must be a number", name)
-    if v > high or v < low or (low_open and v == low):
+    if v > high or v < low or (low_open and v == low):  # compared as they are: an int may be past any float
         lo = "(" if low_open else "["
-        raise bad(f"'{name}' must be in {lo}{low:g}, {high:g}], got {v}", name)
+        raise bad(f"'{name}' must be in {lo}{low:g}, {high:g}], got {validate.shown(v)}", name)
     return float(v)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
+    """A string or an array of strings; empty ones are dropped (they stop nothing), the rest within the engine's
+    limits (each is searched for after every token)."""
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise bad("'stop' must be a string or an array of strings", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
-    return tuple(s for s in items if s)
+    try:
+        return validate.stop_strings([s for s in items if s])
+    except InvalidParameterError as e:
+        raise bad(f"'stop': {e}", "stop") from None
 
 
 def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
@@ -206,10 +270,10 @@ def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
         return value, None if value else defaults.draft
     if isinstance(value, int):  # a JSON number; a string ("3", "auto") is not a depth here
         try:
-            return True, parse_draft(value)
+            return True, validate.parse_draft(value)
         except InvalidParameterError:
             pass
-    raise bad(f"'mtp' must be false, true or a draft depth 1..{MAX_DRAFT}", "mtp")
+    raise bad(f"'mtp' must be false, true or a draft depth 1..{validate.MAX_DRAFT}", "mtp")
 
 
 # -- response parts --------------------------------------------------------------------------------------------

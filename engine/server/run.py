@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from engine.errors import EngineError
-from engine.validate import MAX_DRAFT, draft_arg
+from engine import validate
 
 if TYPE_CHECKING:  # types only: the CLI's parser does not load the kernels (engine.events imports engine.ops)
     from engine.api import ServedEngine
@@ -35,10 +35,16 @@ class LocalServer:
         from engine.server.app import create_app
         from engine.server.scheduler import Scheduler
 
-        self.scheduler = Scheduler(engine, defaults or GenerationConfig, max_waiting=max_waiting, lock=lock)
-        self.app = create_app(self.scheduler, api_key=api_key, cors_origins=cors_origins)
+        if api_key is not None:
+            validate.api_key(api_key)
+        validate.integer("port", port, 0, validate.MAX_PORT)
+        validate.integer("queue", max_waiting, 0, validate.MAX_QUEUE)
+        for origin in cors_origins:
+            validate.origin(origin)
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
+        self.scheduler = Scheduler(engine, defaults or GenerationConfig, max_waiting=max_waiting, lock=lock)
+        self.app = create_app(self.scheduler, port=self.port, api_key=api_key, cors_origins=cors_origins)
         # No access log: clients' requests are nobody's business. On stop, replies in flight get
         # `shutdown_grace_s`, then are cancelled, which stops their generations.
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
@@ -104,30 +110,42 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default 8080; 0 = any free port)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    s.add_argument("--queue", type=int, default=8, help="requests that may wait behind the running one (default 8); "
+    s.add_argument("--port", type=validate.port_arg, default=DEFAULT_PORT,
+                   help="TCP port (default 8080; 0 = any free port)")
+    s.add_argument("--api-key", type=validate.api_key_arg, default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--queue", type=validate.queue_arg, default=8,
+                   help=f"requests that may wait behind the running one (default 8, at most {validate.MAX_QUEUE}); "
                    "more are refused with 429")
-    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from this origin (repeatable; default: none)")
+    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", type=validate.origin_arg,
+                   help="allow browser requests from this origin, e.g. http://localhost:3000 (repeatable; "
+                   "default: none)")
     s.add_argument("--ctx", type=int, default=4096, help="context length")
     s.add_argument("--no-mtp", dest="mtp", action="store_false", default=True,
                    help="plain decoding by default (a request may still ask for MTP)")
-    s.add_argument("--draft", default="auto", type=draft_arg, help=f"default draft depth 1-{MAX_DRAFT} or 'auto'")
+    s.add_argument("--draft", default="auto", type=validate.draft_arg,
+                   help=f"default draft depth 1-{validate.MAX_DRAFT} or 'auto'")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="reply length when a request sets none (default: until the context is full)")
     s.add_argument("--temp", type=float, default=0.0, help="default temperature when a request sets none (0 = greedy)")
 
 
-def serve(args: argparse.Namespace, engine: ServedEngine) -> int:
-    """The CLI's `serve`: defaults from the flags, the URL on stderr, then serve until Ctrl+C."""
-    import sys
-
+def defaults(args: argparse.Namespace) -> GenerationConfig:
+    """The CLI's `serve` flags as the settings every request starts from, checked before the model loads (a bad
+    one would fail every request)."""
     from engine.events import GenerationConfig
     from engine.sampling import SamplingConfig
 
-    gen = GenerationConfig(max_tokens=args.max_tokens or args.ctx, mtp=args.mtp, draft=args.draft,
-                           sampling=SamplingConfig(temperature=args.temp))
+    gen = GenerationConfig(max_tokens=args.ctx if args.max_tokens is None else args.max_tokens, mtp=args.mtp,
+                           draft=args.draft, sampling=SamplingConfig(temperature=args.temp))
+    validate.validate_generation(gen)
+    return gen
+
+
+def serve(args: argparse.Namespace, engine: ServedEngine, gen: GenerationConfig) -> int:
+    """The CLI's `serve`: `gen` as the defaults, the URL on stderr, then serve until Ctrl+C."""
+    import sys
+
     server = LocalServer(engine, host=args.host, port=args.port, api_key=args.api_key, defaults=lambda: gen,
                          max_waiting=args.queue, cors_origins=tuple(args.cors))
     print(f"serving {server.model_name} on {server.url} (OpenAI API; Ctrl+C stops)", file=sys.stderr, flush=True)
