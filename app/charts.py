@@ -16,7 +16,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Slot
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
 
-from app.speedup import MIN_TOKENS, SERVER, Reply, baseline, mode_name, verdict
+from app.speedup import MIN_TOKENS, SERVER, SHORT, Reply, baseline, mode_name, verdict
 from engine.events import Stats
 from engine.metrics import SystemMonitor
 
@@ -117,6 +117,9 @@ class MetricsDock(QWidget):
         self.engine_box = QComboBox()  # replies of different engines are never drawn, or compared, together
         self.engine_box.setAccessibleName("Replies of")
         self.engine_box.currentTextChanged.connect(lambda _t: setattr(self, "dirty", True))
+        # A long engine name must not widen the panel (the chart's title would, so it is not there).
+        self.engine_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.engine_box.setMinimumContentsLength(16)
         self.engine_row = QWidget()
         er = QHBoxLayout(self.engine_row)
         er.setContentsMargins(0, 0, 0, 0)
@@ -195,7 +198,8 @@ class MetricsDock(QWidget):
                  sw.format(c=MODE_COLOURS["auto"], t="auto depth"),
                  sw.format(c=MODE_COLOURS[SERVER], t="the server's own MTP (remote)"),
                  "– – average of this model's MTP-off replies", "×N on a bar: its speed against that average "
-                 f"(replies of {MIN_TOKENS}+ tokens that drafted)"]
+                 f"(replies of {MIN_TOKENS}+ tokens that drafted)", f"faded, '{SHORT}': under {MIN_TOKENS} tokens, too "
+                 "short to compare"]
         self.replies_legend.setText(" &nbsp; ".join(parts))
 
     def set_dark(self, dark: bool) -> None:
@@ -248,7 +252,8 @@ class MetricsDock(QWidget):
             if self.engine_box.findText(self.engine) < 0:
                 self.engine_box.addItem(self.engine)
             self.engine_box.setCurrentText(self.engine)
-            self.engine_row.setVisible(self.engine_box.count() > 1)
+            self.engine_box.setEnabled(self.engine_box.count() > 1)
+            self.engine_row.setVisible(True)
         self.last = st
         self.dirty = True
 
@@ -334,13 +339,16 @@ class MetricsDock(QWidget):
             self.c_replies.show_data(False)
             return
         x = np.arange(first, first + len(shown))
-        self.bars.setOpts(x=x, height=[r.tok_s for r in shown], brushes=[MODE_COLOURS[r.kind] for r in shown],
-                          pens=[pg.mkPen(None)] * len(shown))
+        verdicts = [verdict(r, self.replies) for r in shown]
+        brushes = [pg.mkColor(MODE_COLOURS[r.kind]) for r in shown]
+        for b, v in zip(brushes, verdicts):
+            b.setAlpha(90 if v.label == SHORT else 255)  # too short to compare: faded
+        self.bars.setOpts(x=x, height=[r.tok_s for r in shown], brushes=brushes, pens=[pg.mkPen(None)] * len(shown))
         fg = "#d0d0d0" if self.dark else "#303030"
-        for xi, r in zip(x, shown):
-            v = verdict(r, self.replies)
+        for xi, r, v in zip(x, shown, verdicts):
             name = "server" if r.mode == SERVER else r.mode
-            label = pg.TextItem(f"{v.label}\n{name}" if v.label else name, color=fg, anchor=(0.5, 1.0))
+            text = v.label if v.label == SHORT else f"{v.label}\n{name}" if v.label else name  # short: its colour says
+            label = pg.TextItem(text, color=fg, anchor=(0.5, 1.0))
             label.setToolTip(f"{r.tok_s:.1f} tokens/s, {r.tokens} tokens, {mode_name(r.mode)}: {v.sentence}")
             label.setPos(float(xi), r.tok_s)
             self.p_replies.addItem(label)
@@ -349,10 +357,9 @@ class MetricsDock(QWidget):
         if base is not None:
             self.ref_line.setPos(base.tok_s)
         top = max([r.tok_s for r in shown] + [base.tok_s if base else 0.0])
-        self.p_replies.setYRange(0, top * 1.35)
+        self.p_replies.setYRange(0, top * 1.5)  # room for two lines of label over the tallest bar
         self.p_replies.setXRange(first - 0.6, first + max(len(shown), 4) - 0.4)
         self.p_replies.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x]])  # replies are whole numbers
-        self.p_replies.setTitle(f"Decode speed per reply — {engine}", color="#d0d0d0" if self.dark else "#404040")
         self.c_replies.show_data()
 
     def _draw_depth(self) -> None:

@@ -98,6 +98,12 @@ class ChatView(QTextBrowser):
         self.color_drafts = False
         self._codes: list[str] = []
         self._pending: list[tuple[str, bool]] = []
+        self.context_start = 0  # the first message the model is sent: those above it no longer fit its context
+        self.at_end = True  # the view follows the end of the conversation until the user scrolls up
+        bar = self.verticalScrollBar()
+        bar.rangeChanged.connect(self._follow)
+        bar.valueChanged.connect(self._scrolled)
+        self._setting = False
         self.timer = QTimer(self)
         self.timer.setInterval(75)
         self.timer.timeout.connect(self.flush)
@@ -158,6 +164,9 @@ class ChatView(QTextBrowser):
             items = "".join(f'<li><a href="ask:{quote(q)}">{html.escape(q)}</a></li>' for q in EXAMPLES)
             parts.append(WELCOME.format(examples=f"<ul>{items}</ul>", muted=self.muted))
         for i, m in enumerate(self.messages):
+            if i == self.context_start and i > 0:
+                parts.append(f'<p style="color:{self.muted}; font-size:small" align="center">▲ The messages above '
+                             "are no longer sent to the model: they do not fit its context. ▼</p><hr>")
             who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
             links = []
             k, n = m.version
@@ -174,11 +183,23 @@ class ChatView(QTextBrowser):
             parts.append(self._message_html(m, i))
             if m.footer:
                 parts.append(f'<p style="color:{self.muted}; font-size:small">{html.escape(m.footer)}</p>')
-        bar = self.verticalScrollBar()
-        at_end = bar.value() >= bar.maximum() - 4
+        follow, self._setting = self.at_end, True  # setHtml moves the bar to the top on its way: not the user
         self.setHtml("".join(parts))
-        if at_end:
-            bar.setValue(bar.maximum())
+        self._setting, self.at_end = False, follow
+        if follow:  # and it stays there while Qt lays a long document out in steps (_follow)
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    @Slot(int)
+    def _scrolled(self, value: int) -> None:
+        if not self._setting:
+            self.at_end = value >= self.verticalScrollBar().maximum() - 4
+
+    @Slot(int, int)
+    def _follow(self, _lo: int, hi: int) -> None:
+        """The document grew (a visible view lays a long one out in steps, after setHtml returned): stay at the end
+        where the view was there."""
+        if self.at_end:
+            self.verticalScrollBar().setValue(hi)
 
     def _message_html(self, m: ViewMessage, idx: int) -> str:
         if m.role == "assistant" and m.stopped and not m.text.strip():

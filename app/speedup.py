@@ -13,6 +13,7 @@ from typing import Sequence
 
 MIN_TOKENS = 32  # fewer generated tokens are timed too roughly to compare (start-up and the first step dominate)
 SERVER = "server"  # the mode of a reply from a remote server that chooses MTP and its depth itself
+SHORT = "short"  # the label of a reply too short to compare
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def verdict(r: Reply, replies: Sequence[Reply]) -> Verdict:
         return Verdict("", "MTP and its depth are the server's own setting: there is no MTP-off reply of it to "
                            "compare with", None)
     if r.tokens < MIN_TOKENS:
-        return Verdict("too short", f"{r.tokens} tokens: too short to compare (under {MIN_TOKENS})", None)
+        return Verdict(SHORT, f"{r.tokens} tokens: too short to compare (under {MIN_TOKENS})", None)
     if r.kind == "off":
         return Verdict("", "MTP off: the baseline other replies of this model are compared with", None)
     if not r.drafted:

@@ -445,6 +445,10 @@ class MainWindow(QMainWindow):
             used = self.session.measure(self.settings.system_prompt, self.settings.max_tokens)
         except EngineError:
             used = None
+        start = used.left_out if used is not None else 0
+        if start != self.chat.context_start:  # the line above the first message the model is sent
+            self.chat.context_start = start
+            self.chat.render()
         if used is None:
             self._show_meter(f"context {info.context:,} tokens" if info.context else "", False)
             return
@@ -713,6 +717,7 @@ class MainWindow(QMainWindow):
             return
         if msgs is None:
             return
+        self.chat.context_start = self.session.left_out
         self.chat.set_messages([self._view(m) for m in self.session.shown])
         self.chat.add_message("assistant")
         self.metrics.begin_reply(self.session.reply_mode, self.model_info.engine)

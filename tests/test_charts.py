@@ -95,6 +95,7 @@ def test_speed_ups_are_claimed_only_where_measured(qtbot) -> None:
     local, remote = "tiny · this computer", "qwen @ gpu:8080 · remote llama.cpp server"
     dock.begin_reply("auto", local)
     dock.push_stats(_final(60.0, 100, drafted=40))
+    assert dock.engine_row.isVisibleTo(dock) and not dock.engine_box.isEnabled()  # one engine: nothing to choose
     assert _label(dock, 0) == "auto" and "no MTP-off reply yet to compare with" in dock.summary.text()
     assert not dock.ref_line.isVisible()  # no estimate stands in for a measurement
     dock.begin_reply("auto", local)
@@ -102,10 +103,11 @@ def test_speed_ups_are_claimed_only_where_measured(qtbot) -> None:
     assert _label(dock, 1) == "no drafts\nauto" and "MTP auto drafted nothing" in dock.summary.text()
     dock.begin_reply("K=2", local)
     dock.push_stats(_final(80.0, 12, drafted=10))
-    assert _label(dock, 2) == "too short\nK=2" and "12 tokens: too short to compare" in dock.summary.text()
+    assert _label(dock, 2) == "short" and "12 tokens: too short to compare" in dock.summary.text()
+    assert [pg.mkBrush(b).color().alpha() for b in dock.bars.opts["brushes"]] == [255, 255, 90]  # faded
     dock.begin_reply("off", local)
     dock.push_stats(_final(30.0, 20, mtp=False))  # too short to be a baseline either
-    assert _label(dock, 0) == "auto" and _label(dock, 3) == "too short\noff"
+    assert _label(dock, 0) == "auto" and _label(dock, 3) == "short"
     dock.begin_reply("off", local)
     dock.push_stats(_final(40.0, 64, mtp=False))
     assert _label(dock, 0) == "×1.5\nauto" and _label(dock, 1) == "no drafts\nauto" and _label(dock, 4) == "off"
@@ -116,10 +118,10 @@ def test_speed_ups_are_claimed_only_where_measured(qtbot) -> None:
     dock.begin_reply(SERVER, remote)
     dock.push_stats(_final(175.7, 100, mtp=True, drafted=50))
     dock.refresh()
-    assert dock.engine_row.isVisibleTo(dock) and dock.engine_box.currentText() == remote
+    assert dock.engine_box.isEnabled() and dock.engine_box.currentText() == remote
     assert len(dock.bar_labels) == 1 and _label(dock, 0) == "server" and not dock.ref_line.isVisible()
     assert "server's own setting" in dock.summary.text() and "vs MTP off" not in dock.summary.text()
-    assert remote in dock.p_replies.plotItem.titleLabel.text
+    assert dock.engine_box.count() == 2
     assert [pg.mkBrush(b).color().name() for b in dock.bars.opts["brushes"]] == [MODE_COLOURS[SERVER]]
     dock.engine_box.setCurrentText(local)  # back to this computer's replies, unchanged
     assert _label(dock, 0) == "×1.5\nauto" and len(dock.bar_labels) == 5

@@ -68,3 +68,22 @@ def test_welcome_versions_copy_and_readable_width(qtbot) -> None:
     v.resize(2400, 800)
     v.show()
     qtbot.waitUntil(lambda: v.viewport().width() <= READABLE_WIDTH + 40, timeout=2000)
+
+
+def test_the_view_follows_the_end_while_a_long_document_is_laid_out(qtbot) -> None:
+    from app.chat_view import ViewMessage
+
+    v = ChatView()
+    qtbot.addWidget(v)
+    v.resize(500, 300)
+    v.show()
+    long = " ".join(f"Note {i}: the meeting is on day {i}." for i in range(300))
+    v.set_messages([ViewMessage("user", "hi"), ViewMessage("user", long)])
+    bar = v.verticalScrollBar()
+    assert bar.maximum() > 0 and bar.value() == bar.maximum()
+    bar.setRange(0, bar.maximum() + 500)  # as a visible view's layout grows after setHtml has returned
+    assert bar.value() == bar.maximum()
+    bar.setValue(10)  # the user scrolls up: the view stays where they put it
+    v.add_message("assistant", "ok")
+    bar.setRange(0, bar.maximum() + 100)
+    assert not v.at_end and bar.value() < bar.maximum()

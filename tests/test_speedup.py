@@ -18,7 +18,7 @@ def test_verdicts() -> None:
     assert v.ratio == 2.0 and v.label == "×2.0" and "the average of 2 MTP-off replies of this model" in v.sentence
     assert verdict(Reply(90.0, "auto", 200, 0, LOCAL), [off]).label == "no drafts"
     assert verdict(Reply(90.0, "auto", 200, None, LOCAL), [off]).label == "no drafts"
-    assert verdict(Reply(90.0, "auto", MIN_TOKENS - 1, 20, LOCAL), [off]).label == "too short"
+    assert verdict(Reply(90.0, "auto", MIN_TOKENS - 1, 20, LOCAL), [off]).label == "short"
     server = Reply(175.7, SERVER, 300, 100, REMOTE)
     assert verdict(server, [off, server]).ratio is None and server.kind == SERVER
     remote_auto = Reply(175.7, "auto", 300, 100, REMOTE)  # a server that takes MTP per request (Foretell)

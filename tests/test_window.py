@@ -344,6 +344,10 @@ def test_a_long_message_is_refused_and_old_turns_are_left_out(qtbot, tmp_path: P
     last = win.store.messages(win.conv_id)[-1]
     assert last.role == "assistant" and last.stats["left_out"] >= 2 and last.stats["stop_reason"] != "context_overflow"
     assert "oldest message" in win.chat.messages[-1].footer and not win.errors[1:]
+    shown = win.chat.toPlainText()
+    divider = shown.index("are no longer sent to the model")
+    assert shown.index(chunk) < divider < shown.rindex(chunk)  # above it: what was left out
+    assert win.chat.context_start == last.stats["left_out"]
     assert len(win.store.messages(win.conv_id)) == 8  # nothing was deleted
     _send(qtbot, win, "Hello!")  # and the conversation goes on
     assert win.store.messages(win.conv_id)[-1].role == "assistant" and len(win.errors) == 1
