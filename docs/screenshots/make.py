@@ -1,6 +1,7 @@
 """Screenshots of the real app on a real X server (Xvfb) with a window manager (openbox), at 1366×768 and
 1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
-regenerated reply (two versions) with the model library, a non-model file refused, and a long prompt processed.
+regenerated reply (two versions) with the model library, a non-model file refused, a long prompt processed, a
+message too long for the context refused, the context nearly full, and the oldest messages left out.
 
     python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
 
@@ -25,6 +26,8 @@ THEMES = ("light", "dark")
 QUESTIONS = (("off", "What is 12 plus 30?"), ("3", "Count from 3 to 9."), ("auto", "Convert 5 km to metres."))
 STREAMED = "Hello!"  # the demo model's longest answer
 LONG_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(150))
+HUGE_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(300))
+NOTES = "Please remember these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(45))
 STREAM_AT = 6  # tokens into the reply: the screen is grabbed from the token handler while the worker goes on
 
 
@@ -143,6 +146,33 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     wait(lambda: not win.generating)
     if not prefills:
         raise SystemExit("screenshots: no prefill progress was reported for the long prompt")
+    # A message that can never fit (~5,000 tokens in a 4,096-token context): refused before it is stored.
+    n = len(win.errors)
+    win.prompt.setPlainText(HUGE_PROMPT)
+    win.send()
+    if len(win.errors) == n or win.generating:
+        raise SystemExit("screenshots: the message too long for the context was not refused")
+    settle()
+    shot("long-refused")
+    for box in win.findChildren(QMessageBox):
+        box.close()
+    # The context fills: the meter turns amber, then the oldest exchanges are left out (a line marks where).
+    win.settings_panel.max_tokens.setValue(1024)
+    win.new_conversation()
+    for _ in range(12):
+        win.prompt.setPlainText(NOTES)
+        win.send()
+        wait(lambda: not win.generating)
+        if win.session.left_out:
+            break
+        if "nearly full" in win.context_label.text() and not (out / f"{tag}-{theme}-context-nearly-full.png").exists():
+            settle()
+            shot("context-nearly-full")
+    if not win.session.left_out:
+        raise SystemExit("screenshots: the conversation never outgrew the context")
+    win.chat.find("no longer sent")
+    settle()
+    shot("left-out")
     win.close()
     shutil.rmtree(data, ignore_errors=True)
 
