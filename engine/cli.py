@@ -1,7 +1,8 @@
 """`foretell-cli` / `python -m engine`: inspect and tokenize (the contract in docs/DESIGN.md).
 
 Every failure prints one line `error: …` on stderr and exits 1 (2 for bad arguments: argparse's own complaints
-and every parameter out of range, checked by engine.validate before a model is opened).
+and every parameter out of range, checked by engine.validate before a model is opened). Output that cannot be
+written (standard output closed, a full disk) is a failure too.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Sequence
 
 from engine import validate
 from engine.errors import EngineError, InvalidParameterError
+from engine.output import OutputError, drop_stdout, emit, stdout
 from engine.server.run import add_arguments as serve_arguments
 
 
@@ -21,6 +23,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (`error: …`, exit 2) like every other failure."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if len(message) > 300:  # argparse quotes a value whole, however long
+            message = message[:299] + "…"
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -81,10 +85,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}
             for t in mf.tensors.values()
         ]
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        _print_inspect(info)
+    emit(json.dumps(info, indent=2) if args.json else "\n".join(_inspect_lines(info)))
     return 0
 
 
@@ -99,57 +100,79 @@ def _coverage(mf):  # type: ignore[no-untyped-def]
     return product_coverage(load_model(mf, n_ctx=16, backend=backend), backend.name)
 
 
-def _print_inspect(info: dict[str, Any]) -> None:
+def _inspect_lines(info: dict[str, Any]) -> list[str]:
     hp, pc = info["hparams"], info["params"]
-    print(f"{info['file']}  ({_size(info['file_bytes'])})")
-    print(f"  name          {info['name'] or '-'}")
-    print(f"  architecture  {info['architecture']}   MTP block: {'yes' if info['mtp'] else 'no'}")
-    print(f"  layers        {hp['trunk_layers']} trunk + {hp['mtp_layers']} MTP   pattern {info['layer_pattern']}"
+    out: list[str] = []
+    line = out.append
+    line(f"{info['file']}  ({_size(info['file_bytes'])})")
+    line(f"  name          {info['name'] or '-'}")
+    line(f"  architecture  {info['architecture']}   MTP block: {'yes' if info['mtp'] else 'no'}")
+    line(f"  layers        {hp['trunk_layers']} trunk + {hp['mtp_layers']} MTP   pattern {info['layer_pattern']}"
           "  (R = Gated DeltaNet, A = gated attention, M = MTP)")
-    print(f"  hidden        {hp['n_embd']}   vocab {hp['n_vocab']}   context {hp['context_length']}")
-    print(f"  attention     {hp['attention_heads']} q / {hp['kv_heads']} kv heads × {hp['head_dim']}, "
+    line(f"  hidden        {hp['n_embd']}   vocab {hp['n_vocab']}   context {hp['context_length']}")
+    line(f"  attention     {hp['attention_heads']} q / {hp['kv_heads']} kv heads × {hp['head_dim']}, "
           f"rope {hp['rope_dims']} dims, base {hp['rope_base']:g}")
-    print(f"  gated delta   {hp['gdn_k_heads']} k / {hp['gdn_v_heads']} v heads × {hp['gdn_head_dim']}, conv {hp['conv_kernel']}")
+    line(f"  gated delta   {hp['gdn_k_heads']} k / {hp['gdn_v_heads']} v heads × {hp['gdn_head_dim']}, conv {hp['conv_kernel']}")
     if hp["experts"]:
-        print(f"  MoE           {hp['experts']} experts, top-{hp['experts_used']}, expert FFN {hp['expert_ffn']}, "
+        line(f"  MoE           {hp['experts']} experts, top-{hp['experts_used']}, expert FFN {hp['expert_ffn']}, "
               f"shared FFN {hp['shared_expert_ffn']}")
     else:
-        print(f"  FFN           dense, {hp['dense_ffn']}")
-    print(f"  parameters    {_count(pc['total'])} total, {_count(pc['trunk'])} trunk, "
+        line(f"  FFN           dense, {hp['dense_ffn']}")
+    line(f"  parameters    {_count(pc['total'])} total, {_count(pc['trunk'])} trunk, "
           f"{_count(pc['active_per_token'])} active per token, {_count(pc['mtp'])} MTP")
     st = info["state_bytes_per_sequence"]
-    print(f"  state         GDN {_size(st['gdn_conv'] + st['gdn_recurrent'])} per sequence, "
+    line(f"  state         GDN {_size(st['gdn_conv'] + st['gdn_recurrent'])} per sequence, "
           f"KV {_size(st['kv_per_token'])} per token (f32)")
-    print("  tensor types")
+    line("  tensor types")
     for name, row in info["tensor_types"].items():
-        print(f"    {name:<8} {row['tensors']:>5} tensors  {_count(row['elements']):>8}  {_size(row['bytes']):>10}")
-    print(f"  placement     {info['placement']['summary']}")
+        line(f"    {name:<8} {row['tensors']:>5} tensors  {_count(row['elements']):>8}  {_size(row['bytes']):>10}")
+    line(f"  placement     {info['placement']['summary']}")
     fallback = info["products"]["fallback"]
-    print(f"  products      {info['products']['backend']}: " + (
+    line(f"  products      {info['products']['backend']}: " + (
         "every quantized weight has a native product" if not fallback else "no native product for " + ", ".join(
             f"{f['type']} ({f['tensors']} tensors, {f['share']:.0%} of weights: dequantized)" for f in fallback)))
     for t in info.get("tensors", []):
-        print(f"    {t['name']:<40} {t['type']:<7} {str(tuple(t['shape'])):<22} {_size(t['bytes'])}")
+        line(f"    {t['name']:<40} {t['type']:<7} {str(tuple(t['shape'])):<22} {_size(t['bytes'])}")
+    return out
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from engine.storage.modelfile import open_model
     from engine.tokenizer import Tokenizer
 
+    text = _read_text(args.text_file)
     mf = open_model(_model_arg(args.model))
     tok = Tokenizer.from_metadata(mf.metadata)
-    try:
-        text = Path(args.text_file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise EngineError(f"cannot read {args.text_file}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise EngineError(f"{args.text_file} is not UTF-8 text") from None
     ids = tok.encode(text, special=True, add_bos=False)
-    if args.json:
-        print(json.dumps({"ids": ids, "n_tokens": len(ids)}))
-    else:
-        print(" ".join(str(i) for i in ids))
+    emit(json.dumps({"ids": ids, "n_tokens": len(ids)}) if args.json else " ".join(str(i) for i in ids))
     return 0
+
+
+def _read_text(path: str) -> str:
+    """A text file's exact characters: its bytes decoded as UTF-8, line ends as they are ("\\r\\n" stays), at most
+    MAX_TEXT_FILE_BYTES of them (a device such as /dev/zero is refused after that much, not read to the end)."""
+    limit = validate.MAX_TEXT_FILE_BYTES
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise EngineError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise InvalidParameterError(f"{path} is over {limit >> 20} MiB: tokenize at most that much text at once")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EngineError(f"{path} is not UTF-8 text (byte {e.start} is not)") from None
+
+
+def _output_path(path: str) -> Path:
+    """Where a command will write, checked before any work: its folder must exist and it must not be one."""
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidParameterError(f"--out {path} is a folder: give a file name")
+    if not out.parent.is_dir():
+        raise InvalidParameterError(f"--out {path}: the folder {out.parent} does not exist")
+    return out
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -199,11 +222,16 @@ def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
     ids = _parse_ids(args.tokens)
+    out = _output_path(args.out)
     eng = _engine(args, n_ctx=max(len(ids), 16))
     validate.token_ids(ids, eng.hp.n_vocab)
     res = eng.runner.forward(ids, eng.cache, logit_rows="all", chunked=args.chunked)
-    np.save(args.out, res.logits.float().numpy())
-    print(json.dumps({"out": args.out, "shape": list(res.logits.shape)}))
+    try:
+        with out.open("wb") as f:  # the path as given (np.save would add ".npy" to a name without it)
+            np.save(f, res.logits.float().numpy())
+    except OSError as e:
+        raise EngineError(f"cannot write {args.out}: {e.strerror or e}") from None
+    emit(json.dumps({"out": args.out, "shape": list(res.logits.shape)}))
     return 0
 
 
@@ -240,15 +268,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eng = _engine(args, n_ctx=args.ctx)
     reply = collect(eng.generate(prompt, gen), echo=not args.json)
     final, done = reply.final, reply.done
-    if done.reason == "context_overflow":
-        raise EngineError(done.message)
     stats = reply_stats(final, done)
     stats["placement"] = eng.plan.as_dict()
     if final.expert_cache:
         stats["expert_cache"] = {str(k): v for k, v in final.expert_cache.items()}
     if args.json:
-        print(json.dumps({"tokens": reply.tokens, "text": reply.text, "accepted_draft": reply.accepted_draft,
-                          "stats": stats}))
+        emit(json.dumps({"tokens": reply.tokens, "text": reply.text, "accepted_draft": reply.accepted_draft,
+                         "stats": stats}))
     else:
         print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
               f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
@@ -335,21 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gpu_layers(value: str) -> int | None:
-    if value == "auto":
-        return None
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError("GPU layers must be a number or 'auto'")
-
-
 def _device_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda[:N] (CPU/GPU hybrid)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    s.add_argument("--gpu-layers", type=_gpu_layers, default=None,
+    s.add_argument("--gpu-layers", type=validate.gpu_layers_arg, default=None,
                    help="trunk layers on the GPU (the last ones), or 'auto' (default: fit free VRAM)")
     s.add_argument("--cpu-moe", action="store_true", help="keep routed experts on the CPU (hot ones cached on the GPU)")
-    s.add_argument("--expert-cache", default=None,
+    s.add_argument("--expert-cache", default=None, type=validate.expert_cache_arg,
                    help="GPU expert cache: experts per layer (64) or a total size (2048MiB); default: what is left")
     s.add_argument("--miss-policy", default="load", choices=["load", "cpu"],
                    help="expert-cache miss: load it to the GPU (default) or compute it on the CPU")
@@ -358,7 +376,17 @@ def _device_args(s: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        writes = args.command != "serve"  # the others' result goes to standard output
+        if writes:
+            stdout()  # closed: refused before the work, which would be lost
+        rc = int(args.func(args))
+        if writes:
+            emit("", end="", flush=True)  # a full disk shows here, not at exit
+        return rc
+    except OutputError as e:
+        drop_stdout()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except InvalidParameterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

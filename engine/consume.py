@@ -6,8 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from engine.errors import EngineError
+from engine.errors import ContextOverflowError, EngineError
 from engine.events import Done, Event, Stats, Token
+from engine.output import emit
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class Collected:
 
 
 def collect(events: Iterable[Event], echo: bool = False) -> Collected:
-    """The reply `events` stream; its text is echoed to stdout as it comes when `echo`."""
+    """The reply `events` stream; its text is echoed to stdout as it comes when `echo`. A prompt over the context
+    is a ContextOverflowError with the engine's message."""
     tokens: list[int] = []
     flags: list[bool] = []
     pieces: list[str] = []
@@ -34,11 +36,13 @@ def collect(events: Iterable[Event], echo: bool = False) -> Collected:
             flags += [ev.accepted_draft] * len(ev.ids)
             pieces.append(ev.text)
             if echo:
-                print(ev.text, end="", flush=True)
+                emit(ev.text, end="", flush=True)
         elif isinstance(ev, Stats) and ev.final:
             final = ev
         elif isinstance(ev, Done):
             done = ev
+    if done is not None and done.reason == "context_overflow":  # the prompt did not fit: no Stats come with it
+        raise ContextOverflowError(done.message)
     if done is None or final is None:
         raise EngineError("generation ended without a result")
     return Collected(tokens, flags, "".join(pieces), final, done)

@@ -16,6 +16,7 @@ from engine.errors import InvalidParameterError
 
 MAX_CTX = 1 << 22  # 4M tokens: far past any model we run, and a context whose tables still fit in memory
 MAX_THREADS = 1024
+MAX_GPU_LAYERS = 1 << 20
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_DRAFT = 8  # the deepest draft chain (GenerationConfig.draft): a verify pass is at most MAX_DRAFT + 1 rows
 MAX_TOKENS = 1 << 31  # a reply's length (max_tokens); a server caps it further by the room left in the context
@@ -99,7 +100,9 @@ def validate_engine_config(cfg: Any) -> None:
     if cfg.n_threads is not None:
         integer("threads", cfg.n_threads, 1, MAX_THREADS)
     if cfg.gpu_layers is not None:
-        integer("GPU layers", cfg.gpu_layers, 0, 1 << 20, hint=" (or auto)")
+        integer("GPU layers", cfg.gpu_layers, 0, MAX_GPU_LAYERS, hint=" (or auto)")
+        if cfg.gpu_layers and cfg.device == "cpu":
+            _fail(f"{cfg.gpu_layers} GPU layers need a GPU device (cuda)")
     if cfg.miss_policy not in ("load", "cpu"):
         _fail(f"expert-cache miss policy must be 'load' or 'cpu', not {cfg.miss_policy!r}")
     if cfg.step_graphs not in ("auto", "on", "off"):
@@ -143,7 +146,7 @@ def parse_draft(value: str | int | None) -> int | None:
     if value is None or value == "auto":
         return None
     if isinstance(value, str):
-        if not (value.isascii() and value.isdigit()):
+        if not (value.isascii() and value.isdigit()) or len(value) > 20:
             _fail(f"draft depth must be 1…{MAX_DRAFT} or auto, not {shown(value)}")
         value = int(value)
     return integer("draft depth", value, 1, MAX_DRAFT, hint=" (or auto)")
@@ -162,12 +165,12 @@ def _arg(parse: Callable[[str], Any], value: str) -> Any:
 
 
 def _whole(name: str, value: str, lo: int, hi: int) -> int:
-    """A flag's digits (an optional sign) as an int in lo…hi."""
-    body = value.strip()
-    body = body[1:] if body.startswith(("+", "-")) else body
-    if not (body.isascii() and body.isdigit()) or len(body) > 20:
+    """A flag's whole number, read as every int flag is (int()), in lo…hi."""
+    try:
+        n = int(value)
+    except ValueError:  # not a number, or past int()'s 4300 digits
         _fail(f"{name} must be a whole number {lo}…{hi}, not {shown(value)}")
-    return integer(name, int(value), lo, hi)
+    return integer(name, n, lo, hi)
 
 
 def port_arg(value: str) -> int:
@@ -178,6 +181,11 @@ def port_arg(value: str) -> int:
 def queue_arg(value: str) -> int:
     """How many requests may wait behind a server's running one."""
     return _arg(lambda v: _whole("queue", v, 0, MAX_QUEUE), value)
+
+
+def gpu_layers_arg(value: str) -> int | None:
+    """`--gpu-layers N|auto` (auto: None, as many as fit)."""
+    return _arg(lambda v: None if v == "auto" else _whole("GPU layers", v, 0, MAX_GPU_LAYERS), value)
 
 
 def api_key(value: str) -> str:

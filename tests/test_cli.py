@@ -3,7 +3,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
+
+from engine.cli import main as engine_main
+from engine.tokenizer import Tokenizer
 
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, fixture_path
 
@@ -88,7 +94,7 @@ def test_generate_json() -> None:
     assert r5.returncode == 0 and json.loads(r5.stdout)["stats"]["mtp"] is False
     assert cli("generate", str(fixture_path(TINY_MOE)), "--prompt", "x", "--draft", "9").returncode == 2
     r3 = cli("generate", str(fixture_path(TINY_MOE)), "--prompt-tokens", "1,2,3", "--ctx", "2", "--json")
-    assert r3.returncode == 1 and r3.stderr.startswith("error: ")
+    assert r3.returncode == 1 and r3.stderr.startswith("error: the prompt has 3 tokens but the context holds 2;")
 
 
 def test_the_missing_mtp_notice_only_when_mtp_was_asked_for() -> None:
@@ -100,3 +106,75 @@ def test_the_missing_mtp_notice_only_when_mtp_was_asked_for() -> None:
     assert with_mtp.returncode == 0 and without.returncode == 0, (with_mtp.stderr, without.stderr)
     assert "note: " in with_mtp.stderr and "has no MTP block" in with_mtp.stderr
     assert "has no MTP block" not in without.stderr
+
+
+def test_tokenize_keeps_the_file_exactly(tmp_path: Path, capsys) -> None:
+    """Bytes decoded as UTF-8, line ends as written: a Windows file's "\\r\\n" stays (it was read as "\\n")."""
+    from engine.storage.modelfile import default_model_path, open_model
+
+    text = "\r\nwindows line\r\n\ufeffbom and \r lone cr\n"
+    f = tmp_path / "win.txt"
+    f.write_bytes(text.encode("utf-8"))
+    assert engine_main(["tokenize", "--text-file", str(f), "--json"]) == 0
+    ids = json.loads(capsys.readouterr().out)["ids"]
+    tok = Tokenizer.from_metadata(open_model(default_model_path()).metadata)
+    assert ids == tok.encode(text, special=True, add_bos=False)
+    assert ids != tok.encode(text.replace("\r\n", "\n"), special=True, add_bos=False)
+    assert tok.decode(ids) == text
+
+
+def _one_line(rc: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--queue", "-1"], "queue -1 is out of range"),
+    (["serve", "--api-key", ""], "API key must be"),
+    (["serve", "--port", "70000"], "port 70000 is out of range"),
+    (["serve", "--port", "-1"], "port -1 is out of range"),
+    (["serve", "--cors", "*"], "is not an origin"),
+    (["serve", "--max-tokens", "0"], "max_tokens 0 is out of range"),
+    (["generate", "--prompt", "hi", "--expert-cache", "lots"], "expert cache 'lots'"),
+    (["generate", "--prompt", "hi", "--stop", ""], "a stop string must have 1…256 characters"),
+    (["generate", "--prompt", "hi", "--stop", "x" * 257], "a stop string must have 1…256 characters"),
+    (["generate", "--prompt", "hi", "--gpu-layers", "3"], "need a GPU device"),
+    (["logits", "--tokens", "1,2", "--out", "/nonexistent/dir/o.npy"], "the folder /nonexistent/dir does not exist"),
+    (["tokenize", "--text-file", "/dev/zero"], "/dev/zero is over 16 MiB"),
+])
+def test_issue_48_arguments_are_one_line_and_exit_2(capsys, args: list[str], needle: str) -> None:
+    t0 = time.perf_counter()
+    try:
+        rc = engine_main(args)
+    except SystemExit as e:  # argparse's complaint
+        rc = e.code
+    assert rc == 2 and needle in _one_line(rc, capsys.readouterr().err)
+    assert time.perf_counter() - t0 < 5  # before the model is loaded, before /dev/zero is read to the end
+
+
+def test_write_errors_exit_1(tmp_path: Path) -> None:
+    model = str(fixture_path(TINY_MOE))
+    r = cli("logits", model, "--tokens", "1,2", "--out", "/dev/full")
+    assert r.returncode == 1 and "cannot write /dev/full: No space left on device" in _one_line(r.returncode, r.stderr)
+    out = tmp_path / "named"  # the path as given: np.save would have written named.npy
+    assert cli("logits", model, "--tokens", "1,2", "--out", str(out)).returncode == 0 and out.exists()
+    for json_flag in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([sys.executable, "-m", "engine", "generate", model, "--prompt", "hi", "--max-tokens",
+                                "3", *json_flag], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert r.returncode == 1, r.stderr
+        assert "cannot write the output: No space left on device" in _one_line(r.returncode, r.stderr)
+    r = subprocess.run(["bash", "-c", 'exec "$0" -m engine generate "$1" --prompt hi --max-tokens 3 >&-',
+                        sys.executable, model], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "standard output is closed" in _one_line(r.returncode, r.stderr)
+
+
+def test_collect_reports_a_prompt_over_the_context() -> None:
+    """The engine ends an overflow with Done alone (no final Stats): that is its message, not 'no result'."""
+    from engine.consume import collect
+    from engine.errors import ContextOverflowError
+    from engine.events import Done
+
+    with pytest.raises(ContextOverflowError, match="the prompt has 9 tokens"):
+        collect([Done("context_overflow", "the prompt has 9 tokens but the context holds 4")])

@@ -264,7 +264,7 @@ def test_server_flag_parsers() -> None:
     assert validate.queue_arg("0") == 0 and validate.queue_arg(str(validate.MAX_QUEUE)) == validate.MAX_QUEUE
     assert validate.api_key_arg("k") == "k" and validate.origin_arg("http://localhost:3000") == "http://localhost:3000"
     for parse, value in [(validate.port_arg, "70000"), (validate.port_arg, "-1"), (validate.port_arg, "8o80"),
-                         (validate.port_arg, "1_000"), (validate.port_arg, "9" * 40), (validate.queue_arg, "-1"),
+                         (validate.port_arg, "1.5"), (validate.port_arg, "9" * 40), (validate.queue_arg, "-1"),
                          (validate.queue_arg, str(validate.MAX_QUEUE + 1)), (validate.api_key_arg, ""),
                          (validate.api_key_arg, "two words"), (validate.api_key_arg, "clé"),
                          (validate.api_key_arg, "k" * (validate.MAX_API_KEY_CHARS + 1)), (validate.origin_arg, "*"),

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.consume import collect, reply_stats
 from engine.events import GenerationConfig
+from engine.output import emit
 from engine.remote.engine import RemoteConfig, connect
 
 
@@ -30,7 +31,7 @@ def generate_remote(args: argparse.Namespace, prompt: Any, gen: GenerationConfig
                                "accepted_draft": [False] * len(reply.tokens), "stats": stats}
         if partial:
             out["partial"] = True
-        print(json.dumps(out))
+        emit(json.dumps(out))
     elif not partial:
         print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
               f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
