@@ -294,6 +294,18 @@ def test_the_issue_cases(server) -> None:
         assert err["param"] == param and time.perf_counter() - t0 < 2, (case, err)
 
 
+def test_a_prompt_too_big_for_any_context_is_not_tokenized(server) -> None:
+    """7 MB of text took ~3 s of a core to tokenize before it was found over the context; its size shows it."""
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1_400_000}]}),
+                        ("/v1/completions", {"prompt": "word " * 1_400_000})):
+        t0 = time.perf_counter()
+        err = assert_openai_error(*post(server, route, json.dumps(body).encode()), 400, route)
+        assert err["code"] == "context_length_exceeded" and time.perf_counter() - t0 < 1.5, err
+    err = assert_openai_error(*post(server, "/v1/completions", json.dumps({"prompt": "word " * 20_000}).encode()),
+                              400, "counted")
+    assert err["message"].startswith("the prompt has 20001 tokens")  # a prompt that might fit is counted
+
+
 def test_max_tokens_is_capped_by_the_context(server) -> None:
     status, data = post(server, "/v1/completions", json.dumps(
         {"prompt": "In the beginning", "max_tokens": validate.MAX_TOKENS, "temperature": 0}).encode())

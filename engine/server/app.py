@@ -11,12 +11,13 @@ plain reply watches for the disconnect itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +36,9 @@ from engine.server import guard, protocol
 from engine.server.protocol import APIError, Request, bad
 from engine.server.reasoning import ReasoningSplitter, opens_thinking
 from engine.server.scheduler import Failure, Job, QueueFullError, Scheduler
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 8 * 2**20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -150,6 +154,7 @@ async def _read_body(request: HTTPRequest) -> bytes:
 
 def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
     """Prompt ids, and whether the reply starts inside a thinking block (runs off the event loop)."""
+    _check_size(eng, req)
     if not req.chat:
         if isinstance(req.prompt, str):  # the whole prompt is the client's: special tokens are parsed
             ids = eng.tokenizer.encode(req.prompt, special=True)
@@ -166,6 +171,22 @@ def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
     except (ChatTemplateError, InvalidParameterError) as e:
         raise bad(str(e), "messages") from None
     return ids, thinking
+
+
+def _check_size(eng: ServedEngine, req: Request) -> None:
+    """A prompt of more bytes than the context's tokens can stand for is over the context before it is
+    tokenized (8 MiB of text took ~3 s of a core to tokenize): no token stands for more than the longest."""
+    texts = [m["content"] for m in req.prompt] if req.chat else [req.prompt] if isinstance(req.prompt, str) else []
+    size = sum(len(t.encode()) for t in texts)
+    if size > eng.n_ctx and size > eng.n_ctx * _longest_token(eng.tokenizer):
+        raise bad(f"the prompt's {size} bytes of text cannot fit in a context of {eng.n_ctx} tokens; shorten it",
+                  "messages" if req.chat else "prompt", "context_length_exceeded")
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_token(tokenizer: Tokenizer) -> int:
+    """The most bytes one token of the vocabulary stands for (read once per tokenizer, for a big prompt only)."""
+    return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab))
 
 
 class _EventStream(StreamingResponse):
