@@ -28,8 +28,8 @@ WELCOME = """<h2>Welcome to Foretell</h2>
 <p>Foretell runs language models on this computer: nothing you type leaves it.</p>
 <p>The built-in demonstration model is tiny: it answers short questions of the kinds it was trained on —
 sums, counting, dates, unit conversions, what a Python standard-library function does, greetings.
-For real work open a Qwen3.5/3.6 GGUF model (<b>File › Open model…</b>, the <b>Model</b> tab's library,
-or drop a .gguf file on the window).</p>
+For real work download a Qwen3.5/3.6 GGUF model (<b>File › Get models…</b>) or open one you have (<b>File › Open
+model…</b>, the <b>Model</b> tab's library, or drop a .gguf file on the window).</p>
 <p>Try one of these:</p>
 {examples}
 <p style="color:{muted}">Replies show their speed; the <b>Metrics</b> tab shows whether speculative decoding with the

@@ -22,6 +22,13 @@ from engine.storage.modelfile import ModelFile, default_model_path, open_model
 GiB = 2**30
 
 
+def models_folder() -> Path:
+    """Where downloaded models go until the user chooses a library folder."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("Foretell", appauthor=False)) / "models"
+
+
 def check_model_file(path: str | Path | None) -> ModelFile:
     """Open and validate a model file (None: the embedded model); the error says in plain words what is wrong."""
     p = Path(path) if path is not None else default_model_path()

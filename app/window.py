@@ -25,7 +25,9 @@ from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
 from app import context, remote
 from app.context import DoesNotFit, TokenCounter
-from app.library import LibraryPanel, scan
+from app.get_models import GetModelsDialog
+from app.hub import Downloader, HubDownloader
+from app.library import LibraryPanel, models_folder, scan
 from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
 from app.session import ChatSession, ModelInfo, list_labels, stopped_early
@@ -221,6 +223,9 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         self.open_action = QAction("&Open model…", self, shortcut=QKeySequence("Ctrl+O"))
         file_menu.addAction(self.open_action)
+        self.get_models_action = QAction("&Get models…", self)
+        self.get_models_action.setToolTip("Download a Qwen3.5/3.6 GGUF model from Hugging Face")
+        file_menu.addAction(self.get_models_action)
         self.recent_menu = file_menu.addMenu("Open &recent")
         self._fill_recent()
         self.library_action = file_menu.addAction("Model &library")
@@ -349,6 +354,7 @@ class MainWindow(QMainWindow):
         self.conv_list.currentItemChanged.connect(self._on_select)
         self.settings_panel.changed.connect(self.on_settings)
         self.open_action.triggered.connect(self.open_dialog)
+        self.get_models_action.triggered.connect(lambda: self.get_models(HubDownloader()))
         self.library_action.triggered.connect(lambda: self.show_tab(TABS.index("Model")))
         self.quit_action.triggered.connect(self.close)
         self.reset_layout_action.triggered.connect(self._default_layout)
@@ -535,6 +541,16 @@ class MainWindow(QMainWindow):
         entries = scan(folder or None, self.settings.recent_models, self.settings.context,
                        self.settings.engine_config().device)
         self.library.show_entries(entries, folder)
+
+    def get_models(self, downloader: Downloader) -> GetModelsDialog:
+        """The Get models dialog over `downloader`; downloads go to the library's folder (the models folder in the
+        user data directory until one is chosen), and a downloaded model can be opened from it."""
+        folder = str(self.qs.value("library/folder", "") or "") or str(models_folder())
+        self.get_models_dialog = GetModelsDialog(downloader, Path(folder), self)
+        self.get_models_dialog.work.finished.connect(lambda path, _e: path and self._set_library_folder(folder))
+        self.get_models_dialog.opened.connect(self.load_model)
+        self.get_models_dialog.open()
+        return self.get_models_dialog
 
     def _set_library_folder(self, folder: str) -> None:
         self.qs.setValue("library/folder", folder)
