@@ -119,7 +119,7 @@ def test_grouped_experts_equal_per_token_and_read_each_expert_once(backend: ops.
     p = "blk.1."
     events: list[ops.OpEvent] = []
     b = backend.with_observer(events.append)
-    ex = ops.Experts(*(mf.tensor(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")), b)
+    ex = ops.bind_experts(*(mf.tensor(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")), b)
     assert ex.kind == ("native" if backend.native else "dequant")
     router = mf.tensor(p + "ffn_gate_inp.weight").dequantize()
     x = torch.randn(9, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(0))
@@ -161,8 +161,8 @@ def test_native_experts_pass_equals_the_torch_twin(backend: ops.Backend) -> None
     router = mf.tensor(p + "ffn_gate_inp.weight").dequantize()
     x = torch.randn(6, KQUANT_MOE.n_embd, generator=torch.Generator().manual_seed(1))
     w, idx = route(x @ router.T, KQUANT_MOE.n_expert_used)
-    native = ops.moe_experts(x, idx, w, ops.Experts(*ws, backend))
-    twin = ops.moe_experts(x, idx, w, ops.Experts(*ws, ops.TORCH))
+    native = ops.moe_experts(x, idx, w, ops.bind_experts(*ws, backend))
+    twin = ops.moe_experts(x, idx, w, ops.bind_experts(*ws, ops.TORCH))
     torch.testing.assert_close(native, twin, rtol=0, atol=1e-5 * twin.abs().max().item())
 
 

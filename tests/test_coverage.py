@@ -95,7 +95,7 @@ def test_generate_and_serve_print_one_notice_line(capsys: pytest.CaptureFixture[
     assert [ln for ln in err if ln.startswith("note:")] == ([f"note: {notice}"] if must else [])
     import engine.server.run
 
-    monkeypatch.setattr(engine.server.run, "serve", lambda args, eng: 0)  # the load and its notices, no server
+    monkeypatch.setattr(engine.server.run, "serve", lambda args, eng, gen: 0)  # the load and its notices, no server
     assert cli.main(["serve", str(path), "--ctx", "64"]) == 0
     assert (f"note: {notice}" in capsys.readouterr().err.splitlines()) == bool(must)
 

@@ -177,13 +177,13 @@ def test_routed_experts_equal_the_torch_backend(qts: tuple[T, T, T], backend: op
     products' scaling apart (an expert in the wrong slot is off by order 1)."""
     e_n, d, f = 8, 256, 512
     ws = [_weight(qts[0], (e_n, f, d), 8), _weight(qts[1], (e_n, f, d), 9), _weight(qts[2], (e_n, d, f), 10)]
-    ex = ops.Experts(*ws, backend)
+    ex = ops.bind_experts(*ws, backend)
     assert ex.kind == "native"
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(11))
     router = torch.randn(e_n, d, generator=torch.Generator().manual_seed(12))
     w, idx = route(x @ router.T, 2)
     got = ops.moe_experts(x, idx, w, ex)
-    twin = ops.moe_experts(x, idx, w, ops.Experts(*ws, ops.TORCH))
+    twin = ops.moe_experts(x, idx, w, ops.bind_experts(*ws, ops.TORCH))
     torch.testing.assert_close(got, twin, rtol=0, atol=1e-5 * twin.abs().max().item())
     single = torch.cat([ops.moe_experts(x[i:i + 1], idx[i:i + 1], w[i:i + 1], ex) for i in range(6)])
     assert torch.equal(single, got)

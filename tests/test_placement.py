@@ -15,7 +15,7 @@ from engine.events import EngineConfig, GenerationConfig, Stats
 from engine.generate import load
 from engine.storage.modelfile import open_model
 from engine.models.build import load_model
-from engine.models.qwen35 import Qwen35Model
+from engine.models.runner import Runner
 from engine.placement import MiB, ModelSizes, PlacementConfig, Plan, plan_placement
 from tests.fixtures import KQUANT_MOE, TINY_DENSE, TINY_MOE, UD_Q4_K_M_MOE, FixtureSpec, fixture_path
 
@@ -159,7 +159,7 @@ PLACEMENTS = {
 }
 
 
-def _logits(m: Qwen35Model, toks: list[int]) -> torch.Tensor:
+def _logits(m: Runner, toks: list[int]) -> torch.Tensor:
     cache = m.new_cache(256)
     out = [m.forward(toks[:20], cache, logit_rows="all").logits]  # a prefill
     out += [m.forward(toks[i:i + 3], cache, logit_rows="all").logits for i in range(20, 32, 3)]  # verifies
@@ -177,11 +177,11 @@ def test_outputs_identical_between_placements(spec: FixtureSpec, name: str) -> N
     m = load_model(mf, n_ctx=256, plan=_plan(spec, **PLACEMENTS[name]))
     assert torch.equal(_logits(m, toks), base)
     if spec.arch == "qwen35moe" and "cache-3" in name:
-        st = [c.stats for c in m.expert_caches.values()]
+        st = [c.stats for c in m.model.expert_caches.values()]
         assert len(st) == 4 and all(s.misses > 0 and s.hits > 0 and s.evictions > 0 for s in st)
-        one = m.expert_caches[0].expert_bytes
+        one = m.model.expert_caches[0].expert_bytes
         assert all(s.bytes_moved % one == 0 and s.bytes_moved // one >= 3 for s in st)
-        assert all(len(c.lru) == 3 for c in m.expert_caches.values())
+        assert all(len(c.lru) == 3 for c in m.model.expert_caches.values())
 
 
 def test_cache_counts_every_routed_expert_once_per_pass() -> None:
@@ -189,7 +189,7 @@ def test_cache_counts_every_routed_expert_once_per_pass() -> None:
     m = load_model(mf, n_ctx=256, plan=_plan(TINY_MOE, gpu_layers=4, cpu_moe=True, expert_cache="8"))
     cache = m.new_cache(256)
     m.forward([1, 2, 3, 4, 5], cache)
-    c = m.expert_caches[0]
+    c = m.model.expert_caches[0]
     assert c.stats.hits == 0 and c.stats.misses == len(c.lru) > 0  # cold: every distinct expert missed once
     n0 = c.stats.misses
     m.forward([1, 2, 3, 4, 5], cache)  # the same tokens at later positions: mostly the same experts

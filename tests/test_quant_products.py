@@ -161,10 +161,10 @@ def test_mixed_type_experts_equal_the_torch_twin_and_one_token_passes(mix: tuple
                       for i, (t, shape) in enumerate(zip(mix, [(e_n, f, d), (e_n, f, d), (e_n, d, f)])))
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(8))
     w, idx = route(x @ torch.randn(e_n, d, generator=torch.Generator().manual_seed(9)).t(), k_used)
-    ex = ops.Experts(gate, up, down, backend)
+    ex = ops.bind_experts(gate, up, down, backend)
     assert ex.kind == "native"
     y = ops.moe_experts(x, idx, w, ex)
-    twin = ops.moe_experts(x, idx, w, ops.Experts(gate, up, down, ops.TORCH))
+    twin = ops.moe_experts(x, idx, w, ops.bind_experts(gate, up, down, ops.TORCH))
     tol = 1e-4 if any(act_format(t.name) == "Q8_1" for t in mix) else 1e-5
     torch.testing.assert_close(y, twin, rtol=0, atol=tol * twin.abs().max().item())
     for i in (0, 4):
@@ -194,6 +194,6 @@ def test_ud_q4_k_m_model_generates_the_torch_backends_tokens(backend: ops.Backen
     mf = open_model(fixture_path(spec))
     assert {mf.tensors[f"blk.{i}.ffn_down_exps.weight"].qtype for i in range(spec.n_layer)} == {T.Q5_K}
     m = load_model(mf, n_ctx=64, backend=backend)
-    assert all(layer.ffn.w.experts.kind == "native" for layer in m.layers)
+    assert all(layer.ffn.w.experts.kind == "native" for layer in m.model.layers)
     prompt = np.random.default_rng(5).integers(0, spec.n_vocab - 3, 12).tolist()
     assert _greedy(spec, backend, prompt, 24) == _greedy(spec, ops.TORCH, prompt, 24)

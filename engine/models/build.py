@@ -71,7 +71,7 @@ class _Builder:
             sgi = ops.bind(QTensor(w.raw, w.qtype, (1, w.n_cols)) if isinstance(w, QTensor) else w.reshape(1, -1),
                            self.backend)
             sw = tuple(self.weight(p + f"ffn_{n}_shexp.weight", dev) for n in ("gate", "up", "down"))
-        experts = ops.Experts(gate, up, down, self.backend, dev, cache, sw)  # type: ignore[arg-type]
+        experts = ops.bind_experts(gate, up, down, self.backend, dev, cache, sw)  # type: ignore[arg-type]
         s_gate, s_up, s_down = (ops.bind(t, self.backend) for t in sw) if sw else (None, None, None)
         return MoE(hp, MoEWeights(lin(p + "ffn_gate_inp.weight", dev), experts, sgi, s_gate, s_up, s_down), il,
                    self.routing)

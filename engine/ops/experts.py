@@ -53,7 +53,7 @@ def moe_route(x: torch.Tensor, router: Linear, shared_inp: Linear | None, k: int
     backend's CPU; else the router's product, `route` and a sigmoid in torch."""
     rw = float32_weight(router)
     si = float32_weight(shared_inp) if shared_inp is not None else None
-    if router.backend.native and rw is not None and rw.shape[0] <= 1024 and (shared_inp is None or si is not None) \
+    if router.backend.native and rw is not None and rw.shape[0] <= native.MAX_EXPERTS and (shared_inp is None or si is not None) \
             and x.is_cpu and x.dtype is torch.float32 and not x.requires_grad:
         return native.moe_route(rw, si.reshape(-1) if si is not None else None, x.contiguous(), k,
                                 router.backend.n_threads(x.shape[0] * router.n_rows * router.n_cols))

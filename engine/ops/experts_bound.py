@@ -31,17 +31,7 @@ from engine.storage.qtensor import QTensor
 Shared = tuple[Linear, Linear, Linear, Linear]  # the shared expert: gate input (1, d), gate, up, down
 
 
-class _BindsOnCall(type):
-    """`Experts(gate, up, down, backend, ...)` binds as `bind_experts` does: the call engine.models.build still makes
-    (until it calls bind_experts)."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is Experts:
-            return bind_experts(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-class Experts(metaclass=_BindsOnCall):
+class Experts:
     """One MoE layer's routed experts (stacks gate, up [E, F, d] and down [E, d, F]) bound to the products that run
     them. `kind` names the products that run them from their stacks; `shared_slices` > 0 where the shared expert runs
     inside the routed experts' products as that many extra experts (`runs_shared`)."""
@@ -184,7 +174,7 @@ class NativeExperts(Experts):
 
     def _one_call(self, router: Linear, shared: Shared | None) -> OneCall | None:
         rw = float32_weight(router)
-        if rw is None or rw.shape[0] != self.n_expert or rw.shape[0] > 1024:
+        if rw is None or rw.shape[0] != self.n_expert or rw.shape[0] > native.MAX_EXPERTS:
             return None
         n_e = self.n_expert
         stacks = tuple(native.expert_stack(code, raw, n_e, lin.n_rows // n_e, lin.n_cols, 1)
