@@ -4,6 +4,7 @@ tests hold before and after new native kernels land (and then list less)."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,7 @@ def test_inspect_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(t in line for t in must) and ("no native product" in line) == bool(must)
 
 
-def test_generate_and_serve_print_one_notice_line(capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_and_serve_print_one_notice_line(capsys: pytest.CaptureFixture[str]) -> None:
     path = FILES["IQ4_XS"]()
     notice = load(path, EngineConfig(n_ctx=64)).coverage.notice()
     must, _ = _expected(path)
@@ -93,11 +93,12 @@ def test_generate_and_serve_print_one_notice_line(capsys: pytest.CaptureFixture[
                      "--ctx", "64", "--json"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert [ln for ln in err if ln.startswith("note:")] == ([f"note: {notice}"] if must else [])
-    import engine.server.run
-
-    monkeypatch.setattr(engine.server.run, "serve", lambda args, eng, gen: 0)  # the load and its notices, no server
-    assert cli.main(["serve", str(path), "--ctx", "64"]) == 0
-    assert (f"note: {notice}" in capsys.readouterr().err.splitlines()) == bool(must)
+    with socket.socket() as held:  # the load and its notices, then no server: its port is taken
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        assert cli.main(["serve", str(path), "--ctx", "64", "--port", str(held.getsockname()[1])]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert (f"note: {notice}" in err) == bool(must) and "Address already in use" in err[-1]
 
 
 def test_the_app_shows_it_in_the_model_panel(qtbot, tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine.storage.modelfile import open_model
+from engine import ops
 from engine.models.build import load_model
+from engine.models.qwen35 import MoE
 from tests.fixtures import KQUANT_DENSE, KQUANT_MOE, TINY_DENSE, TINY_MOE, FixtureSpec, fixture_path
 from tests.oracle_llama import llama_greedy, llama_logits
 
@@ -71,21 +73,24 @@ def test_logits_match_llama_cpp(spec: FixtureSpec, kl_max: float) -> None:
         assert np.abs(ref - ours).max() / ref.std() < 1e-4
 
 
-def test_kl_flags_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Negative control (spec §8): skipping the top-k renormalisation is a real bug; KL must see it. (The bug is
-    # planted in the model's math, not a kernel choice.)
-    from engine import ops
+class _NoRenorm(MoE):
+    """A planted bug: the routed experts weighted by their softmax probabilities without the top-k renormalisation."""
 
+    def experts(self, x, idx, weights, shared_gate):  # type: ignore[no-untyped-def]
+        raw = torch.gather(torch.softmax(ops.linear(x, self.w.router).float(), -1), 1, idx)
+        return super().experts(x, idx, raw, shared_gate)
+
+
+def test_kl_flags_a_planted_bug() -> None:
+    # Negative control (spec §8): skipping the top-k renormalisation is a real bug; KL must see it. (The bug is
+    # planted in the model's math, not a kernel choice: the F32 fixture's layers run op by op, MoE.math.)
     toks = np.random.default_rng(7).integers(0, TINY_MOE.n_vocab - 3, 256).tolist()
     ref = llama_logits(fixture_path(TINY_MOE), toks)
-    real = ops.moe_route
-
-    def no_renorm(x, router, shared_inp, k):  # type: ignore[no-untyped-def]
-        logits, _, idx, sgate = real(x, router, shared_inp, k)
-        return logits, torch.gather(torch.softmax(logits.float(), -1), 1, idx), idx, sgate
-
-    monkeypatch.setattr(ops, "moe_route", no_renorm)  # the op-by-op layer the F32 fixture runs (MoE.math)
-    assert kl_ref_ours(ref, our_logits(TINY_MOE, toks)) > 0.02
+    m = load_model(open_model(fixture_path(TINY_MOE)), n_ctx=1024)
+    for layer in m.model.layers:
+        layer.ffn.__class__ = _NoRenorm
+    ours = m.forward(toks, m.new_cache(1024), logit_rows="all", chunked=True).logits.numpy()
+    assert kl_ref_ours(ref, ours) > 0.02
 
 
 def _our_greedy(spec: FixtureSpec, prompt: list[int], n: int) -> list[int]:
