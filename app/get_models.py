@@ -17,7 +17,7 @@ from app.hub import KNOWN_REPOS, DownloadCancelled, Downloader, RemoteFile, fits
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.{0 if n >= 10 * 2**20 else 1}f} MiB"
 
 
 class _Work(QObject):

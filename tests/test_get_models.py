@@ -9,45 +9,14 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QSettings
 
-from app.hub import KNOWN_REPOS, DownloadCancelled, Progress, RemoteFile
+from app.hub import KNOWN_REPOS, DownloadCancelled, RemoteFile
 from app.store import Store
 from app.window import MainWindow
 from tests.fixtures import TINY_MOE, fixture_path
-
-CHUNK = 64 * 1024
-
-
-class FakeHub:
-    """Serves the tiny fixture as every repository's MTP file, in chunks (as the Hub, a cancelled download leaves
-    nothing behind)."""
-
-    def __init__(self) -> None:
-        self.data = fixture_path(TINY_MOE).read_bytes()
-        self.listed: list[str] = []
-        self.slow = threading.Event()  # set: every chunk waits a little, so the test can cancel mid-way
-
-    def files(self, repo: str) -> list[RemoteFile]:
-        self.listed.append(repo)
-        return [RemoteFile("Tiny-MTP-Q8_0.gguf", len(self.data)), RemoteFile("Tiny-Q4_K_M.gguf", 5 * 2**40)]
-
-    def download(self, repo: str, name: str, folder: Path, progress: Progress, cancel: threading.Event) -> Path:
-        part = folder / f"{name}.part"
-        done = 0
-        with open(part, "wb") as f:
-            while done < len(self.data):
-                if cancel.is_set():
-                    f.close()
-                    part.unlink()
-                    raise DownloadCancelled("cancelled")
-                f.write(self.data[done:done + CHUNK])
-                done = min(done + CHUNK, len(self.data))
-                progress(done, len(self.data))
-                if self.slow.is_set():
-                    cancel.wait(0.05)
-        return part.replace(folder / name)
+from tests.hub_stub import FakeHub
 
 
-def test_get_a_model_with_progress_cancel_resume_and_open(qtbot, tmp_path: Path) -> None:
+def test_get_a_model_with_progress_cancel_and_open(qtbot, tmp_path: Path) -> None:
     qs = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
     win = MainWindow(Store(tmp_path / "c.db"), qs, str(fixture_path(TINY_MOE)))
     qtbot.addWidget(win)

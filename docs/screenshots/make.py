@@ -1,7 +1,8 @@
 """Screenshots of the real app on a real X server (Xvfb) with a window manager (openbox), at 1366×768 and
 1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
 regenerated reply (two versions) with the model library, a non-model file refused, a long prompt processed, a
-message too long for the context refused, the context nearly full, and the oldest messages left out.
+message too long for the context refused, the context nearly full, the oldest messages left out, and File › Get
+models mid-download (from a stand-in for the Hub).
 
     python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
 
@@ -173,6 +174,22 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     win.chat.find("no longer sent")
     settle()
     shot("left-out")
+    # File › Get models, mid-download (a stand-in for the Hub: no network).
+    from tests.hub_stub import FakeHub
+
+    hub = FakeHub()
+    hub.slow.set()
+    win.qs.setValue("library/folder", str(data / "models"))  # downloads go to the run's own folder
+    dlg = win.get_models(hub)
+    dlg.repos.setCurrentRow(0)
+    wait(lambda: dlg.file_list.count() > 0)
+    dlg.file_list.setCurrentRow(0)
+    dlg.download_btn.click()
+    wait(lambda: dlg.progress_bar.value() > 300)
+    shot("get-models")
+    dlg.cancel_btn.click()
+    wait(lambda: not dlg.busy)
+    dlg.close()
     win.close()
     shutil.rmtree(data, ignore_errors=True)
 
