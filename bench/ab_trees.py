@@ -67,7 +67,7 @@ def main() -> None:
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     result: dict = {"command": " ".join(sys.argv), "git": git_info(), "trees": {k: str(v) for k, v in trees.items()},
                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "models": {}}
-    for model in args.model:
+    for model in (m if m == "embedded" else str(Path(m).resolve()) for m in args.model):
         rounds = []
         for i in range(args.rounds):
             order = ("a", "b") if i % 2 == 0 else ("b", "a")
