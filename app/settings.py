@@ -42,8 +42,10 @@ class AppSettings:
     expert_cache: str = "auto"  # auto | N experts per layer | N MiB
     recent_models: list[str] = field(default_factory=list)
 
-    def engine_config(self) -> EngineConfig:
-        cuda = self.device == "cuda" and cuda_status()[0]
+    def engine_config(self, cuda_state: tuple[bool, str] | None = None) -> EngineConfig:
+        """The engine config these settings ask for; on the CPU where CUDA is not usable (`cuda_state`: what
+        engine.metrics.cuda_status says, asked now when not given)."""
+        cuda = self.device == "cuda" and (cuda_state or cuda_status())[0]
         if not cuda:
             return EngineConfig(n_ctx=self.context)
         return EngineConfig(n_ctx=self.context, device="cuda", gpu_layers=None if self.gpu_layers < 0 else self.gpu_layers,
@@ -101,7 +103,9 @@ class SettingsPanel(QWidget):
 
     changed = Signal(object)
 
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None):
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None,
+                 cuda_state: tuple[bool, str] | None = None):
+        """`cuda_state`: whether CUDA is usable and why not (engine.metrics.cuda_status, asked when not given)."""
         super().__init__(parent)
         self.settings = settings
         self.form = form = QFormLayout(self)
@@ -136,7 +140,7 @@ class SettingsPanel(QWidget):
         self.expert_cache = QComboBox()
         self.expert_cache.setEditable(True)
         self.expert_cache.addItems(["auto", "0", "16", "32", "64", "128", "1024MiB", "4096MiB"])
-        ok, why = cuda_status()
+        ok, why = cuda_state or cuda_status()
         self.gpu_reason = QLabel(why if ok else f"GPU controls disabled: {why}")
         self.gpu_reason.setWordWrap(True)
         self.gpu_reason.setAccessibleName("GPU status")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
@@ -53,8 +53,10 @@ class EngineWorker(QObject):
     finished = Signal(str, str)  # stop reason, message
     failed = Signal(str)
 
-    def __init__(self) -> None:
+    def __init__(self, loader: Callable[..., Engine] = load) -> None:
+        """`loader`: how a model file becomes an Engine (engine.generate.load's arguments)."""
         super().__init__()
+        self.loader = loader
         self.engine: EngineLike | None = None  # a local Engine or a RemoteEngine
         self.stop_flag = threading.Event()
         self.load_cancel = threading.Event()  # set by the GUI thread; cleared when a load is requested
@@ -78,7 +80,7 @@ class EngineWorker(QObject):
         previous = (str(self.engine.mf.path), self.engine.config) if isinstance(self.engine, Engine) else None
         self.engine = None  # the old weights go before the new ones are prepared: never two models in memory
         try:
-            eng = load(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m), cancel=self.load_cancel)
+            eng = self.loader(mf, config, progress=lambda f, m: self.loadProgress.emit(f, m), cancel=self.load_cancel)
         except LoadCancelled as e:
             if previous is not None:
                 self._reopen(*previous)
@@ -113,7 +115,7 @@ class EngineWorker(QObject):
 
     def _reopen(self, path: str, config: EngineConfig) -> None:
         try:
-            eng = load(path, config)
+            eng = self.loader(path, config)
         except EngineError:
             return  # the window then says no model is loaded
         self.engine = eng
@@ -151,11 +153,11 @@ class EngineController(QObject):
     requestGenerate = Signal(object, object)
     requestRemote = Signal(object)
 
-    def __init__(self, parent: QObject | None = None) -> None:
+    def __init__(self, parent: QObject | None = None, loader: Callable[..., Engine] = load) -> None:
         super().__init__(parent)
         self.thread = QThread()
         self.thread.setObjectName("foretell-engine")
-        self.worker = EngineWorker()
+        self.worker = EngineWorker(loader)
         self.worker.moveToThread(self.thread)
         self.requestLoad.connect(self.worker.load)
         self.requestGenerate.connect(self.worker.generate)

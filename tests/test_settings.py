@@ -48,26 +48,22 @@ def test_panel_emits_changes(qtbot) -> None:
     assert panel.draft.accessibleName() == "Draft depth"
 
 
-def test_gpu_settings_persist_and_are_disabled_with_the_reason_without_cuda(tmp_path, qtbot, monkeypatch) -> None:
-    import app.settings as st
-
+def test_gpu_settings_persist_and_are_disabled_with_the_reason_without_cuda(tmp_path, qtbot) -> None:
+    usable, missing = (True, ""), (False, "no usable NVIDIA GPU or driver was found")
     s = AppSettings(device="cuda", gpu_layers=24, cpu_moe=True, expert_cache="64")
     save_settings(_qs(tmp_path), s)
     back = load_settings(_qs(tmp_path))
     assert (back.device, back.gpu_layers, back.cpu_moe, back.expert_cache) == ("cuda", 24, True, "64")
     # With CUDA the hybrid settings reach the engine config; without, the load stays on the CPU.
-    monkeypatch.setattr(st, "cuda_status", lambda: (True, ""))
-    cfg = back.engine_config()
+    cfg = back.engine_config(usable)
     assert (cfg.device, cfg.gpu_layers, cfg.cpu_moe, cfg.expert_cache) == ("cuda", 24, True, "64")
-    assert AppSettings(device="cuda").engine_config().gpu_layers is None  # −1 = auto
-    monkeypatch.setattr(st, "cuda_status", lambda: (False, "no usable NVIDIA GPU or driver was found"))
-    assert back.engine_config().device == "cpu"
-    panel = SettingsPanel(back)
+    assert AppSettings(device="cuda").engine_config(usable).gpu_layers is None  # −1 = auto
+    assert back.engine_config(missing).device == "cpu"
+    panel = SettingsPanel(back, cuda_state=missing)
     qtbot.addWidget(panel)
     assert not panel.gpu_layers.isEnabled() and not panel.device.isEnabled() and not panel.expert_cache.isEnabled()
     assert "no usable NVIDIA GPU" in panel.gpu_reason.text()
-    monkeypatch.setattr(st, "cuda_status", lambda: (True, ""))
-    panel = SettingsPanel(AppSettings())
+    panel = SettingsPanel(AppSettings(), cuda_state=usable)
     qtbot.addWidget(panel)
     seen = []
     panel.changed.connect(seen.append)
@@ -78,7 +74,6 @@ def test_gpu_settings_persist_and_are_disabled_with_the_reason_without_cuda(tmp_
     assert (seen[-1].gpu_layers, seen[-1].cpu_moe, seen[-1].expert_cache) == (12, True, "512MiB")
     assert panel.gpu_layers_label.text() == "12"
     # CUDA without the Triton kernels: the controls work, and the panel says what will run slower
-    monkeypatch.setattr(st, "cuda_status", lambda: (True, "Triton kernels unavailable (install triton==3.7.1)"))
-    panel = SettingsPanel(AppSettings())
+    panel = SettingsPanel(AppSettings(), cuda_state=(True, "Triton kernels unavailable (install triton==3.7.1)"))
     qtbot.addWidget(panel)
     assert panel.gpu_layers.isEnabled() and "Triton kernels unavailable" in panel.gpu_reason.text()

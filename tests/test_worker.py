@@ -1,6 +1,7 @@
 """EngineWorker on its QThread: load, stream, stop, errors — and the GUI thread never blocks."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -121,10 +122,28 @@ def test_bad_model_reports_an_error_and_worker_stays_usable(qtbot, ctl, tmp_path
     assert got["loaded"]["architecture"] == "qwen35moe"
 
 
-def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, ctl, monkeypatch, tmp_path: Path) -> None:
-    import app.worker
-    from engine.errors import OutOfMemoryError
+OUT_OF_MEMORY = threading.Event()  # set: the next model file prepared fails as out of memory (`oom_ctl`)
 
+
+@pytest.fixture
+def oom_ctl(qtbot):
+    """A controller whose loader fails while preparing a checked file once OUT_OF_MEMORY is set."""
+    from engine.errors import OutOfMemoryError
+    from engine.generate import load
+
+    def loader(path, config, progress=None, cancel=None):  # type: ignore[no-untyped-def]
+        if OUT_OF_MEMORY.is_set() and not isinstance(path, str):  # the new, already checked ModelFile
+            raise OutOfMemoryError("not enough memory for the test model")
+        return load(path, config, progress, cancel)
+
+    OUT_OF_MEMORY.clear()
+    c = EngineController(loader=loader)
+    yield c
+    c.shutdown()
+
+
+def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, oom_ctl, tmp_path: Path) -> None:
+    ctl = oom_ctl
     got = _record(ctl)
     ctl.load(str(fixture_path(TINY_MOE)), EngineConfig(n_ctx=256))
     qtbot.waitUntil(lambda: got["loaded"] is not None, timeout=30_000)
@@ -135,14 +154,7 @@ def test_a_failed_load_keeps_or_reopens_the_previous_model(qtbot, ctl, monkeypat
     qtbot.waitUntil(lambda: len(got["errors"]) == 1, timeout=30_000)
     assert got["errors"][0] == "notes.txt is not a GGUF model file" and ctl.worker.engine is first
     # A valid file that fails while being prepared (out of memory): the previous model is opened again.
-    real = app.worker.load
-
-    def failing(path, config, progress=None, cancel=None):  # type: ignore[no-untyped-def]
-        if not isinstance(path, str):  # the new, already checked ModelFile
-            raise OutOfMemoryError("not enough memory for the test model")
-        return real(path, config, progress, cancel)
-
-    monkeypatch.setattr(app.worker, "load", failing)
+    OUT_OF_MEMORY.set()
     got["loaded"] = None
     ctl.load(str(fixture_path(KQUANT_MOE)), EngineConfig(n_ctx=256))
     qtbot.waitUntil(lambda: len(got["errors"]) == 2, timeout=30_000)
