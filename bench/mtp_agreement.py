@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -110,34 +111,30 @@ def llama_agreement(path: Path, prompts: list[list[int]], n: int, threads: int, 
     return out
 
 
-def calibrate(name: str, levels: list[float], prompts: int, tokens: int, threads: int, directory: Path) -> dict:
-    rows = []
+def calibration_rows(name: str, levels: list[float], prompts: int, tokens: int, threads: int,
+                     directory: Path) -> Iterator[dict]:
     for i, noise in enumerate(levels):
         path = agreement_file(name, CALIBRATION_LAYERS, Agreement(noise), directory, fresh=i == 0)
         t0 = time.perf_counter()
         fig, _ = greedy_runs(path, random_prompts(prompts), tokens, threads, with_plain=False)
-        rows.append({"noise": noise, **fig})
         print(f"[{name}] noise {noise:<7g} agreement {fig['agreement']:.3f} ({fig['accepted']}/{fig['drafted']}), "
               f"distinct tokens {fig['distinct_tokens']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return {"trunk_layers": CALIBRATION_LAYERS, "prompts": prompts, "tokens_per_run": tokens, "threads": threads,
-            "levels": rows}
+        yield {"noise": noise, **fig}
 
 
-def check(name: str, ps: list[float], layers: int, prompts: int, tokens: int, threads: int, directory: Path) -> dict:
-    rows = []
+def check_rows(name: str, ps: list[float], layers: int, prompts: int, tokens: int, threads: int,
+               directory: Path) -> Iterator[dict]:
     for i, p in enumerate(ps):
         a = noise_for(name, p)
         path = agreement_file(name, layers, a, directory, fresh=i == 0)
         ours, runs = greedy_runs(path, random_prompts(prompts), tokens, threads, with_plain=True)
         ref = llama_agreement(path, random_prompts(prompts), tokens, threads, runs)
-        rows.append({"p": p, "noise": a.noise, "ours": ours, "llama_cpp": ref})
         print(f"[{name}] P {p:<4g} noise {a.noise}: ours {ours['agreement']:.3f} ({ours['accepted']}/"
               f"{ours['drafted']}), llama.cpp {ref['agreement']:.3f} ({ref['accepted']}/{ref['drafted']}); distinct "
               f"tokens {ours['distinct_tokens']}, greedy identical with MTP: {ours['greedy_identical_with_mtp']}"
               + (f", oracle equal to ours {ref['oracle_share_equal_to_ours']:.3f}"
                  if "oracle_share_equal_to_ours" in ref else ""), flush=True)
-    return {"trunk_layers": layers or SHAPES[name].n_layer, "prompts": prompts, "tokens_per_run": tokens,
-            "threads": threads, "rows": rows}
+        yield {"p": p, "noise": a.noise, "ours": ours, "llama_cpp": ref}
 
 
 def main() -> None:
@@ -153,20 +150,26 @@ def main() -> None:
     ap.add_argument("--dir", default=str(ROOT / "build/bench"), help="where the files are written")
     ap.add_argument("--out", default=str(CALIBRATION))
     args = ap.parse_args()
-    out = Path(args.out)
+    out, calibrating = Path(args.out), args.command == "calibrate"
+    prompts, tokens = args.prompts or (8 if calibrating else 4), args.tokens or (128 if calibrating else 64)
     stamp = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
-             "command": " ".join(["python", "bench/mtp_agreement.py", *sys.argv[1:]])}
+             "command": " ".join(["python", "bench/mtp_agreement.py", *sys.argv[1:]]),
+             "prompts": prompts, "tokens_per_run": tokens, "threads": args.threads}
     for name in args.shapes.split(","):
-        if args.command == "calibrate":
-            levels = [float(x) for x in args.levels.split(",")]
-            entry = calibrate(name, levels, args.prompts or 8, args.tokens or 128, args.threads, Path(args.dir))
+        if calibrating:
+            rows = calibration_rows(name, [float(x) for x in args.levels.split(",")], prompts, tokens, args.threads,
+                                    Path(args.dir))
+            entry: dict = {**stamp, "trunk_layers": CALIBRATION_LAYERS, "levels": []}
         else:
-            ps = [float(x) for x in args.p.split(",")]
-            entry = check(name, ps, args.layers, args.prompts or 4, args.tokens or 64, args.threads, Path(args.dir))
-        # read again before each write: only this shape's entry changes, whatever another run wrote meanwhile
-        result = json.loads(out.read_text()) if out.exists() else {"calibration": {}, "check": {}}
-        result["calibration" if args.command == "calibrate" else "check"][name] = {**stamp, **entry}
-        write_result(result, out)
+            rows = check_rows(name, [float(x) for x in args.p.split(",")], args.layers, prompts, tokens,
+                              args.threads, Path(args.dir))
+            entry = {**stamp, "trunk_layers": args.layers or SHAPES[name].n_layer, "rows": []}
+        for row in rows:
+            entry["levels" if calibrating else "rows"].append(row)
+            # after each row, the file read again: only this shape's entry changes, whatever another run wrote
+            result = json.loads(out.read_text()) if out.exists() else {"calibration": {}, "check": {}}
+            result["calibration" if calibrating else "check"][name] = entry
+            write_result(result, out)
 
 
 if __name__ == "__main__":
