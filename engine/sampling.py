@@ -99,7 +99,7 @@ class Sampler:
             top = float(a[i])
         else:
             i = int(torch.argmax(x))
-            top = float(x[i])
+            top = float(x[i].detach())
         if not math.isfinite(top):
             raise NonFiniteLogitsError(NON_FINITE)
         return i

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.errors import NonFiniteLogitsError
 from engine.sampling import Sampler, SamplingConfig, apply_repetition_penalty, probs
 
 
@@ -15,20 +16,25 @@ def test_greedy_and_temperature() -> None:
 
 def test_greedy_picks_torch_argmax_on_every_kind_of_row() -> None:
     """Greedy sampling of a CPU float32 row takes numpy's argmax (less dispatch on a cold decode step): the index
-    torch.argmax gives, the first maximum on a tie and the first NaN where there is one; other rows (a view of a
-    wider tensor, half precision, a row that needs grad) give the same."""
+    torch.argmax gives, the first maximum on a tie; other rows (a view of a wider tensor, half precision, a row that
+    needs grad) give the same. A row whose maximum is not finite (a NaN, which both argmaxes take as the maximum,
+    or nothing but -inf) names no token on either path: NonFiniteLogitsError (issue 48: a damaged file answered
+    token 0)."""
     g = torch.Generator().manual_seed(3)
     rows = [torch.randn(32768, generator=g) for _ in range(20)]
     tie = torch.zeros(10)
     tie[[3, 7]] = 5.0
-    nan = torch.arange(10, dtype=torch.float32)
-    nan[[4, 6]] = float("nan")
-    rows += [tie, nan, torch.full((5,), float("-inf")), torch.randn(4, 100, generator=g)[2],
-             torch.randn(100, generator=g).half(), torch.randn(100, generator=g, requires_grad=True)]
+    rows += [tie, torch.randn(4, 100, generator=g)[2], torch.randn(100, generator=g).half(),
+             torch.randn(100, generator=g, requires_grad=True)]
     greedy = Sampler(SamplingConfig())
     for r in rows:
         assert greedy.sample(r, []) == int(torch.argmax(r))
-    assert greedy.sample(tie, []) == 3 and greedy.sample(nan, []) == 4
+    assert greedy.sample(tie, []) == 3
+    nan = torch.arange(10, dtype=torch.float32)
+    nan[[4, 6]] = float("nan")
+    for bad in (nan, nan.half(), torch.full((5,), float("-inf")), nan.clone().requires_grad_()):
+        with pytest.raises(NonFiniteLogitsError):
+            greedy.sample(bad, [])
 
 
 def test_top_k_top_p_min_p() -> None:
