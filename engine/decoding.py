@@ -13,7 +13,7 @@ from typing import Callable, Generator, Iterator, Protocol, Sequence
 import torch
 
 from engine.cache import Cache
-from engine.events import Event, GenerationConfig, Token
+from engine.events import Event, GenerationConfig, Token, TokenLogprob
 from engine.models.runner import Runner
 from engine.sampling import Sampler
 from engine.tokenizer import Tokenizer
@@ -61,8 +61,10 @@ class Reply:
         self.t_first: float | None = None
         self.reason: str | None = None  # why it ended; None while it goes on
 
-    def emit(self, tokens: list[tuple[int, bool]]) -> Generator[Event, None, int]:
-        """Emit (token, from a draft) pairs in order until a stop condition; returns how many were kept."""
+    def emit(self, tokens: list[tuple[int, bool]], logits: torch.Tensor | None = None) -> Generator[Event, None, int]:
+        """Emit (token, from a draft) pairs in order until a stop condition; returns how many were kept. `logits`:
+        the row (or rows, one per token) each token was chosen from, read when the reply asks for logprobs."""
+        rows = logits.reshape(-1, logits.shape[-1]) if logits is not None and self.gen.logprobs is not None else None
         for i, (tok, from_draft) in enumerate(tokens):
             self.out_ids.append(tok)
             self.history.append(tok)
@@ -73,7 +75,7 @@ class Reply:
                 return i + 1
             text, hit = self.stopper.push(self.detok.push([tok]))
             if text or not hit:
-                yield Token([tok], text, from_draft)
+                yield Token([tok], text, from_draft, () if rows is None else (self._logprob(tok, rows[i]),))
             if hit:
                 self.reason = "stop_string"
                 return i + 1
@@ -81,6 +83,12 @@ class Reply:
                 self.reason = "max_tokens"
                 return i + 1
         return len(tokens)
+
+    def _logprob(self, tok: int, row: torch.Tensor) -> TokenLogprob:
+        lp = torch.log_softmax(row.float(), dim=-1)
+        top = torch.topk(lp, self.gen.logprobs) if self.gen.logprobs else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprob(tok, float(lp[tok]), pairs)
 
     def tail(self) -> Iterator[Event]:
         """Text held back at the end (a partial stop string, an unfinished character), unless a stop ended it."""
@@ -115,6 +123,6 @@ class PlainDecoder:
         return self.sampler.sample(logits, reply.history), logits
 
     def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
-        nxt, _ = self.next_token(x, reply)
-        yield from reply.emit([(nxt, False)])
+        nxt, logits = self.next_token(x, reply)
+        yield from reply.emit([(nxt, False)], logits)
         return nxt

@@ -72,6 +72,17 @@ class GenerationConfig:
     mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
     draft: int | None = None  # draft depth 1..MAX_DRAFT, None = auto (engine.validate.parse_draft reads a setting)
     p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
+    # each emitted token's log-probability and this many most likely alternatives (None: none, and no cost)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token under the model's own distribution (log-softmax of its logits, before sampling settings)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their log-probabilities, most likely first
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class Token:
     ids: list[int]
     text: str
     accepted_draft: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per id when GenerationConfig.logprobs is set
 
 
 @dataclass(frozen=True)

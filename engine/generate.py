@@ -283,7 +283,7 @@ class Engine:
             )
 
         x = sampler.sample(logits, run.history)
-        yield from run.emit([(x, False)])
+        yield from run.emit([(x, False)], logits)
         plain = PlainDecoder(self.runner, self.cache, self._advance, sampler,
                              self.drafter.push if self.drafter is not None else None)
         decoder: Decoder = SpeculativeDecoder(plain, self.drafter, depth, spec) \

@@ -21,6 +21,7 @@ MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 64-bit seeds
 MAX_DRAFT = 8  # the deepest draft chain (GenerationConfig.draft): a verify pass is at most MAX_DRAFT + 1 rows
 MAX_TOKENS = 1 << 31  # a reply's length (max_tokens); a server caps it further by the room left in the context
 MAX_TOP_K = 1 << 31  # top_k past the vocabulary is the whole vocabulary
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (GenerationConfig.logprobs; OpenAI's top_logprobs limit)
 # temperature and repeat_penalty divide logits: below this the quotient may pass float32's range and read as a
 # damaged model (a smaller temperature is greedy in all but name: give 0)
 MIN_LOGIT_DIVISOR = 1e-6
@@ -91,6 +92,8 @@ def validate_generation(gen: Any) -> None:
         _fail(f"draft depth must be a number or None (auto), not {gen.draft!r}")
     parse_draft(gen.draft)
     _number("p_min", gen.p_min, 0.0, 1.0)
+    if gen.logprobs is not None:
+        integer("logprobs", gen.logprobs, 0, MAX_TOP_LOGPROBS)
 
 
 def validate_engine_config(cfg: Any) -> None:

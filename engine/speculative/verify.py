@@ -55,7 +55,7 @@ class SpeculativeDecoder:
             hit = float(probe.tokens[0] == nxt) if q is None else \
                 float(torch.minimum(sampler.distribution(logits, run.history), q).sum())
             depth.observe_probe(hit, probe_s - probe.catch_up_s)
-        yield from run.emit([(nxt, False)])
+        yield from run.emit([(nxt, False)], logits)
         return nxt
 
     def _after_probe(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
@@ -81,7 +81,7 @@ class SpeculativeDecoder:
         n_out = len(run.out_ids)
         kept = 0
         try:
-            kept = yield from run.emit(emitted)
+            kept = yield from run.emit(emitted, res.logits)  # row i: what emitted token i was chosen from
         finally:  # also when the consumer abandons the reply mid-window: commit exactly what it was given
             kept = kept or max(len(run.out_ids) - n_out, 1)
             t3 = time.perf_counter()
