@@ -4,7 +4,7 @@ Security: a user who types "<|im_end|>" must not be able to close their own turn
 every special-token text inside any text field of a message (content, reasoning_content, name, tool-call
 arguments: every string but the checked role) is swapped for a nonce placeholder made of
 private-use characters; after rendering, the template's own text is tokenized with special tokens
-recognised, and each placeholder is tokenized as plain text. Template string operations (strip,
+recognised, and each placeholder is tokenized as plain text (the tools' descriptions and schemas alike). Template string operations (strip,
 split on "</think>") still see ordinary content, so real templates keep working. The template itself comes
 from the model file: it runs in engine.template_sandbox, bounded in output size and time.
 """
@@ -85,13 +85,15 @@ class ChatFormat:
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))) if specials else None
 
     def render(self, messages: Sequence[Message | Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None) -> str:
-        """The prompt text exactly as the template produces it (special markers as text)."""
-        return self._render(_as_dicts(messages), add_generation_prompt, enable_thinking)
+               enable_thinking: bool | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text exactly as the template produces it (special markers as text). `tools`: function
+        definitions as Hugging Face templates take them ({"type": "function", "function": {name, description,
+        parameters}}), handed to the template as `tools`."""
+        return self._render(_as_dicts(messages), add_generation_prompt, enable_thinking, tools)
 
     def encode(self, messages: Sequence[Message | Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None) -> list[int]:
-        """Token ids for the conversation; message contents can never produce control tokens."""
+               enable_thinking: bool | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Token ids for the conversation; message contents and tools can never produce control tokens."""
         msgs = _as_dicts(messages)
         nonce = secrets.token_hex(4)
         protected: list[str] = []
@@ -113,7 +115,8 @@ class ChatFormat:
                 return v
 
             msgs = [{k: (v if k == "role" else shield(v)) for k, v in m.items()} for m in msgs]
-        text = self._render(msgs, add_generation_prompt, enable_thinking)
+            tools = shield(tools) if tools else tools
+        text = self._render(msgs, add_generation_prompt, enable_thinking, tools)
         ids: list[int] = []
         if self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
             ids.append(self.tokenizer.bos_id)
@@ -125,7 +128,8 @@ class ChatFormat:
         ids += self.tokenizer.encode(text[pos:], special=True, add_bos=False)
         return ids
 
-    def _render(self, msgs: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool | None) -> str:
+    def _render(self, msgs: list[dict[str, Any]], add_generation_prompt: bool, enable_thinking: bool | None,
+                tools: Sequence[Mapping[str, Any]] | None) -> str:
         tok = self.tokenizer
         ctx: dict[str, Any] = {
             "messages": msgs,
@@ -135,7 +139,10 @@ class ChatFormat:
         }
         if enable_thinking is not None:
             ctx["enable_thinking"] = enable_thinking
-        extra = sum(len(v) for m in msgs for v in m.values() if isinstance(v, str))
+        if tools:
+            ctx["tools"] = list(tools)
+        # what the conversation brings may be printed a few times over: the size limit grows with it
+        extra = sum(len(v) for m in msgs for v in m.values() if isinstance(v, str)) + len(json.dumps(tools or []))
         try:
             return render_limited(self._template, ctx, extra_chars=4 * extra)
         except ChatTemplateError:

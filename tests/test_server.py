@@ -208,7 +208,7 @@ def test_errors_as_openai_exceptions(server, keyed) -> None:
     (b'{"messages": [{"role": "user", "content": "Hi"}], "stream": "yes"}', "stream"),
     (b'{"messages": [{"role": "user", "content": "Hi"}], "stop": [1]}', "stop"),
     (b'{"messages": [{"role": "user", "content": "Hi"}], "seed": 1e30}', "seed"),
-    (b'{"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}', "tools"),
+    (b'{"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}', "tools[0]"),
     (b'{"messages": [{"role": "user", "content": "Hi"}], "stream_options": {"include_usage": 1}}', "stream_options"),
 ])
 def test_malformed_chat_requests_are_400(server, body: bytes, param: str | None) -> None:
@@ -352,6 +352,7 @@ def test_thinking_goes_to_reasoning_content(eng, server) -> None:
 @pytest.mark.parametrize("pieces, opened, want", [
     (["<think>\nI ponder.</think>\n\nAnswer."], False, ("I ponder.", "Answer.")),
     (list("<think>\nI ponder.</think>\n\nAnswer."), False, ("I ponder.", "Answer.")),
+    (list("<think>\nI ponder.\n</think>\n\nAnswer."), False, ("I ponder.", "Answer.")),  # newline before the tag
     (["I pon", "der.</th", "ink>", "\n\nAns", "wer."], True, ("I ponder.", "Answer.")),
     (["<b>bold</b> and </think>"], False, ("", "<b>bold</b> and </think>")),
     (["still thinking </thi"], True, ("still thinking </thi", "")),

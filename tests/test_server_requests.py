@@ -28,7 +28,7 @@ from engine.server.run import LocalServer
 MARK = "\x00candidate\x00"  # where a candidate's JSON text goes in a body
 SURROGATE = re.compile("[\ud800-\udfff]")
 BIG = 100_000  # characters: more than the 4096-token test context holds whatever the text
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_BASE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
 COMPLETION_BASE = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
 CORS = "http://editor.example"
@@ -145,7 +145,7 @@ def common_fields(b: dict[str, Any]) -> None:
             in_range(opt[name], lo, hi, lo_open=lo_open)
     if opt.get("temperature"):  # 0 is greedy; a positive one must not overflow the logits it divides
         in_range(opt["temperature"], validate.MIN_LOGIT_DIVISOR, 2)
-    for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("logit_bias", {})):
+    for name, off in (("n", 1), ("logit_bias", {})):
         if name in opt:  # fields the engine cannot honour: only their 'off' value
             check(type(opt[name]) is type(off) and opt[name] == off)
     if "model" in opt:
@@ -183,8 +183,15 @@ def valid_chat(b: Any) -> None:
     kw = b.get("chat_template_kwargs")
     check(kw is None or (isinstance(kw, dict) and (kw.get("enable_thinking") is None
                                                    or isinstance(kw.get("enable_thinking"), bool))))
-    for name in ("tools", "functions"):
-        check(b.get(name) is None or b[name] == [])
+    check(b.get("functions") is None or b["functions"] == [])
+    check(b.get("tools") is None or b["tools"] == [])  # the pool holds no valid tool: test_server_tools tries those
+    check(b.get("tool_choice") in (None, "none", "auto"))  # without tools nothing can be called
+    check(b.get("parallel_tool_calls") is None or isinstance(b["parallel_tool_calls"], bool))
+    if b.get("logprobs") is not None:
+        check(isinstance(b["logprobs"], bool))
+    if b.get("top_logprobs") is not None:
+        in_range(b["top_logprobs"], 0, validate.MAX_TOP_LOGPROBS, whole=True)
+        check(b["top_logprobs"] == 0 or b.get("logprobs") is True)
     rf = b.get("response_format")
     check(rf is None or (isinstance(rf, dict) and rf.get("type") == "text"))
 
@@ -202,6 +209,8 @@ def valid_completion(b: Any, n_vocab: int) -> None:
     for name, off in (("echo", False), ("suffix", ""), ("best_of", 1)):
         if b.get(name) is not None:
             check(type(b[name]) is type(off) and b[name] == off)
+    if b.get("logprobs") is not None:
+        in_range(b["logprobs"], 0, validate.MAX_TOP_LOGPROBS, whole=True)
 
 
 # -- the cases -------------------------------------------------------------------------------------------------
@@ -212,9 +221,10 @@ CHAT_PATHS = [("messages",), ("messages", 0), ("messages", 0, "role"), ("message
               ("stream_options", "include_usage"), ("chat_template_kwargs",),
               ("chat_template_kwargs", "enable_thinking"), ("mtp",), ("n",), ("model",), ("presence_penalty",),
               ("frequency_penalty",), ("logprobs",), ("top_logprobs",), ("logit_bias",), ("tools",), ("functions",),
+              ("tool_choice",), ("parallel_tool_calls",),
               ("response_format",), ("response_format", "type"), ("unknown_field",), ("unknown", "deeper")]
 COMPLETION_PATHS = [("prompt",), ("prompt", 0), ("echo",), ("suffix",), ("best_of",), ("max_tokens",), ("stop",),
-                    ("seed",), ("top_k",), ("n",), ("mtp",)]
+                    ("seed",), ("top_k",), ("n",), ("mtp",), ("logprobs",)]
 
 
 def with_value(base: dict[str, Any], path: tuple[Any, ...]) -> str:

@@ -1,6 +1,6 @@
-"""The routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` (streamed as server-sent events or
-not), `/health`, `/metrics`. Every error is answered in OpenAI's shape; nothing a client sends reaches it as a
-traceback or stops the server.
+"""The routes: `/v1/models` (and `/v1/models/{id}`), `/v1/chat/completions`, `/v1/completions`, `/v1/messages`
+(Anthropic's; each streamed as server-sent events or not), `/health`, `/metrics`. Every error is answered in
+OpenAI's shape (Anthropic's on /v1/messages); nothing a client sends reaches it as a traceback or stops the server.
 
 A /v1 request from a web page that is not allowed is refused (engine.server.guard); a POST's body must be JSON.
 A request is checked and tokenized before it queues, so a bad body or a prompt over the context is a 400 at
@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import time
-import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -28,14 +26,15 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine import tools as toolkit
 from engine import validate
 from engine.api import ServedEngine
 from engine.errors import ChatTemplateError, InvalidParameterError
-from engine.events import Done, Stats, Token
-from engine.server import guard, protocol
+from engine.server import anthropic, guard, protocol
 from engine.server.protocol import APIError, Request, bad
-from engine.server.reasoning import ReasoningSplitter, opens_thinking
-from engine.server.scheduler import Failure, Job, QueueFullError, Scheduler
+from engine.server.reasoning import CLOSE, ReasoningSplitter, opens_thinking
+from engine.server.reply import CallSetup, OpenAIReply, ReplyText
+from engine.server.scheduler import Job, QueueFullError, Scheduler
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -59,9 +58,10 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
         guard.check_origin(request.headers, origins)
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+        bearer = request.headers.get("authorization", "").encode()
+        key = request.headers.get("x-api-key", "").encode()  # Anthropic's clients send it so
+        if not (hmac.compare_digest(bearer, f"Bearer {api_key}".encode()) or hmac.compare_digest(key, api_key.encode())):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                            type="invalid_request_error", code="invalid_api_key")
 
     async def health(request: HTTPRequest) -> Response:
@@ -70,40 +70,76 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
     async def metrics(request: HTTPRequest) -> Response:
         return PlainTextResponse(scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card(eng: ServedEngine) -> dict[str, Any]:
+        return {"id": model_name(eng), "object": "model", "created": created, "owned_by": "foretell",
+                "meta": {"n_ctx": eng.n_ctx, "n_vocab": eng.hp.n_vocab, "mtp": eng.drafter is not None}}
+
     async def models(request: HTTPRequest) -> Response:
         authorize(request)
-        eng = scheduler.engine
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name(eng), "object": "model", "created": created, "owned_by": "foretell",
-            "meta": {"n_ctx": eng.n_ctx, "n_vocab": eng.hp.n_vocab, "mtp": eng.drafter is not None}}]})
+        return JSONResponse({"object": "list", "data": [model_card(scheduler.engine)]})
+
+    async def model(request: HTTPRequest) -> Response:
+        authorize(request)
+        eng, wanted = scheduler.engine, request.path_params["id"]
+        if wanted != model_name(eng):
+            raise APIError(404, f"the model {wanted!r} does not exist here; this server serves {model_name(eng)!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card(eng))
 
     async def chat_completions(request: HTTPRequest) -> Response:
-        return await complete(request, chat=True)
+        req = (await read(request, protocol.parse_chat))
+        prompt = await prepare(req, chat=True)
+        return await answer(request, prompt, lambda text: OpenAIReply(req, model_name(prompt.eng), text,
+                                                                       prompt.eng.tokenizer.token_bytes))
 
     async def completions(request: HTTPRequest) -> Response:
-        return await complete(request, chat=False)
+        req = await read(request, protocol.parse_completion)
+        prompt = await prepare(req, chat=False)
+        return await answer(request, prompt, lambda text: OpenAIReply(req, model_name(prompt.eng), text,
+                                                                       prompt.eng.tokenizer.token_bytes))
 
-    async def complete(request: HTTPRequest, chat: bool) -> Response:
+    async def messages(request: HTTPRequest) -> Response:
+        try:
+            req = await read(request, anthropic.parse)
+            prompt = await prepare(req, chat=True)
+            return await answer(request, prompt, lambda text: anthropic.AnthropicReply(model_name(prompt.eng), text,
+                                                                                        len(prompt.ids)))
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+
+    async def read(request: HTTPRequest, parse: Any) -> Request:
+        """The body, checked: what the engine would refuse once queued is refused now (the fields' own checks
+        name them)."""
         authorize(request)
         guard.check_json_body(request.headers)
-        body = protocol.parse_json(await _read_body(request))
-        req = (protocol.parse_chat if chat else protocol.parse_completion)(body, scheduler.defaults())
-        try:  # what the engine would refuse once queued, refused now (the fields' own checks name them)
+        req = parse(protocol.parse_json(await _read_body(request)), scheduler.defaults())
+        try:
             validate.validate_generation(req.gen)
         except InvalidParameterError as e:
             raise bad(str(e)) from None
+        return req
+
+    async def prepare(req: Request, chat: bool) -> _Prompt:
         eng = scheduler.engine
-        ids, thinking = await run_in_threadpool(_encode, eng, req)
-        if len(ids) >= eng.n_ctx:
-            raise bad(f"the prompt has {len(ids)} tokens but the context holds {eng.n_ctx}; shorten it",
+        prompt = await run_in_threadpool(_encode, eng, req)
+        if len(prompt.ids) >= eng.n_ctx:
+            raise bad(f"the prompt has {len(prompt.ids)} tokens but the context holds {eng.n_ctx}; shorten it",
                       "messages" if chat else "prompt", "context_length_exceeded")
+        return prompt
+
+    async def answer(request: HTTPRequest, prompt: _Prompt, make: Any) -> Response:
+        """Queue the generation and answer with `make(ReplyText)`'s reply, streamed or whole."""
+        req, eng, ids = prompt.req, prompt.eng, prompt.ids
         # the settings' default when the request sets none; never more than the context has room for
         gen = replace(req.gen, max_tokens=min(req.max_tokens or req.gen.max_tokens, eng.n_ctx - len(ids)))
+        if prompt.calls is not None and (prompt.calls.tools.forced or not prompt.calls.tools.parallel) \
+                and len(gen.stop_strings) < validate.MAX_STOP_STRINGS:
+            gen = replace(gen, stop_strings=gen.stop_strings + (toolkit.CALL_CLOSE,))  # one call: end after it
         try:
             job = scheduler.submit(eng, ids, gen)
         except QueueFullError as e:
             raise APIError(429, f"{e}; try again shortly", type="rate_limit_error", code="queue_full") from None
-        reply = _Reply(req, model_name(eng), ReasoningSplitter(thinking) if chat else None)
+        reply = make(ReplyText(ReasoningSplitter(prompt.thinking) if req.chat else None, prompt.calls))
         if req.stream:
             return _EventStream(job, reply.stream(job))
         watcher = asyncio.create_task(_stop_on_disconnect(request, job))
@@ -130,12 +166,14 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
 
     routes = [
         Route("/health", health), Route("/metrics", metrics),
-        Route("/v1/models", models),
+        Route("/v1/models", models), Route("/v1/models/{id:path}", model),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                             allow_headers=["Authorization", "Content-Type"])] if cors_origins else []
+                             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
+                  ] if cors_origins else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: api_error, HTTPException: http_error, Exception: server_error})
 
@@ -152,8 +190,23 @@ async def _read_body(request: HTTPRequest) -> bytes:
     return bytes(body)
 
 
-def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
-    """Prompt ids, and whether the reply starts inside a thinking block (runs off the event loop)."""
+@dataclass(frozen=True)
+class _Prompt:
+    """A request tokenized for the engine it will run on: whether the reply starts inside a thinking block, and how
+    its tool calls are written (None: no tools)."""
+
+    req: Request
+    eng: ServedEngine
+    ids: list[int]
+    thinking: bool = False
+    calls: CallSetup | None = None
+
+
+def _encode(eng: ServedEngine, req: Request) -> _Prompt:
+    """The prompt as ids (runs off the event loop). A chat's tools go to the template, or are written into the
+    messages for a template that renders none; a forced call (tool_choice required or named) is prefilled: the
+    reply starts inside the call, after a thinking block the template closes (enable_thinking false) or, where it
+    does not, one closed here."""
     _check_size(eng, req)
     if not req.chat:
         if isinstance(req.prompt, str):  # the whole prompt is the client's: special tokens are parsed
@@ -164,19 +217,30 @@ def _encode(eng: ServedEngine, req: Request) -> tuple[list[int], bool]:
                 raise bad(f"token id {max(ids)} is outside the vocabulary (0..{eng.hp.n_vocab - 1})", "prompt")
         if not ids:
             raise bad("the prompt is empty", "prompt")
-        return ids, False
+        return _Prompt(req, eng, ids)
+    tools = req.tools
+    fmt = toolkit.tool_format(eng.chat)
+    prefill = "" if tools is None or tools.choice == "auto" else fmt.opening(tools.forced)
+    thinking_on = False if prefill else req.enable_thinking
+    msgs, given = (req.prompt, tools.tools if tools else None) if fmt.native else \
+        (toolkit.written_in(req.prompt, tools.tools if tools else ()), None)
     try:
-        ids = eng.encode_prompt(req.prompt, req.enable_thinking)
-        thinking = opens_thinking(eng.chat.render(req.prompt, enable_thinking=req.enable_thinking))
+        validate.messages(msgs)
+        ids = eng.chat.encode(msgs, enable_thinking=thinking_on, tools=given)
+        thinking = opens_thinking(eng.chat.render(msgs, enable_thinking=thinking_on, tools=given))
     except (ChatTemplateError, InvalidParameterError) as e:
         raise bad(str(e), "messages") from None
-    return ids, thinking
+    if prefill:
+        ids += eng.tokenizer.encode((f"\n{CLOSE}\n\n" if thinking else "") + prefill, special=True, add_bos=False)
+        thinking = False
+    return _Prompt(req, eng, ids, thinking, None if tools is None else CallSetup(tools, fmt, prefill))
 
 
 def _check_size(eng: ServedEngine, req: Request) -> None:
     """A prompt of more bytes than the context's tokens can stand for is over the context before it is
     tokenized (8 MiB of text took ~3 s of a core to tokenize): no token stands for more than the longest."""
-    texts = [m["content"] for m in req.prompt] if req.chat else [req.prompt] if isinstance(req.prompt, str) else []
+    texts = [m["content"] + str(m.get("tool_calls", "")) for m in req.prompt] if req.chat else \
+        [req.prompt] if isinstance(req.prompt, str) else []
     size = sum(len(t.encode()) for t in texts)
     if size > eng.n_ctx and size > eng.n_ctx * _longest_token(eng.tokenizer):
         raise bad(f"the prompt's {size} bytes of text cannot fit in a context of {eng.n_ctx} tokens; shorten it",
@@ -208,92 +272,3 @@ async def _stop_on_disconnect(request: HTTPRequest, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.stop.set()
-
-
-class _Reply:
-    """One response's id, shapes and text assembly, streamed or whole."""
-
-    def __init__(self, req: Request, model: str, splitter: ReasoningSplitter | None):
-        self.req, self.model, self.splitter = req, model, splitter
-        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.object = "chat.completion" if req.chat else "text_completion"
-
-    def _parts(self, text: str, final: bool = False) -> tuple[str, str]:
-        """(reasoning, content) of newly generated text."""
-        if self.splitter is None:
-            return "", text
-        r, c = self.splitter.push(text)
-        if final:
-            fr, fc = self.splitter.flush()
-            r, c = r + fr, c + fc
-        return r, c
-
-    def _choice(self, reasoning: str, content: str, finish: str | None, *, delta: bool) -> dict[str, Any]:
-        if not self.req.chat:
-            return {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        msg: dict[str, Any] = {} if delta else {"role": "assistant", "content": content}
-        if delta and content:
-            msg["content"] = content
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": None, "finish_reason": finish}
-
-    def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
-        obj = self.object + (".chunk" if chunk and self.req.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    async def collect(self, job: Job) -> dict[str, Any]:
-        reasoning, content = [], []
-        final: Stats | None = None
-        done = Done("stopped")
-        async for ev in job.events():
-            if isinstance(ev, Token):
-                r, c = self._parts(ev.text)
-                reasoning.append(r)
-                content.append(c)
-            elif isinstance(ev, Stats):
-                final = ev
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, Failure):
-                raise APIError(500, ev.message, type="server_error")
-        r, c = self._parts("", final=True)
-        out = self._envelope([self._choice("".join(reasoning) + r, "".join(content) + c,
-                                           protocol.finish_reason(done.reason), delta=False)], chunk=False)
-        if final is not None:
-            out["usage"], out["timings"] = protocol.usage(final), protocol.timings(final)
-        return out
-
-    async def stream(self, job: Job) -> AsyncIterator[str]:
-        if self.req.chat:
-            first = self._choice("", "", None, delta=True)
-            first["delta"] = {"role": "assistant", "content": ""}
-            yield self._sse(self._envelope([first], chunk=True))
-        final: Stats | None = None
-        done = Done("stopped")
-        async for ev in job.events():
-            if isinstance(ev, Token):
-                r, c = self._parts(ev.text)
-                if r or c:
-                    yield self._sse(self._envelope([self._choice(r, c, None, delta=True)], chunk=True))
-            elif isinstance(ev, Stats):
-                final = ev
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, Failure):
-                yield self._sse(APIError(500, ev.message, type="server_error").body())
-                return
-        r, c = self._parts("", final=True)
-        last = self._envelope([self._choice(r, c, protocol.finish_reason(done.reason), delta=True)], chunk=True)
-        if final is not None:
-            last["timings"] = protocol.timings(final)
-        yield self._sse(last)
-        if self.req.include_usage and final is not None:
-            yield self._sse({**self._envelope([], chunk=True), "usage": protocol.usage(final)})
-        yield "data: [DONE]\n\n"
-
-    def _sse(self, payload: dict[str, Any]) -> str:
-        if self.req.include_usage and "choices" in payload and "usage" not in payload:
-            payload["usage"] = None  # OpenAI's shape: every chunk but the last carries a null usage
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

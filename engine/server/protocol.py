@@ -3,8 +3,9 @@
 
 Validation is hand-written rather than a schema library: the few fields are checked with messages that name
 the field, bools are never taken for numbers (JSON `true` is not 1), and unknown fields are ignored as
-OpenAI clients send many. A field the engine cannot honour (n > 1, logprobs, logit_bias, tools, penalties) is
-refused with 400 rather than silently ignored. The body as a whole must be plain JSON: no NaN or Infinity, no
+OpenAI clients send many. A field the engine cannot honour (n > 1, logit_bias, response formats, penalties,
+functions) is refused with 400 rather than silently ignored. Tools are checked here too: each function's name,
+and its parameters as a JSON schema (jsonschema), so that a call can be checked against it later. The body as a whole must be plain JSON: no NaN or Infinity, no
 nesting past what the parser takes, no string (or key) that is not Unicode (a lone surrogate such as "\\ud800").
 The limits are engine.validate's: a request is a 400 here, never a failure in the engine.
 """
@@ -12,15 +13,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jsonschema.exceptions import SchemaError
+
+from engine import tools as toolkit
 from engine import validate
 from engine.errors import InvalidParameterError
 from engine.events import GenerationConfig, Stats
 from engine.sampling import SamplingConfig
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; it also keeps a forced call's prefill plain text
 
 
 class APIError(Exception):
@@ -40,16 +47,34 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 @dataclass(frozen=True)
+class Tools:
+    """A request's tools, checked: what the template is given, each function's parameters schema by name, and
+    what `tool_choice` asks: "auto" (the model decides), "required" (a call, of any function) or one function's
+    name; `parallel`: more than one call may be made."""
+
+    tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {name, description, parameters}}
+    schemas: dict[str, dict[str, Any]]
+    choice: str
+    parallel: bool = True
+
+    @property
+    def forced(self) -> str | None:
+        """The function a call must be of, or None."""
+        return self.choice if self.choice not in ("auto", "required") else None
+
+
+@dataclass(frozen=True)
 class Request:
     """One generation request, validated: the prompt (chat messages, text, or token ids) and how to generate."""
 
     chat: bool
-    prompt: list[dict[str, str]] | str | list[int]
+    prompt: list[dict[str, Any]] | str | list[int]
     gen: GenerationConfig
     max_tokens: int | None  # None: the server's default (its GenerationConfig's)
     stream: bool
     include_usage: bool
     enable_thinking: bool | None
+    tools: Tools | None = None  # None: no tools, or tool_choice "none"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -120,12 +145,62 @@ def parse_chat(body: dict[str, Any], defaults: GenerationConfig) -> Request:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, validate.MAX_TOKENS)
     thinking = _bool(_object(body, "chat_template_kwargs"), "enable_thinking", "chat_template_kwargs")
-    for name in ("tools", "functions"):
-        _off(body, name, [])
+    _off(body, "functions", [])
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad("only the 'text' response_format is supported", "response_format", "unsupported_parameter")
-    return _request(body, defaults, chat=True, prompt=messages, max_tokens=max_tokens, enable_thinking=thinking)
+    logprobs = _bool(body, "logprobs", "logprobs")
+    top = _int(body, "top_logprobs", 0, validate.MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    req = _request(body, defaults, chat=True, prompt=messages, max_tokens=max_tokens, enable_thinking=thinking,
+                   logprobs=(top or 0) if logprobs else None)
+    return replace(req, tools=parse_tools(body.get("tools"), body.get("tool_choice"),
+                                          _bool(body, "parallel_tool_calls", "parallel_tool_calls")))
+
+
+def parse_tools(tools: Any, choice: Any, parallel: bool | None) -> Tools | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request; None when no call can be made."""
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("'tool_choice' asks for a call but the request has no 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad(f"'tools' must be an array of at most {MAX_TOOLS} tools", "tools")
+    given: list[dict[str, Any]] = []
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
+        name, params = f.get("name"), f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'", f"tools[{i}].function.name")
+        if name in schemas:
+            raise bad(f"two tools are named {name!r}", f"tools[{i}].function.name")
+        if not isinstance(f.get("description") or "", str):
+            raise bad(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description")
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        try:
+            toolkit.check_schema(params)
+        except (SchemaError, RecursionError) as e:
+            raise bad(f"tools[{i}].function.parameters is not a valid JSON schema: {str(e).splitlines()[0][:300]}",
+                      f"tools[{i}].function.parameters") from None
+        schemas[name] = params
+        given.append({"type": "function", "function": {"name": name, "description": f.get("description") or "",
+                                                        "parameters": params}})
+    if choice in (None, "auto", "required"):
+        picked = choice or "auto"
+    elif choice == "none":
+        return None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and choice["function"].get("name") in schemas:
+        picked = choice["function"]["name"]
+    else:
+        raise bad("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                  "{\"name\": NAME}} naming one of the tools", "tool_choice")
+    return Tools(tuple(given), schemas, picked, True if parallel is None else parallel)
 
 
 def parse_completion(body: dict[str, Any], defaults: GenerationConfig) -> Request:
@@ -141,12 +216,12 @@ def parse_completion(body: dict[str, Any], defaults: GenerationConfig) -> Reques
         _off(body, name, off)
     max_tokens = _int(body, "max_tokens", 1, validate.MAX_TOKENS)
     return _request(body, defaults, chat=False, prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens,
-                    enable_thinking=None)
+                    enable_thinking=None, logprobs=_int(body, "logprobs", 0, validate.MAX_TOP_LOGPROBS))
 
 
 def _request(body: dict[str, Any], defaults: GenerationConfig, *, chat: bool, prompt: Any, max_tokens: int | None,
-             enable_thinking: bool | None) -> Request:
-    for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("logit_bias", {})):
+             enable_thinking: bool | None, logprobs: int | None) -> Request:
+    for name, off in (("n", 1), ("logit_bias", {})):
         _off(body, name, off)
     for name in ("presence_penalty", "frequency_penalty"):
         if _float(body, name, -2.0, 2.0) not in (None, 0.0):
@@ -172,12 +247,14 @@ def _request(body: dict[str, Any], defaults: GenerationConfig, *, chat: bool, pr
     stream = _bool(body, "stream", "stream") or False
     include_usage = _bool(_object(body, "stream_options"), "include_usage", "stream_options") or False
     gen = replace(defaults, sampling=sampling, stop_strings=_stop(body.get("stop")), mtp=mtp, draft=draft,
-                  enable_thinking=enable_thinking)
+                  enable_thinking=enable_thinking, logprobs=logprobs)
     return Request(chat=chat, prompt=prompt, gen=gen, max_tokens=max_tokens, stream=stream,
                    include_usage=include_usage, enable_thinking=enable_thinking)
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """One chat message as the template takes it: role and text content; an assistant's tool calls (their
+    arguments as objects, as templates render them); a tool result's tool_call_id."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(f"{param} must be an object with 'role' and 'content'", param)
@@ -194,7 +271,36 @@ def _message(m: Any, i: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad(f"{param}.content must be a string or an array of text parts", f"{param}.content")
-    return {"role": ROLES[role], "content": content}
+    out: dict[str, Any] = {"role": ROLES[role], "content": content}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(m["tool_calls"], f"{param}.tool_calls")
+    if role == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise bad(f"{param}.tool_call_id must be a string", f"{param}.tool_call_id")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad(f"{param} must be an array of tool calls", param)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(c.get("id", ""), str):
+            raise bad(f"{param}[{j}] must be {{\"id\": ID, \"type\": \"function\", \"function\": "
+                      "{\"name\": NAME, \"arguments\": JSON}}", f"{param}[{j}]")
+        args = f.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise bad(f"{param}[{j}].function.arguments must be a JSON object (as a string)",
+                      f"{param}[{j}].function.arguments")
+        out.append({"id": c.get("id", f"call_{j}"), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
@@ -277,8 +383,9 @@ def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
 
 
 # -- response parts --------------------------------------------------------------------------------------------
-def finish_reason(done_reason: str) -> str:
-    return "length" if done_reason in ("max_tokens", "context_full") else "stop"
+def finish_reason(done_reason: str, calls: bool = False) -> str:
+    """OpenAI's finish_reason for the engine's Done reason; `calls`: the reply made tool calls."""
+    return "tool_calls" if calls else "length" if done_reason in ("max_tokens", "context_full") else "stop"
 
 
 def usage(st: Stats) -> dict[str, Any]:

@@ -50,6 +50,8 @@ class ReasoningSplitter:
                 self.buf, self.state, self.strip = self.buf[i + len(CLOSE):], "content", True
                 continue
             keep = max((k for k in range(1, len(CLOSE)) if self.buf.endswith(CLOSE[:k])), default=0)
+            body = self.buf[:len(self.buf) - keep]
+            keep += len(body) - len(body.rstrip("\n"))  # newlines that may lead up to the closing tag
             reasoning += self.buf[:len(self.buf) - keep]
             self.buf = self.buf[len(self.buf) - keep:]
             return reasoning, content

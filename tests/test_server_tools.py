@@ -1,0 +1,250 @@
+"""Tool calls (issue 46, item 1): the call markup read off the published Qwen3.5 and Qwen3.6 chat templates (and a
+Qwen3-style JSON one), parsed back whole from streamed text and checked against the function's schema; then the
+server end to end with the real `openai` client — a round trip streamed and whole, every tool_choice, parallel calls,
+and invalid arguments reported rather than passed on. The embedded model never writes a call itself: the server runs
+on a scripted engine (tests/scripted_engine.py) whose replies are the markup a Qwen3.5 model writes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+import engine.generate
+from engine import tools as toolkit
+from engine.chat import ChatFormat
+from engine.server.run import LocalServer
+from tests.scripted_engine import ScriptedEngine
+
+DATA = Path(__file__).parent / "data"
+QWEN35, QWEN36 = ((DATA / f"qwen{v}_chat_template.jinja").read_text() for v in ("3.5", "3.6"))
+# Qwen3's form of a call (JSON in <tool_call>), cut down to what the probe and the tests render.
+QWEN3_STYLE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}{%- for c in m.tool_calls or [] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + (c.function.arguments | tojson) + "
+    "'}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}, "metric": {"type": "boolean"},
+    "ratio": {"type": "number"}, "hours": {"type": "array", "items": {"type": "integer"}},
+    "where": {"type": "object", "properties": {"lat": {"type": "number"}}}, "note": {"type": ["string", "null"]},
+    "unit": {"enum": ["C", "F"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ARGS = {"city": "Paris\nFrance", "days": 3, "metric": True, "ratio": 0.5, "hours": [6, 18], "where": {"lat": 48.8},
+        "note": None, "unit": "C"}
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+        "</function>\n</tool_call>")
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+THOUGHT = "The user wants the weather.\n</think>\n\n"  # the Qwen3.5 prompt opens a thinking block: replies close it
+
+
+@pytest.fixture(scope="module")
+def real():
+    return engine.generate.load(None)
+
+
+@pytest.fixture(scope="module")
+def scripted(real):
+    return ScriptedEngine(real, QWEN35)
+
+
+@pytest.fixture(scope="module")
+def server(scripted):
+    srv = LocalServer(scripted, port=0)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+def split(text: str, step: int = 1) -> list:
+    sp = toolkit.CallSplitter()
+    out = [x for i in range(0, len(text), step) for x in sp.push(text[i:i + step])] + sp.flush()
+    return out
+
+
+def rendered_call(chat: ChatFormat, name: str, args: dict) -> str:
+    msgs = USER + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": name, "arguments": args}}]}]
+    text = chat.render(msgs, add_generation_prompt=False, tools=TOOLS)
+    return text[text.rindex(toolkit.CALL_OPEN):text.rindex(toolkit.CALL_CLOSE) + len(toolkit.CALL_CLOSE)]
+
+
+# -- the markup ----------------------------------------------------------------------------------------------------
+def test_the_format_is_read_off_the_template(real) -> None:
+    for template in (QWEN35, QWEN36):
+        fmt = toolkit.tool_format(ChatFormat(template, real.tokenizer))
+        assert (fmt.kind, fmt.native, fmt.opening("f")) == ("xml", True, "<tool_call>\n<function=f>\n")
+    fmt = toolkit.tool_format(ChatFormat(QWEN3_STYLE, real.tokenizer))
+    assert (fmt.kind, fmt.native, fmt.opening("f")) == ("json", True, '<tool_call>\n{"name": "f", "arguments": ')
+    assert toolkit.tool_format(real.chat) == toolkit.WRITTEN  # plain ChatML renders no tools: they are written in
+
+
+@pytest.mark.parametrize("template", [QWEN35, QWEN36, QWEN3_STYLE], ids=["qwen3.5", "qwen3.6", "qwen3-json"])
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_calls_the_templates_write_parse_back(real, template: str, step: int) -> None:
+    """Every JSON type as each template writes it (Qwen3.5 writes a bool as Python's True), streamed in pieces."""
+    chat = ChatFormat(template, real.tokenizer)
+    fmt = toolkit.tool_format(chat)
+    markup = rendered_call(chat, "get_weather", ARGS)
+    parts = split(f"Let me look.\n\n{markup}\n{rendered_call(chat, 'get_time', {})}", step)
+    assert "".join(p for p in parts if isinstance(p, str)) == "Let me look."
+    calls = [toolkit.parse_call(fmt, p, SCHEMAS) for p in parts if isinstance(p, toolkit.RawCall)]
+    assert calls == [toolkit.ToolCall("get_weather", ARGS), toolkit.ToolCall("get_time", {})]
+
+
+def test_a_call_cut_at_its_closing_tag_still_parses(real) -> None:
+    """One call only: the server stops the reply at </tool_call> (a stop string), which the text then lacks."""
+    fmt = toolkit.tool_format(ChatFormat(QWEN35, real.tokenizer))
+    (raw,) = split(CALL.removesuffix(toolkit.CALL_CLOSE))
+    assert not raw.closed and toolkit.parse_call(fmt, raw, SCHEMAS) == toolkit.ToolCall("get_weather",
+                                                                                       {"city": "Paris", "days": 2})
+
+
+@pytest.mark.parametrize("body, closed, says", [
+    ("<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>", True, "'city' is a required property"),
+    ("<function=get_weather>\n<parameter=city>\nP\n</parameter>\n<parameter=days>\ntwo\n</parameter>\n</function>",
+     True, "not JSON of type integer"),
+    ("<function=get_weather>\n<parameter=city>\nP\n</parameter>\n<parameter=days>\n0\n</parameter>\n</function>", True,
+     "at days: 0 is less than the minimum of 1"),
+    ("<function=get_weather>\n<parameter=city>\nP\n</parameter>\n<parameter=unit>\nK\n</parameter>\n</function>", True,
+     "'K' is not one of ['C', 'F']"),
+    ("<function=rm_rf>\n</function>", True, "'rm_rf', which is not among the request's tools"),
+    ("<function=get_weather>\n<parameter=city>\nPar", False, "the reply ended inside a tool call"),
+    ("{\"name\": \"get_weather\"}", True, "no <function=NAME>"),
+])
+def test_invalid_calls_say_why(real, body: str, closed: bool, says: str) -> None:
+    fmt = toolkit.tool_format(ChatFormat(QWEN35, real.tokenizer))
+    with pytest.raises(toolkit.ToolCallError, match=None) as e:
+        toolkit.parse_call(fmt, toolkit.RawCall(body, closed), SCHEMAS)
+    assert says in str(e.value)
+
+
+def test_json_calls_that_are_not_json_say_so(real) -> None:
+    fmt = toolkit.tool_format(ChatFormat(QWEN3_STYLE, real.tokenizer))
+    for body, says in (('{"name": "get_weather", "arguments": {"city": 1', "not valid JSON"),
+                       ('{"name": "get_weather", "arguments": [1]}', "not a JSON object"),
+                       ('{"arguments": {}}', 'with a "name"')):
+        with pytest.raises(toolkit.ToolCallError) as e:
+            toolkit.parse_call(fmt, toolkit.RawCall(body), SCHEMAS)
+        assert says in str(e.value)
+
+
+def test_tools_written_into_a_template_that_renders_none(real) -> None:
+    msgs = toolkit.written_in(USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "content": "noon"}], TOOLS)
+    assert msgs[0]["role"] == "system" and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\nnoon\n</tool_response>"}
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+def ask(client, scripted, reply: str, **kw):
+    scripted.replies.append(reply)
+    return client.chat.completions.create(model="m", messages=kw.pop("messages", USER), max_tokens=200, **kw)
+
+
+def test_round_trip_whole(client, scripted) -> None:
+    r = ask(client, scripted, THOUGHT + "I will look it up.\n\n" + CALL, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "I will look it up."
+    assert msg.model_extra["reasoning_content"] == "The user wants the weather."
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    prompt = scripted.prompts[-1]
+    assert '"name": "get_weather"' in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
+    follow = ask(client, scripted, THOUGHT + "Sunny, 21 degrees.", tools=TOOLS, messages=USER + [
+        msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert follow.choices[0].message.content == "Sunny, 21 degrees." and follow.choices[0].finish_reason == "stop"
+    prompt = scripted.prompts[-1]
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>" in prompt
+    assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in prompt
+
+
+def test_round_trip_streamed_as_openai_sends_it(client, scripted) -> None:
+    second = CALL.replace("Paris", "Rome")
+    chunks = list(ask(client, scripted, THOUGHT + CALL + "\n" + second, tools=TOOLS, stream=True))
+    deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    assert [d.index for d in deltas] == [0, 0, 1, 1]
+    for opening, rest in (deltas[0:2], deltas[2:4]):
+        assert opening.id.startswith("call_") and opening.type == "function"
+        assert opening.function.name == "get_weather" and opening.function.arguments == ""
+        assert rest.id is None and rest.function.name is None
+    assert [json.loads(d.function.arguments)["city"] for d in (deltas[1], deltas[3])] == ["Paris", "Rome"]
+    assert not any(ch.choices[0].delta.content for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_variants(client, scripted) -> None:
+    r = ask(client, scripted, THOUGHT + CALL, tools=TOOLS, tool_choice="none")  # no tools offered, nothing parsed
+    assert "get_weather" not in scripted.prompts[-1] and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+    rest = CALL.removeprefix("<tool_call>\n<function=")
+    r = ask(client, scripted, rest, tools=TOOLS, tool_choice="required")  # a call of any function, prefilled
+    assert scripted.prompts[-1].endswith("<think>\n\n</think>\n\n<tool_call>\n<function=")
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = ask(client, scripted, rest.removeprefix("get_weather>\n") + "\n" + CALL, tools=TOOLS, tool_choice=named)
+    assert scripted.prompts[-1].endswith("</think>\n\n<tool_call>\n<function=get_weather>\n")
+    assert toolkit.CALL_CLOSE in scripted.configs[-1].stop_strings  # one call: the reply ends with it
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    r = ask(client, scripted, THOUGHT + CALL + "\n" + CALL, tools=TOOLS, parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1 and r.choices[0].finish_reason == "tool_calls"
+    r = ask(client, scripted, THOUGHT + CALL + "\n" + CALL, tools=TOOLS, tool_choice="auto")
+    assert len(r.choices[0].message.tool_calls) == 2
+
+
+def test_invalid_arguments_are_reported_not_passed_on(client, scripted) -> None:
+    bad = CALL.replace("\n2\n", "\ntwo\n")
+    r = ask(client, scripted, THOUGHT + bad, tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.tool_calls is None and r.choices[0].finish_reason == "stop" and msg.content == bad
+    assert msg.model_extra["tool_call_errors"] == ["parameter 'days' of get_weather is 'two', not JSON of type integer"]
+    chunks = list(ask(client, scripted, THOUGHT + bad, tools=TOOLS, stream=True))
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks)
+    errors = [e for ch in chunks for e in (ch.choices[0].delta.model_extra or {}).get("tool_call_errors", [])]
+    assert errors == msg.model_extra["tool_call_errors"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == bad
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_time", "arguments": "{not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_are_400(client, kw: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=kw.pop("messages", USER), max_tokens=2, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_tools_on_a_model_whose_template_renders_none(real) -> None:
+    """The embedded model's plain ChatML: the tools are described in a system message it is sent."""
+    scripted = ScriptedEngine(real)
+    srv = LocalServer(scripted, port=0)
+    srv.start()
+    try:
+        c = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+        r = ask(c, scripted, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', tools=TOOLS)
+        assert r.choices[0].message.tool_calls[0].function.name == "get_time"
+        assert scripted.prompts[-1].startswith("<|im_start|>system\n# Tools\n") and '"get_weather"' in scripted.prompts[-1]
+    finally:
+        srv.stop()
