@@ -87,21 +87,21 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
         return JSONResponse(model_card(eng))
 
     async def chat_completions(request: HTTPRequest) -> Response:
-        req = (await read(request, protocol.parse_chat))
-        prompt = await prepare(req, chat=True)
-        return await answer(request, prompt, lambda text: OpenAIReply(req, model_name(prompt.eng), text,
-                                                                       prompt.eng.tokenizer.token_bytes))
+        return await openai_reply(request, protocol.parse_chat)
 
     async def completions(request: HTTPRequest) -> Response:
-        req = await read(request, protocol.parse_completion)
-        prompt = await prepare(req, chat=False)
+        return await openai_reply(request, protocol.parse_completion)
+
+    async def openai_reply(request: HTTPRequest, parse: Any) -> Response:
+        req = await read(request, parse)
+        prompt = await prepare(req)
         return await answer(request, prompt, lambda text: OpenAIReply(req, model_name(prompt.eng), text,
                                                                        prompt.eng.tokenizer.token_bytes))
 
     async def messages(request: HTTPRequest) -> Response:
         try:
             req = await read(request, anthropic.parse)
-            prompt = await prepare(req, chat=True)
+            prompt = await prepare(req)
             return await answer(request, prompt, lambda text: anthropic.AnthropicReply(model_name(prompt.eng), text,
                                                                                         len(prompt.ids)))
         except APIError as e:
@@ -119,12 +119,12 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
             raise bad(str(e)) from None
         return req
 
-    async def prepare(req: Request, chat: bool) -> _Prompt:
+    async def prepare(req: Request) -> _Prompt:
         eng = scheduler.engine
         prompt = await run_in_threadpool(_encode, eng, req)
         if len(prompt.ids) >= eng.n_ctx:
             raise bad(f"the prompt has {len(prompt.ids)} tokens but the context holds {eng.n_ctx}; shorten it",
-                      "messages" if chat else "prompt", "context_length_exceeded")
+                      "messages" if req.chat else "prompt", "context_length_exceeded")
         return prompt
 
     async def answer(request: HTTPRequest, prompt: _Prompt, make: Any) -> Response:
@@ -132,8 +132,7 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
         req, eng, ids = prompt.req, prompt.eng, prompt.ids
         # the settings' default when the request sets none; never more than the context has room for
         gen = replace(req.gen, max_tokens=min(req.max_tokens or req.gen.max_tokens, eng.n_ctx - len(ids)))
-        if prompt.calls is not None and (prompt.calls.tools.forced or not prompt.calls.tools.parallel) \
-                and len(gen.stop_strings) < validate.MAX_STOP_STRINGS:
+        if prompt.calls is not None and prompt.calls.tools.single and len(gen.stop_strings) < validate.MAX_STOP_STRINGS:
             gen = replace(gen, stop_strings=gen.stop_strings + (toolkit.CALL_CLOSE,))  # one call: end after it
         try:
             job = scheduler.submit(eng, ids, gen)

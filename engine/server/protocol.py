@@ -62,6 +62,11 @@ class Tools:
         """The function a call must be of, or None."""
         return self.choice if self.choice not in ("auto", "required") else None
 
+    @property
+    def single(self) -> bool:
+        """At most one call is made: one function's, or parallel calls turned off."""
+        return self.forced is not None or not self.parallel
+
 
 @dataclass(frozen=True)
 class Request:

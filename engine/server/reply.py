@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from engine.events import Done, Stats, Token, TokenLogprob
 from engine.server import protocol
@@ -77,11 +77,10 @@ class ReplyText:
         if self.calls is None or self.setup is None:
             piece.content = content
             return piece
-        one = self.setup.tools.forced is not None or not self.setup.tools.parallel
         for item in self.calls.push(content) + (self.calls.flush() if final else []):
             if isinstance(item, str):
                 piece.content += item
-            elif not (one and self.made):
+            elif not (self.setup.tools.single and self.made):
                 self.made += 1
                 try:
                     piece.calls.append(parse_call(self.setup.fmt, item, self.setup.tools.schemas))
@@ -145,7 +144,8 @@ class OpenAIReply:
                 "top_logprobs": [{self._token(i, v)["token"]: max(v, MIN_LOGPROB) for i, v in t.top} for t in lps],
                 "text_offset": offsets}
 
-    def _choice(self, piece: Piece, finish: str | None, *, delta: bool, calls: list[dict[str, Any]] = ()) -> dict:
+    def _choice(self, piece: Piece, finish: str | None, *, delta: bool,
+                calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
         logprobs = self._logprobs(piece.logprobs)
         if not self.req.chat:
             return {"index": 0, "text": piece.content, "logprobs": logprobs, "finish_reason": finish}
