@@ -21,7 +21,7 @@ from engine.events import MAX_DRAFT, EngineConfig
 from engine.expert_cache import ExpertCache
 from engine.generate import load
 from engine.metrics import cuda_status
-from engine.ops import triton_attention, triton_norm, triton_q
+from engine.ops import triton_norm, triton_q
 from engine.ops.backend import TRITON, triton_runs
 from engine.ops.experts import Experts, bind_experts, moe_experts
 from engine.ops.linear import GEMV_ROWS
@@ -73,6 +73,51 @@ def test_pairs_read_each_pairs_matrix_of_a_stack(qt: QT) -> None:
     for p in range(4):
         want = ref_w[sel[p]] @ x[xrow[p]].double()
         assert torch.allclose(y[p].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_fused_glu_and_slot_sums_have_the_plain_products_bits_and_are_batch_invariant(qt: QT) -> None:
+    e, rows, cols = 3, 21, _cols(qt)
+    gate, up = _blocks(qt, (e, rows, cols), seed=11), _blocks(qt, (e, rows, cols), seed=12)
+    g, u = gate.raw.reshape(e, -1).to(DEV), up.raw.reshape(e, -1).to(DEV)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(13)).to(DEV)
+    sel, xrow = torch.tensor([2, 0, 1, 2], device=DEV), torch.tensor([0, 1, 1, 2], device=DEV)
+    h = triton_q.gemv_glu_pairs(g, u, qt, rows, cols, x, sel, xrow)
+    pg, pu = (triton_q.gemv_pairs(m, qt, rows, cols, x, sel, xrow) for m in (g, u))
+    assert torch.allclose(h, torch.nn.functional.silu(pg) * pu, rtol=1e-5, atol=1e-6 * float(h.abs().max()))
+    one = triton_q.gemv_glu_pairs(g, u, qt, rows, cols, x, sel[3:], xrow[3:])
+    assert torch.equal(one[0], h[3])  # a pair's bits whatever the other pairs
+    # two tokens of two slots each: the down products and their weighted sum in one launch, in slot order; the same
+    # products made apart and summed by slot_sum (an expert cache's path) have its bits
+    wt = torch.tensor([[0.7, 0.3], [-0.25, 1.5]], device=DEV)
+    ids = sel.view(2, 2)
+    y = triton_q.gemv_slots(g, qt, rows, cols, x[xrow], ids, wt)
+    apart = triton_q.gemv_pairs(g, qt, rows, cols, x, sel, xrow).view(2, 2, rows)
+    assert torch.equal(triton_q.slot_sum(apart, wt), y)
+    want = (apart * wt.unsqueeze(-1)).sum(1)
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert torch.equal(triton_q.gemv_slots(g, qt, rows, cols, x[xrow][2:], ids[1:], wt[1:])[0], y[1])
+
+
+@pytest.mark.parametrize("n_expert,k", [(256, 8), (60, 6)])
+def test_routing_kernels_match_torchs_routing_and_are_batch_invariant(n_expert: int, k: int) -> None:
+    from engine.ops import triton_route
+    from engine.ops.experts import route
+
+    gen = torch.Generator().manual_seed(14)
+    d = 512
+    router, shared = torch.randn(n_expert, d, generator=gen) * 0.05, torch.randn(1, d, generator=gen) * 0.05
+    x = torch.randn(5, d, generator=gen)
+    gates = triton_route.gate_matrix(router.to(DEV), shared.to(DEV))
+    logits, w, idx, sg = (t.cpu() for t in triton_route.route(x.to(DEV), gates, n_expert, k))
+    ref_logits = x.double() @ router.double().T
+    assert torch.allclose(logits.double(), ref_logits, rtol=1e-5, atol=1e-5)
+    ref_w, ref_idx = route(logits, k)
+    assert torch.equal(idx, ref_idx) and torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(sg.double(), torch.sigmoid(x.double() @ shared.double().T), rtol=1e-5, atol=1e-7)
+    one = triton_route.route(x[3:4].to(DEV), gates, n_expert, k)
+    assert torch.equal(one[1][0].cpu(), w[3]) and torch.equal(one[2][0].cpu(), idx[3])
+    assert triton_route.route(x.to(DEV), gates[:n_expert], n_expert, k)[3] is None  # no shared expert
 
 
 @pytest.mark.parametrize("qt", TYPES)
@@ -195,8 +240,9 @@ def test_every_kernel_compiles_ahead_of_time_for_every_gpu_generation() -> None:
     built = json.loads(r.stdout)
     assert sorted(map(int, built)) == sorted(triton_q.ARCHS) == [80, 86, 89, 90, 120]
     for arch, kernels in built.items():
-        assert len(kernels) == 2 * len(triton_q.TYPES) + len(triton_attention.AOT_SHAPES) + \
-            len(triton_norm.AOT_FORMS), arch
+        # every launch form for FULL_ARCH, one per kernel and type for the others, each under its own name
+        forms = triton_q.launch_forms() if int(arch) == triton_q.FULL_ARCH else triton_q.kernel_forms()
+        assert len(kernels) == len(forms), arch
         assert all(n > 1000 for n in kernels.values()), arch
 
 
@@ -224,3 +270,14 @@ def test_norm_rows_match_the_torch_twins_and_are_batch_invariant(l2: bool, weigh
     y = norms.rms_norm(x.to(DEV), (w if w is not None else torch.ones(d)).to(DEV), 1e-6, TRITON).cpu()
     assert torch.equal(y, triton_norm.norm_rows(x.to(DEV), (w if w is not None else torch.ones(d)).to(DEV), None,
                                                 1e-6, False).cpu())
+
+
+def test_gemv_sweep_script_runs_and_checks_every_shape(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, "bench/gemv_sweep.py", "--quick", "--device", str(DEV), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}
+                       if DEV.type == "cpu" else None)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cases = json.loads(out.read_text())["models"]["qwen36-35b"]["cases"]
+    assert cases and all(e["ok"] and e["max_rel_diff"] < 1e-4 for c in cases for e in c["shapes"])
+    assert all(sum(e["current"] for e in c["shapes"]) == 1 for c in cases)  # the table's shape is always measured

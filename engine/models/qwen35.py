@@ -266,8 +266,7 @@ class MoE:
         y = self.experts(x, idx, weights, sgate if inside else None)
         cb("ffn_moe_out", il, y)
         if w.shared_gate is not None and not inside:
-            sg, su = ops.linear_many(x, (w.shared_gate, w.shared_up))  # type: ignore[arg-type]
-            sh = ops.silu_mul(sg, su, w.shared_gate.backend)
+            sh = ops.swiglu(x, w.shared_gate, w.shared_up)  # type: ignore[arg-type]
             sh = ops.linear(sh, w.shared_down) * sgate  # type: ignore[arg-type,operator]
             cb("ffn_shexp", il, sh)
             y = y + sh
@@ -286,9 +285,7 @@ class DenseFFN:
         self.w = w
 
     def __call__(self, x: torch.Tensor, cb: Hook) -> torch.Tensor:
-        g, u = ops.linear_many(x, (self.w.gate, self.w.up))
-        h = ops.silu_mul(g, u, self.w.gate.backend)
-        return ops.linear(h, self.w.down)
+        return ops.linear(ops.swiglu(x, self.w.gate, self.w.up), self.w.down)
 
 
 class DecoderLayer:

@@ -13,7 +13,7 @@ from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
 from engine.ops.experts import Experts, MoEOut, Shared, bind_experts, moe_experts, moe_ffn, moe_route
 from engine.ops.layer import (AttentionSpec, DenseSpec, FusedLayer, FusedStep, GDNSpec, LayerSpec, MoESpec, fuse_layer,
                               fuse_step, link_layers)
-from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many
+from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many, swiglu
 from engine.ops.norms import l2_norm, rms_norm, rope
 
 __all__ = [
@@ -22,5 +22,5 @@ __all__ = [
     "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "bind_experts", "default_backend", "delta_rule", "delta_rule_chunked",
     "embedding", "gdn_inputs", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
-    "rms_norm", "rope", "rope_rows", "round_for", "sigmoid_gate", "silu", "silu_mul", "tiled",
+    "rms_norm", "rope", "rope_rows", "round_for", "sigmoid_gate", "silu", "silu_mul", "swiglu", "tiled",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine.ops import native
 from engine.ops.backend import OpEvent
@@ -23,6 +24,7 @@ from engine.ops.experts_bound import Experts, Shared, bind_experts, float32_weig
 from engine.ops.experts_pairs import reduce_slots
 from engine.ops.linear import Linear
 from engine.ops.linear import linear as ops_linear
+from engine.storage.qtensor import QTensor
 
 __all__ = ["Experts", "MoEOut", "Shared", "bind_experts", "moe_experts", "moe_ffn", "moe_route", "reduce_slots",
            "route"]
@@ -57,10 +59,32 @@ def moe_route(x: torch.Tensor, router: Linear, shared_inp: Linear | None, k: int
             and x.is_cpu and x.dtype is torch.float32 and not x.requires_grad:
         return native.moe_route(rw, si.reshape(-1) if si is not None else None, x.contiguous(), k,
                                 router.backend.n_threads(x.shape[0] * router.n_rows * router.n_cols))
+    gates = _triton_gates(router, shared_inp)
+    if gates is not None:
+        from engine.ops import triton_route
+
+        return triton_route.route(x, gates, router.n_rows, k)
     logits = ops_linear(x, router)
     weights, idx = route(logits, k)
     sgate = pointwise(torch.sigmoid, ops_linear(x, shared_inp)) if shared_inp is not None else None
     return logits, weights, idx, sgate
+
+
+def _triton_gates(router: Linear, shared_inp: Linear | None) -> torch.Tensor | None:
+    """The float32 router's rows with the shared gate input's stacked (made once, kept with the router) where the
+    routing runs in engine.ops.triton_route's kernels: the Triton backend, float32 weights on one device."""
+    parts = (router,) if shared_inp is None else (router, shared_inp)
+    if router.backend.kind != "triton" or router.backend.observer is not None or any(
+            not isinstance(p.weight, QTensor) or p.weight.qtype != QT.F32 or p.weight.raw.device != router.weight.raw.device
+            for p in parts):
+        return None
+    key = ("gates", id(shared_inp))
+    if key not in router.forms:
+        from engine.ops import triton_route
+
+        rows = [p.weight.raw.view(torch.float32).view(p.n_rows, p.n_cols) for p in parts]  # type: ignore[union-attr]
+        router.forms[key] = triton_route.gate_matrix(rows[0], rows[1] if len(rows) > 1 else None)
+    return router.forms[key]
 
 
 def moe_ffn(x: torch.Tensor, router: Linear, ex: Experts, shared: Shared | None, k: int,

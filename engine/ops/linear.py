@@ -47,6 +47,7 @@ class Linear:
         self.weight = weight
         self.backend = backend
         self.stacks: dict[tuple[int, ...], Linear | None] = {}  # linear_many: this and other weights stacked
+        self.forms: dict[object, torch.Tensor] = {}  # other kernels' forms of this weight (with others'), by use
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -170,6 +171,22 @@ class TritonLinear(Linear):
         return y.reshape(*x.shape[:-1], n_out)
 
 
+    def glu(self, up: "TritonLinear", x: torch.Tensor) -> torch.Tensor | None:
+        """silu(self x) ⊙ (up x) in one launch where both are GEMV passes over weights of one type and shape (each
+        product with gemv_pairs' bits); else None."""
+        g, u = self.weight, up.weight
+        x2 = x.reshape(-1, g.n_cols)  # type: ignore[union-attr]
+        n = x2.shape[0]
+        if n > GEMV_ROWS or g.qtype != u.qtype or g.shape != u.shape or not (  # type: ignore[union-attr]
+                g.raw.is_contiguous() and u.raw.is_contiguous()):  # type: ignore[union-attr]
+            return None
+        from engine.ops import triton_q
+
+        y = triton_q.gemv_glu_pairs(g.raw, u.raw, g.qtype, g.n_rows, g.n_cols, x2,  # type: ignore[union-attr]
+                                    indices.zeros(n, x2.device), indices.arange(n, x2.device))
+        return y.reshape(*x.shape[:-1], g.n_rows)  # type: ignore[union-attr]
+
+
 class Int8Linear(Linear):
     kind = "int8"
 
@@ -274,6 +291,19 @@ def linear_many(x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
     else:
         y = _observed(first, "linear_many", sum(w.nbytes for w in ws), x, lambda: stacked.product(xf))
     return list(torch.split(y, [w.n_rows for w in ws], dim=-1))
+
+
+def swiglu(x: torch.Tensor, gate: Linear, up: Linear) -> torch.Tensor:
+    """silu(gate x) ⊙ (up x), a feed-forward's first half: one fused launch on the Triton GEMV (TritonLinear.glu),
+    else the two products (`linear_many`) and `silu_mul`."""
+    if isinstance(gate, TritonLinear) and isinstance(up, TritonLinear) and gate.backend.observer is None:
+        h = gate.glu(up, x)
+        if h is not None:
+            return h
+    from engine.ops.elementwise import silu_mul
+
+    g, u = linear_many(x, (gate, up))
+    return silu_mul(g, u, gate.backend)
 
 
 def stack_of(ws: tuple[Linear, ...]) -> Linear | None:
