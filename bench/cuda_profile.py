@@ -20,7 +20,6 @@ anything: a check that the script runs).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.decode import git_info, machine_info, write_result  # noqa: E402
+from bench.decode import device_or_exit, git_info, machine_info, write_result  # noqa: E402
 from engine.events import EngineConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
 from tests.generation import collect  # noqa: E402
@@ -124,9 +123,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_profile.json"))
     args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench/cuda_profile.py: no CUDA device here (torch " + torch.__version__ + ")")
-        sys.exit(2)
+    gpu = device_or_exit(args.device, "bench/cuda_profile.py")
     t = time.perf_counter()
     path = model_path(args.model, Path(args.dir))
     result: dict = {"command": "python bench/cuda_profile.py " + " ".join(sys.argv[1:]),
@@ -138,10 +135,8 @@ def main() -> None:
                               f"({LONG}-token run − {SHORT}-token run) / {LONG - SHORT}, both under torch.profiler; "
                               f"mtp at draft depth {DRAFT}",
                     "settings": {}}
-    if args.device.startswith("cuda"):
-        import triton
-        p = torch.cuda.get_device_properties(0)
-        result["gpu"] = {"name": p.name, "vram_mib": p.total_memory >> 20, "triton": triton.__version__}
+    if gpu is not None:
+        result["gpu"] = gpu
     for graphs in args.graphs.split(","):
         r = measure(path, graphs, args.device, args.modes.split(","))
         result["settings"][graphs] = r

@@ -276,6 +276,22 @@ def machine_info(threads: int) -> dict:
     return info
 
 
+def device_or_exit(device: str, script: str) -> dict | None:
+    """A CUDA device's name, memory, multiprocessors and Triton version (None for the CPU); a script asked for CUDA
+    where there is none says so in one line and exits 2."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA device here (torch {torch.__version__})")
+        sys.exit(2)
+    import triton
+    p = torch.cuda.get_device_properties(0)
+    return {"name": p.name, "vram_mib": p.total_memory >> 20, "sms": p.multi_processor_count,
+            "triton": triton.__version__}
+
+
 def git_info() -> dict:
     def git(*a: str) -> str:
         r = subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT)

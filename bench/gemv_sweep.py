@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.decode import git_info, machine_info, write_result  # noqa: E402
+from bench.decode import device_or_exit, git_info, machine_info, write_result  # noqa: E402
 
 L2_ROTATION_BYTES = 256 << 20  # weights of one case, all copies: several times an H200's 50 MB L2
 LOOP = 32  # calls per captured loop
@@ -195,9 +195,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gemv_sweep.json"))
     args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench/gemv_sweep.py: no CUDA device here (torch " + torch.__version__ + ")")
-        sys.exit(2)
+    gpu = device_or_exit(args.device, "bench/gemv_sweep.py")
     shapes = SHAPES
     result: dict = {"command": "python bench/gemv_sweep.py " + " ".join(sys.argv[1:]),
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
@@ -205,11 +203,8 @@ def main() -> None:
                     "method": f"CUDA-graph replays of {LOOP} calls, median of {REPLAYS}; weights rotated over copies "
                               f"totalling >= {L2_ROTATION_BYTES >> 20} MiB; checked against the current shape",
                     "models": {}}
-    if args.device.startswith("cuda"):
-        import triton
-        p = torch.cuda.get_device_properties(0)
-        result["gpu"] = {"name": p.name, "vram_mib": p.total_memory >> 20, "sms": p.multi_processor_count,
-                         "triton": triton.__version__}
+    if gpu is not None:
+        result["gpu"] = gpu
     for model in args.model.split(","):
         todo = cases(model)
         if args.quick:

@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import decode  # noqa: E402
-from bench.decode import git_info, machine_info, write_result  # noqa: E402
+from bench.decode import device_or_exit, git_info, machine_info, write_result  # noqa: E402
 from bench.hybrid import prompts_for  # noqa: E402
 from engine.events import EngineConfig, GenerationConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
@@ -57,9 +57,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mtp_rounds.json"))
     args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench/mtp_rounds.py: no CUDA device here (torch " + torch.__version__ + ")")
-        sys.exit(2)
+    gpu = device_or_exit(args.device, "bench/mtp_rounds.py")
     prompts, warm, what = prompts_for("embedded", EMBEDDED, 0, SimpleNamespace(chat_prompts=3, decode=args.tokens))
     eng = load(str(EMBEDDED), EngineConfig(n_ctx=512, device=args.device))
     eng.tokenizer.eog_ids = frozenset()  # every reply decodes exactly its tokens
@@ -68,8 +66,8 @@ def main() -> None:
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
                     "machine": machine_info(torch.get_num_threads()), "torch": torch.__version__,
                     "workload": what, "rounds": []}
-    if args.device.startswith("cuda"):
-        result["gpu"] = torch.cuda.get_device_name()
+    if gpu is not None:
+        result["gpu"] = gpu
     for rnd in range(args.rounds):
         for name, mtp, draft in MODES:
             r = {"round": rnd, "mode": name, **one_mode(eng, prompts, args.tokens, mtp, draft)}
