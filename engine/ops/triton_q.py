@@ -173,16 +173,35 @@ def _gemv_glu(g_ptr, u_ptr, x_ptr, y_ptr, sel_ptr, xrow_ptr, kv_ptr, n_out, n_un
 
 
 @triton.jit
-def _slot_sum(d_ptr, wt_ptr, y_ptr, n_out, k, BN: tl.constexpr):
-    """y[t] = Σ_s wt[t, s] · d[t·k + s], slots in order."""
-    pid = tl.program_id(0)
-    t = tl.program_id(1)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < n_out
+def _token_rows(n_out, BN: tl.constexpr):
+    """This program's token t = program_id(1), its BN output rows and their mask."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    return tl.program_id(1), rows, rows < n_out
+
+
+@triton.jit
+def _gemv_slots(w_ptr, h_ptr, y_ptr, sel_ptr, wt_ptr, kv_ptr, n_out, k, n_units, n_blocks, row_bytes, mat_bytes,
+                h_stride, y_stride, QTYPE: tl.constexpr, UBYTES: tl.constexpr, BN: tl.constexpr, UPI: tl.constexpr):
+    """y[t] = Σ_s wt[t, s] · W[sel[t, s]] h[t·k + s], the slots added in order: a token's routed down products and
+    their weighted sum in one launch."""
+    t, rows, rmask = _token_rows(n_out, BN)
     y = tl.zeros([BN], dtype=tl.float32)
     for s in range(0, k):
-        d = tl.load(d_ptr + (t * k + s) * n_out + rows, mask=rmask, other=0.0)
+        mat = tl.load(sel_ptr + t * k + s).to(tl.int64)
+        off = mat * mat_bytes + rows.to(tl.int64)[:, None] * row_bytes
+        d = _row_dots(w_ptr + off, rmask, h_ptr + (t * k + s) * h_stride, n_units, n_blocks, kv_ptr, QTYPE, UBYTES,
+                      BN, UPI)
         y += tl.load(wt_ptr + t * k + s) * d
+    tl.store(y_ptr + t * y_stride + rows, y, mask=rmask)
+
+
+@triton.jit
+def _slot_sum(d_ptr, wt_ptr, y_ptr, n_out, k, BN: tl.constexpr):
+    """y[t] = Σ_s wt[t, s] · d[t·k + s], slots in order: `_gemv_slots`' sum over products made elsewhere."""
+    t, rows, rmask = _token_rows(n_out, BN)
+    y = tl.zeros([BN], dtype=tl.float32)
+    for s in range(0, k):
+        y += tl.load(wt_ptr + t * k + s) * tl.load(d_ptr + (t * k + s) * n_out + rows, mask=rmask, other=0.0)
     tl.store(y_ptr + t * n_out + rows, y, mask=rmask)
 
 
@@ -263,9 +282,23 @@ def gemv_glu_pairs(gate: torch.Tensor, up: torch.Tensor, qtype: QT, n_out: int, 
     return out
 
 
+def gemv_slots(raw: torch.Tensor, qtype: QT, n_out: int, n_cols: int, h: torch.Tensor, sel: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """y[t] = Σ_s weights[t, s] · W[sel[t, s]] h[t·k + s], slots added in order s (a token's routed experts' down
+    products and their weighted sum): h float32 [N·k, n_cols], sel [N, k], weights float32 [N, k]. float32 [N, n_out]."""
+    n, k = sel.shape
+    out = torch.empty(n, n_out, dtype=torch.float32, device=h.device)
+    if n:
+        hc = _float_rows(h)
+        _launch(_gemv_slots, n, qtype, n_out, n_cols, None, raw, hc, out, sel.contiguous(),
+                weights.float().contiguous(), _kvalues(h.device), n_out, k, h_stride=hc.stride(0),
+                y_stride=out.stride(0))
+    return out
+
+
 def slot_sum(d: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_s weights[t, s] · d[t, s] over slots in order, d float32 [N, k, n]: a token's routed experts' outputs
-    weighted and summed, the same way whether the products ran resident or from an expert cache. float32 [N, n]."""
+    """Σ_s weights[t, s] · d[t, s] over slots in order, d float32 [N, k, n] (products made apart, as an expert
+    cache's hits and misses are): the bits `gemv_slots` gives the same products. float32 [N, n]."""
     n, k, n_out = d.shape
     out = torch.empty(n, n_out, dtype=torch.float32, device=d.device)
     if n:
@@ -311,8 +344,9 @@ def self_check(device: torch.device) -> str | None:
             if not close(gemv_glu_pairs(dev_raw, dev_raw, qt, rows, cols, xd, zero, idx), y / (1 + (-y).exp()) * y):
                 return f"{qt.name} gate-up product differs from the plain product"
             wt = torch.tensor([[0.75, -0.5]], device=device)
-            if not close(slot_sum(y.view(1, 2, rows), wt)[0], 0.75 * y[0] - 0.5 * y[1]):
-                return "weighted slot sum differs from torch's"
+            if not close(gemv_slots(dev_raw.view(1, -1), qt, rows, cols, xd, zero.view(1, 2), wt)[0],
+                         0.75 * y[0] - 0.5 * y[1]):
+                return f"{qt.name} weighted slots differ from the plain product"
             if not torch.equal(dequantize_bf16(dev_raw, qt, rows, cols).cpu(), ref.to(torch.bfloat16)):
                 return f"{qt.name} dequantization differs from the reference"
     except Exception as e:  # noqa: BLE001 - any failure to build or launch means: not these kernels here
@@ -335,7 +369,10 @@ def launch_forms() -> list[tuple[object, dict[str, str], dict[str, int], str, in
                 "UBYTES": "constexpr", "BN": "constexpr", "UPI": "constexpr"}
     pairs = {"x_ptr": "*fp32", "y_ptr": "*fp32", "sel_ptr": "*i64", "xrow_ptr": "*i64", "kv_ptr": "*fp32",
              "n_out": "i32", "x_stride": "i64", "y_stride": "i64"}
-    products = [(_gemv_pairs, {"w_ptr": "*u8", **pairs}), (_gemv_glu, {"g_ptr": "*u8", "u_ptr": "*u8", **pairs})]
+    products = [(_gemv_pairs, {"w_ptr": "*u8", **pairs}), (_gemv_glu, {"g_ptr": "*u8", "u_ptr": "*u8", **pairs}),
+                (_gemv_slots, {"w_ptr": "*u8", "h_ptr": "*fp32", "y_ptr": "*fp32", "sel_ptr": "*i64",
+                               "wt_ptr": "*fp32", "kv_ptr": "*fp32", "n_out": "i32", "k": "i32", "h_stride": "i64",
+                               "y_stride": "i64"})]
     for qt in TYPES:
         const = {"QTYPE": int(qt), "UBYTES": UNIT_BYTES[qt]}
         g = GEMV[qt]
