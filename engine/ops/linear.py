@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.ops import indices, native, torch_int8
 from engine.ops.activations import act_format, quantize, round_for
 from engine.ops.backend import ISA_LEVEL, Backend, OpEvent
+from engine.ops.elementwise import silu_mul
 from engine.storage.pages import huge_empty, release_pages
 from engine.storage.qtensor import TILE_ELEMENTS, QTensor
 
@@ -170,7 +171,6 @@ class TritonLinear(Linear):
             y[:, r0:r1] = torch.matmul(xb, triton_q.dequantize_bf16(rows[r0:r1], w.qtype, r1 - r0, k).T).float()
         return y.reshape(*x.shape[:-1], n_out)
 
-
     def glu(self, up: "TritonLinear", x: torch.Tensor) -> torch.Tensor | None:
         """silu(self x) ⊙ (up x) in one launch where both are GEMV passes over weights of one type and shape (each
         product with gemv_pairs' bits); else None."""
@@ -300,8 +300,6 @@ def swiglu(x: torch.Tensor, gate: Linear, up: Linear) -> torch.Tensor:
         h = gate.glu(up, x)
         if h is not None:
             return h
-    from engine.ops.elementwise import silu_mul
-
     g, u = linear_many(x, (gate, up))
     return silu_mul(g, u, gate.backend)
 
