@@ -13,6 +13,7 @@ from typing import Callable, Generator, Iterator, Protocol, Sequence
 import torch
 
 from engine.cache import Cache
+from engine.constrain import Matcher
 from engine.events import Event, GenerationConfig, Token, TokenLogprob
 from engine.models.runner import Runner
 from engine.sampling import Sampler
@@ -58,6 +59,8 @@ class Reply:
         self.out_ids: list[int] = []
         self.detok = tokenizer.detokenizer(skip_special=True)  # control tokens are never shown
         self.stopper = StopStrings(gen.stop_strings)
+        # the constraint's place, advanced by each emitted token (the sampler masks with it)
+        self.matcher = Matcher(gen.constraint, tokenizer) if gen.constraint is not None else None
         self.t_first: float | None = None
         self.reason: str | None = None  # why it ended; None while it goes on
 
@@ -74,15 +77,25 @@ class Reply:
                 self.reason = "eos"
                 return i + 1
             text, hit = self.stopper.push(self.detok.push([tok]))
+            complete = self._complete(tok) and not hit
+            if complete:  # nothing follows: what was held back (a stop string's start) is output
+                text += self.stopper.flush(self.detok.flush())
             if text or not hit:
                 yield Token([tok], text, from_draft, () if rows is None else (self._logprob(tok, rows[i]),))
-            if hit:
-                self.reason = "stop_string"
+            if hit or complete:
+                self.reason = "stop_string" if hit else "eos"
                 return i + 1
             if len(self.out_ids) >= self.gen.max_tokens:
                 self.reason = "max_tokens"
                 return i + 1
         return len(tokens)
+
+    def _complete(self, tok: int) -> bool:
+        """Advance the constraint by an emitted token; True when the output it holds to is complete."""
+        if self.matcher is None:
+            return False
+        self.matcher.consume(tok)
+        return self.matcher.done
 
     def _logprob(self, tok: int, row: torch.Tensor) -> TokenLogprob:
         lp = torch.log_softmax(row.float(), dim=-1)
@@ -120,7 +133,7 @@ class PlainDecoder:
             keep([x], res.hidden)
         logits = res.logits[-1]  # type: ignore[index]
         self.advance([x], logits)
-        return self.sampler.sample(logits, reply.history), logits
+        return self.sampler.sample(logits, reply.history, reply.matcher), logits
 
     def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
         nxt, logits = self.next_token(x, reply)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import ops
+from engine.constrain import Constraint
 from engine.placement import PlacementConfig, Plan
 from engine.sampling import SamplingConfig
 # GenerationConfig.draft's limit. It is defined in engine.validate, which checks it: validate cannot import this module
@@ -74,6 +75,8 @@ class GenerationConfig:
     p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
     # each emitted token's log-probability and this many most likely alternatives (None: none, and no cost)
     logprobs: int | None = None
+    # the output held to a JSON schema by constrained decoding (engine.constrain; None: free text, and no cost)
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,9 @@ class Progress:
 
 @dataclass(frozen=True)
 class Done:
-    reason: str  # "eos" | "max_tokens" | "stop_string" | "stopped" | "context_full" | "context_overflow"
+    # "eos" (the model's end token, or a constraint's output complete) | "max_tokens" | "stop_string" | "stopped" |
+    # "context_full" | "context_overflow"
+    reason: str
     message: str = ""
 
 

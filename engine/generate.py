@@ -282,7 +282,7 @@ class Engine:
                               for il, c in self.model.expert_caches.items()} or None,
             )
 
-        x = sampler.sample(logits, run.history)
+        x = sampler.sample(logits, run.history, run.matcher)
         yield from run.emit([(x, False)], logits)
         plain = PlainDecoder(self.runner, self.cache, self._advance, sampler,
                              self.drafter.push if self.drafter is not None else None)

@@ -1,13 +1,14 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded RNG.
 
 `probs()` turns one logit row into the distribution actually sampled from; speculative decoding uses
-the same function for the draft and the target so acceptance preserves exactly that distribution.
+the same function for the draft and the target so acceptance preserves exactly that distribution. A `Mask` (a
+constraint's matcher, engine.constrain) forbids tokens: their logits are -inf before anything else is chosen.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -35,6 +36,22 @@ class SamplingConfig:
         from engine.validate import validate_sampling
 
         validate_sampling(self)
+
+
+class Mask(Protocol):
+    """What may come next under a constraint (engine.constrain.Matcher)."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def allowed(self) -> torch.Tensor: ...  # a bool per vocabulary id
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The row with every token `allowed` does not allow at -inf (ids past the mask's vocabulary too)."""
+    keep = allowed.to(logits.device)
+    if keep.numel() < logits.numel():
+        keep = torch.nn.functional.pad(keep, (0, logits.numel() - keep.numel()))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> torch.Tensor:
@@ -76,16 +93,27 @@ class Sampler:
         self.gen = torch.Generator()
         self.gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed() & 0x7FFFFFFF)
 
-    def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        return apply_repetition_penalty(logits, history, self.cfg)
+    def penalized(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
+        x = apply_repetition_penalty(logits, history, self.cfg)
+        return x if mask is None else masked(x, mask.allowed())
 
-    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        return probs(self.penalized(logits, history), self.cfg)
+    def distribution(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
+        return probs(self.penalized(logits, history, mask), self.cfg)
 
-    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+    def sample(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> int:
         if self.cfg.greedy:
-            return self.argmax(self.penalized(logits, history))
-        return self.draw(self.distribution(logits, history))
+            return self.pick(logits, history, mask)
+        return self.draw(self.distribution(logits, history, mask))
+
+    def pick(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> int:
+        """The greedy token. Under a mask the row's own argmax where the mask allows it (then it is the masked row's
+        argmax too, first maximum included), so the whole mask is computed only when the model's choice is
+        forbidden."""
+        x = self.penalized(logits, history)
+        t = self.argmax(x)
+        if mask is None or mask.allows(t):
+            return t
+        return self.argmax(masked(x, mask.allowed()))
 
     @staticmethod
     def argmax(x: torch.Tensor) -> int:

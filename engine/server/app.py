@@ -205,7 +205,7 @@ def _encode(eng: ServedEngine, req: Request) -> _Prompt:
     """The prompt as ids (runs off the event loop). A chat's tools go to the template, or are written into the
     messages for a template that renders none; a forced call (tool_choice required or named) is prefilled: the
     reply starts inside the call, after a thinking block the template closes (enable_thinking false) or, where it
-    does not, one closed here."""
+    does not, one closed here. A reply held to a JSON response_format starts after such a closed block too."""
     _check_size(eng, req)
     if not req.chat:
         if isinstance(req.prompt, str):  # the whole prompt is the client's: special tokens are parsed
@@ -220,7 +220,8 @@ def _encode(eng: ServedEngine, req: Request) -> _Prompt:
     tools = req.tools
     fmt = toolkit.tool_format(eng.chat)
     prefill = "" if tools is None or tools.choice == "auto" else fmt.opening(tools.forced)
-    thinking_on = False if prefill else req.enable_thinking
+    held = bool(prefill) or req.gen.constraint is not None  # the reply starts at once with a call or the JSON
+    thinking_on = False if held else req.enable_thinking
     msgs, given = (req.prompt, tools.tools if tools else None) if fmt.native else \
         (toolkit.written_in(req.prompt, tools.tools if tools else ()), None)
     try:
@@ -229,7 +230,7 @@ def _encode(eng: ServedEngine, req: Request) -> _Prompt:
         thinking = opens_thinking(eng.chat.render(msgs, enable_thinking=thinking_on, tools=given))
     except (ChatTemplateError, InvalidParameterError) as e:
         raise bad(str(e), "messages") from None
-    if prefill:
+    if held:
         ids += eng.tokenizer.encode((f"\n{CLOSE}\n\n" if thinking else "") + prefill, special=True, add_bos=False)
         thinking = False
     return _Prompt(req, eng, ids, thinking, None if tools is None else CallSetup(tools, fmt, prefill))

@@ -3,10 +3,12 @@
 
 Validation is hand-written rather than a schema library: the few fields are checked with messages that name
 the field, bools are never taken for numbers (JSON `true` is not 1), and unknown fields are ignored as
-OpenAI clients send many. A field the engine cannot honour (n > 1, logit_bias, response formats, penalties,
-functions) is refused with 400 rather than silently ignored. Tools are checked here too: each function's name,
-and its parameters as a JSON schema (jsonschema), so that a call can be checked against it later. The body as a whole must be plain JSON: no NaN or Infinity, no
-nesting past what the parser takes, no string (or key) that is not Unicode (a lone surrogate such as "\\ud800").
+OpenAI clients send many. A field the engine cannot honour (n > 1, logit_bias, penalties, functions) is refused
+with 400 rather than silently ignored. `response_format` json_object and json_schema become a constraint the
+engine enforces token by token (engine.constrain); a schema it cannot compile is a 400 saying why. Tools are
+checked here too: each function's name, and its parameters as a JSON schema (jsonschema), so that a call can be
+checked against it later. The body as a whole must be plain JSON: no NaN or Infinity, no nesting past what the
+parser takes, no string (or key) that is not Unicode (a lone surrogate such as "\\ud800").
 The limits are engine.validate's: a request is a 400 here, never a failure in the engine.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jsonschema.exceptions import SchemaError
 
 from engine import tools as toolkit
 from engine import validate
+from engine.constrain import Constraint
 from engine.errors import InvalidParameterError
 from engine.events import GenerationConfig, Stats
 from engine.sampling import SamplingConfig
@@ -151,17 +154,53 @@ def parse_chat(body: dict[str, Any], defaults: GenerationConfig) -> Request:
         max_tokens = _int(body, "max_tokens", 1, validate.MAX_TOKENS)
     thinking = _bool(_object(body, "chat_template_kwargs"), "enable_thinking", "chat_template_kwargs")
     _off(body, "functions", [])
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("only the 'text' response_format is supported", "response_format", "unsupported_parameter")
+    constraint = parse_response_format(body.get("response_format"))
     logprobs = _bool(body, "logprobs", "logprobs")
     top = _int(body, "top_logprobs", 0, validate.MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     req = _request(body, defaults, chat=True, prompt=messages, max_tokens=max_tokens, enable_thinking=thinking,
                    logprobs=(top or 0) if logprobs else None)
-    return replace(req, tools=parse_tools(body.get("tools"), body.get("tool_choice"),
-                                          _bool(body, "parallel_tool_calls", "parallel_tool_calls")))
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"),
+                        _bool(body, "parallel_tool_calls", "parallel_tool_calls"))
+    if tools is not None and constraint is not None:
+        raise bad("a JSON 'response_format' leaves no room for tool calls: send 'tool_choice': 'none' or no 'tools'",
+                  "response_format")
+    return replace(req, tools=tools, gen=replace(req.gen, constraint=constraint))
+
+
+def parse_response_format(fmt: Any) -> Constraint | None:
+    """`response_format`: None for text; json_object (any JSON object) or json_schema ({"name", "schema",
+    "strict"}) as the constraint the engine decodes under, whether or not `strict` is set."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind != "json_schema":
+        raise bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                  "response_format", "unsupported_parameter")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("'response_format.json_schema' must be an object whose 'schema' is a JSON schema object",
+                  "response_format.json_schema")
+    name = spec.get("name")
+    if name is not None and (not isinstance(name, str) or not TOOL_NAME.fullmatch(name)):
+        raise bad("'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+                  "response_format.json_schema.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict")
+    schema = spec.get("schema", {})
+    try:
+        toolkit.check_schema(schema)
+        constraint = Constraint.json_schema(schema)
+        constraint.check()
+    except (SchemaError, RecursionError, InvalidParameterError) as e:
+        raise bad(f"'response_format.json_schema.schema' is not a schema this server can enforce: "
+                  f"{str(e).splitlines()[0][:300]}",
+                  "response_format.json_schema.schema") from None
+    return constraint
 
 
 def parse_tools(tools: Any, choice: Any, parallel: bool | None) -> Tools | None:

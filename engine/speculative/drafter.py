@@ -20,6 +20,8 @@ class Draft:
     tokens: list[int]
     probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
     catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
+    # the q of a draft the constraint forbade, cut off with the drafts after it (engine.speculative.verify)
+    cut: torch.Tensor | None = None
 
 
 class MTPDrafter:

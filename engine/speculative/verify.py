@@ -3,7 +3,9 @@
 A step either decodes one token plainly, optionally drafting one token beside it as a shadow probe (the head's
 guess compared with the trunk's own next token: acceptance learnt without a verify pass), or drafts K tokens,
 verifies [x, d1..dK] in one trunk pass, emits the accepted prefix and the trunk's own token, and commits the kept
-prefix (GDN state at the last kept position, attention KV and the head's KV truncated by length).
+prefix (GDN state at the last kept position, attention KV and the head's KV truncated by length). Under a
+constraint (engine.constrain) a draft is cut at its first token the constraint forbids before it is verified, and
+acceptance reads every verify row masked, the matcher moved ahead over the drafts and back.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Generator, Sequence
 
 import torch
 
+from engine.constrain import Matcher
 from engine.decoding import PlainDecoder, Reply
 from engine.events import Event
 from engine.sampling import Sampler
@@ -53,7 +56,7 @@ class SpeculativeDecoder:
         if probe is not None and probe.tokens:
             q = probe.probs[0]
             hit = float(probe.tokens[0] == nxt) if q is None else \
-                float(torch.minimum(sampler.distribution(logits, run.history), q).sum())
+                float(torch.minimum(sampler.distribution(logits, run.history, run.matcher), q).sum())
             depth.observe_probe(hit, probe_s - probe.catch_up_s)
         yield from run.emit([(nxt, False)], logits)
         return nxt
@@ -65,7 +68,8 @@ class SpeculativeDecoder:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         t0 = time.perf_counter()
-        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min)
+        drafted = self.drafter.draft(x, k, sampler, run.history, depth.p_min)
+        draft = allowed_draft(drafted, run.matcher)
         t1 = time.perf_counter()
         pos0 = cache.pos
         seq = [x] + draft.tokens
@@ -73,9 +77,10 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         # run.history ends with x: it was emitted by the previous step
         if sampler.cfg.greedy:
-            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history)  # type: ignore[arg-type]
+            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history,  # type: ignore[arg-type]
+                                       run.matcher)
         else:
-            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history)  # type: ignore[arg-type]
+            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history, run.matcher)  # type: ignore[arg-type]
         t_acc = time.perf_counter()
         emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
         n_out = len(run.out_ids)
@@ -91,7 +96,7 @@ class SpeculativeDecoder:
             self.drafter.commit(c, seq, res.hidden)
             self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
-        spec.record(len(draft.tokens), n_acc)
+        spec.record(len(drafted.tokens), n_acc)  # drafts the constraint cut count as drafted and not accepted
         spec.draft_s += t1 - t0
         spec.verify_s += t2 - t1
         spec.commit_s += t4 - t3
@@ -101,32 +106,61 @@ class SpeculativeDecoder:
         return emitted[kept - 1][0]
 
 
+def allowed_draft(draft: Draft, matcher: Matcher | None) -> Draft:
+    """The draft cut before its first token the constraint forbids (that token's q kept as `cut`: sampling draws the
+    bonus token as that draft's rejection would have)."""
+    n = len(draft.tokens) if matcher is None else matcher.prefix(draft.tokens)
+    if n == len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:n], draft.probs[:n], draft.catch_up_s, cut=draft.probs[n])
+
+
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
-                  history: list[int]) -> tuple[int, int]:
-    """(number of drafts accepted, the trunk's own next token) — the longest matching prefix."""
+                  history: list[int], matcher: Matcher | None = None) -> tuple[int, int]:
+    """(number of drafts accepted, the trunk's own next token) — the longest matching prefix; under a constraint
+    each row's choice is the masked one (the drafts are ones it allows)."""
     hist = list(history)
-    for i, d in enumerate(drafts):
-        t = sampler.argmax(sampler.penalized(target_logits[i], hist))
-        if t != d:
-            return i, t
-        hist.append(d)
-    return len(drafts), sampler.argmax(sampler.penalized(target_logits[len(drafts)], hist))
+    try:
+        for i, d in enumerate(drafts):
+            t = sampler.pick(target_logits[i], hist, matcher)
+            if t != d:
+                return i, t
+            hist.append(d)
+            if matcher is not None:
+                matcher.ahead(d)
+        return len(drafts), sampler.pick(target_logits[len(drafts)], hist, matcher)
+    finally:
+        if matcher is not None:
+            matcher.back()
 
 
 def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
-                    history: list[int]) -> tuple[int, int]:
+                    history: list[int], matcher: Matcher | None = None) -> tuple[int, int]:
     """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
     min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
-    draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling."""
+    draw the bonus token from p_{K+1} (or, for a draft cut by the constraint, as that cut draft's rejection would).
+    The emitted tokens are distributed exactly as plain sampling, under a constraint as plain masked sampling."""
     hist = list(history)
-    for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
-        p = sampler.distribution(target_logits[i], hist)
-        assert q is not None
-        if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q without dividing by a tiny q
-            hist.append(d)
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        tok = sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)
-        return i, tok
-    return len(draft.tokens), sampler.draw(sampler.distribution(target_logits[len(draft.tokens)], hist))
+    try:
+        for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
+            p = sampler.distribution(target_logits[i], hist, matcher)
+            assert q is not None
+            if sampler.uniform() * float(q[d]) < float(p[d]):  # u < p/q without dividing by a tiny q
+                hist.append(d)
+                if matcher is not None:
+                    matcher.ahead(d)
+                continue
+            return i, _residual_draw(sampler, p, q)
+        p = sampler.distribution(target_logits[len(draft.tokens)], hist, matcher)
+        # a cut draft is one p gives no mass (p(d) = 0): rejected for certain, so the draw is its rejection's
+        return len(draft.tokens), sampler.draw(p) if draft.cut is None else _residual_draw(sampler, p, draft.cut)
+    finally:
+        if matcher is not None:
+            matcher.back()
+
+
+def _residual_draw(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
+    """The token after a rejected draft drawn from q: from normalise(max(0, p − q)), or p where that has no mass."""
+    residual = torch.clamp(p - q, min=0.0)
+    total = float(residual.sum())
+    return sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)

@@ -1,0 +1,121 @@
+"""Constrained decoding: output held to a JSON schema by a token mask each step (llguidance compiles the schema).
+
+A `Constraint` (GenerationConfig.constraint) names the schema; each reply gets a `Matcher` over the engine's own
+tokenizer (llguidance's vocabulary is built from each id's bytes, once per tokenizer). The sampler masks a logit row
+with what the matcher allows (engine.sampling); the reply advances it by every emitted token, and ends when the
+output is complete. Speculative decoding cuts a draft at its first forbidden token (`prefix`) and verifies the rest
+with the matcher moved `ahead` over the drafts and then `back`, so it only ever holds emitted tokens.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import llguidance
+import numpy as np
+import torch
+
+from engine.errors import EngineError, InvalidParameterError
+from engine.tokenizer import CONTROL, Tokenizer
+
+# One fixed layout, as json.dumps writes it: no runs of whitespace for a weak model to fill a reply with.
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(EngineError):
+    """The constraint's state went wrong mid-reply (a token it forbids was emitted): a decoding bug, never data."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """The output must be JSON text valid for `schema` (the schema as JSON text)."""
+
+    schema: str
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Any JSON object (OpenAI's response_format json_object)."""
+        return cls('{"type": "object"}')
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any]) -> Constraint:
+        return cls(json.dumps(schema))
+
+    def grammar(self) -> str:
+        return llguidance.LLMatcher.grammar_from_json_schema(self.schema, overrides=_LAYOUT)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        """InvalidParameterError saying why, for a schema llguidance cannot compile (or does not implement)."""
+        why = llguidance.LLMatcher.validate_grammar(self.grammar())
+        if why:
+            raise InvalidParameterError(f"the JSON schema cannot be enforced: {why.strip()[:300]}")
+
+
+class _Vocabulary:
+    """The engine tokenizer as llguidance.TokenizerWrapper reads one: each id's bytes, the control ids, encoding."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)]
+        self.special_token_ids = [i for i in range(tokenizer.n_vocab) if tokenizer.token_type(i) == CONTROL]
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._tokenizer.encode(text, add_bos=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _lltokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for one model (its token trie: built once, shared by every reply)."""
+    eog = sorted(tokenizer.eog_ids)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer)), n_vocab=tokenizer.n_vocab,
+                                  eos_token=eog or None)
+
+
+class Matcher:
+    """One reply's place in its constraint: what may come next, advanced by each emitted token."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Tokenizer):
+        """InvalidParameterError for a schema that cannot be compiled."""
+        self.n_vocab = tokenizer.n_vocab
+        self._m = llguidance.LLMatcher(_lltokenizer(tokenizer), constraint.grammar(), log_level=0)
+        if self._m.is_error():
+            raise InvalidParameterError(f"the JSON schema cannot be enforced: {self._m.get_error()[:300]}")
+        self._ahead = 0
+
+    def allows(self, token: int) -> bool:
+        return self._m.validate_tokens([token]) == 1
+
+    def prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order from here, the constraint allows."""
+        return self._m.validate_tokens(list(tokens)) if tokens else 0
+
+    def allowed(self) -> torch.Tensor:
+        """A bool per vocabulary id: may it come next."""
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        return torch.from_numpy(np.unpackbits(bits, count=self.n_vocab, bitorder="little").view(np.bool_))
+
+    def consume(self, token: int) -> None:
+        """An emitted token."""
+        if not self._m.consume_token(token):
+            raise ConstraintError(f"token {token} was emitted against the constraint: {self._m.get_error()[:300]}")
+
+    def ahead(self, token: int) -> None:
+        """Move over a token not yet emitted (a draft being verified); `back` undoes every such move."""
+        self.consume(token)
+        self._ahead += 1
+
+    def back(self) -> None:
+        if self._ahead:
+            self._m.rollback(self._ahead)
+            self._ahead = 0
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: nothing but the end may follow."""
+        return self._m.is_stopped()

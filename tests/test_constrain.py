@@ -1,0 +1,182 @@
+"""Structured output (issue 46, item 2): response_format json_object and json_schema enforced by constrained decoding
+(engine.constrain), through the official openai client; greedy MTP the same tokens as plain under a schema; a draft
+the constraint forbids never accepted; a schema the server cannot enforce refused with 400."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+import engine.generate
+from engine.constrain import Constraint, Matcher
+from engine.sampling import Sampler, SamplingConfig
+from engine.speculative import Draft, accept_greedy, accept_sampling, allowed_draft
+from engine.server.run import LocalServer
+from tests.generation import collect
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "alive": {"type": "boolean"},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "home": {"type": "object",
+                 "properties": {"city": {"type": "string", "maxLength": 16},
+                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                "kind": {"enum": ["house", "flat", "tent"]}},
+                 "required": ["city", "zip", "kind"], "additionalProperties": False},
+        "pets": {"type": "array", "maxItems": 2,
+                 "items": {"type": "object", "properties": {"species": {"enum": ["cat", "dog"]},
+                                                            "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+                           "required": ["species", "legs"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "alive", "colours", "home", "pets"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+PROMPTS = ["Describe a person as JSON.", "Who made the heaven?", "Spell the word banana."]
+CHAT = [{"role": "user", "content": PROMPTS[0]}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The embedded model, and the official client of a server that serves it."""
+    model = engine.generate.load(None)
+    srv = LocalServer(model, port=0)
+    srv.start()
+    try:
+        yield model, openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def eng(served):
+    return served[0]
+
+
+@pytest.fixture
+def client(served):
+    return served[1]
+
+
+def ask(client, prompt: str, **kw):  # type: ignore[no-untyped-def]
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                          **{"max_tokens": 256, **kw})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 1.3])
+def test_schema_output_always_parses_and_validates(client, temperature: float) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        r = ask(client, prompt, temperature=temperature, seed=i, response_format=FORMAT)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_schema_output_streamed_with_mtp(client) -> None:
+    stream = ask(client, PROMPTS[1], temperature=0.7, seed=5, response_format=FORMAT, stream=True,
+                 extra_body={"mtp": 3})
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), SCHEMA)
+
+
+def test_json_object_output_is_an_object(client, eng) -> None:
+    """The embedded model is too small to close a free key string within max_tokens (the schema tests above show
+    replies that end): its output is an object in the making, every token one the constraint allows."""
+    for temperature in (0.0, 0.9):
+        r = ask(client, PROMPTS[0], temperature=temperature, seed=3, response_format={"type": "json_object"},
+                max_tokens=48)
+        content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        ids = eng.tokenizer.encode(content, add_bos=False)
+        assert content.startswith("{") and Matcher(Constraint.json_object(), eng.tokenizer).prefix(ids) == len(ids)
+        if finish == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:
+            assert finish == "length"
+
+
+def test_text_response_format_is_free_text(client) -> None:
+    r = ask(client, PROMPTS[2], temperature=0, response_format={"type": "text"}, max_tokens=24)
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("fmt, says", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}, "strin"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                   "properties": {"a": {"$ref": "#/nowhere"}}}}},
+     "nowhere"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "schema"),
+    ({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}}, "name"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "xml"}, "json_object"),
+])
+def test_a_format_or_schema_that_cannot_be_enforced_is_400(client, fmt, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, PROMPTS[0], response_format=fmt)
+    assert e.value.status_code == 400 and says in e.value.body["message"]
+    assert e.value.body["param"].startswith("response_format")
+
+
+def test_json_with_tools_that_may_be_called_is_400(client) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        ask(client, PROMPTS[0], response_format={"type": "json_object"}, tools=[tool])
+
+
+def test_greedy_mtp_gives_the_same_tokens_as_plain_under_a_schema(eng) -> None:
+    c = Constraint.json_schema(SCHEMA)
+    plain, _, _, done = collect(eng, CHAT, max_tokens=256, mtp=False, constraint=c)
+    spec, from_draft, _, spec_done = collect(eng, CHAT, max_tokens=256, mtp=True, draft=3, constraint=c)
+    assert spec == plain and done.reason == spec_done.reason == "eos"
+    assert sum(from_draft) > 5  # drafts were in play
+    free, _, _, _ = collect(eng, CHAT, max_tokens=len(plain), mtp=False)
+    assert free != plain  # the constraint changed the reply
+
+
+def test_every_emitted_token_was_allowed_with_drafts_sampled(eng) -> None:
+    c = Constraint.json_schema(SCHEMA)
+    for seed in range(4):
+        ids, from_draft, _, done = collect(eng, CHAT, max_tokens=256, mtp=True, draft=4, constraint=c,
+                                           sampling=SamplingConfig(temperature=1.0, seed=seed))
+        m = Matcher(c, eng.tokenizer)
+        assert done.reason == "eos" and m.prefix(ids) == len(ids)
+        for t in ids:
+            m.consume(t)
+        assert m.done
+        jsonschema.validate(json.loads(eng.tokenizer.decode(ids)), SCHEMA)
+
+
+def forced_rows(eng, favourite: int, n: int) -> torch.Tensor:
+    """`n` logit rows whose clear favourite is one token."""
+    rows = torch.zeros(n, eng.tokenizer.n_vocab)
+    rows[:, favourite] = 50.0
+    return rows
+
+
+def test_a_draft_the_constraint_forbids_is_cut_and_never_accepted(eng) -> None:
+    tok = eng.tokenizer
+    m = Matcher(Constraint.json_object(), tok)
+    brace, letter = tok.encode("{", add_bos=False)[0], tok.encode("a", add_bos=False)[0]
+    assert m.allows(brace) and not m.allows(letter)
+    draft = Draft([brace, letter, brace], [None, None, None])
+    assert allowed_draft(draft, m).tokens == [brace] and allowed_draft(draft, None) is draft
+    greedy = Sampler(SamplingConfig())
+    # the verify rows favour the forbidden token: the masked choice is an allowed one, and no draft is accepted
+    n_acc, nxt = accept_greedy(forced_rows(eng, letter, 2), [letter], greedy, [], m)
+    assert n_acc == 0 and nxt != letter and m.allows(nxt)
+    # sampled: a forbidden draft (p gives it nothing) is never accepted, and the token after it is allowed
+    hot = Sampler(SamplingConfig(temperature=1.0, seed=1))
+    q = torch.softmax(forced_rows(eng, letter, 1)[0], -1)
+    for _ in range(50):
+        n_acc, nxt = accept_sampling(forced_rows(eng, letter, 2), Draft([letter], [q]), hot, [], m)
+        assert n_acc == 0 and m.allows(nxt)
+        n_acc, nxt = accept_sampling(forced_rows(eng, letter, 1), Draft([], [], cut=q), hot, [], m)
+        assert n_acc == 0 and m.allows(nxt)
+    assert m.allows(brace) and not m.done  # acceptance moved the matcher ahead and back: it holds nothing yet
