@@ -3,15 +3,15 @@
 A `Constraint` (GenerationConfig.constraint) names the schema; each reply gets a `Matcher` over the engine's own
 tokenizer (llguidance's vocabulary is built from each id's bytes, once per tokenizer). The sampler masks a logit row
 with what the matcher allows (engine.sampling); the reply advances it by every emitted token, and ends when the
-output is complete. Speculative decoding cuts a draft at its first forbidden token (`prefix`) and verifies the rest
-with the matcher moved `ahead` over the drafts and then `back`, so it only ever holds emitted tokens.
+output is complete. Speculative decoding drafts from the head's masked rows and verifies with masked rows, the matcher
+moved `ahead` over the drafts and then `back`, so that it only ever holds emitted tokens.
 """
 from __future__ import annotations
 
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import llguidance
 import numpy as np
@@ -62,11 +62,17 @@ class _Vocabulary:
         self.special_token_ids = [i for i in range(tokenizer.n_vocab) if tokenizer.token_type(i) == CONTROL]
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
+        # llguidance tokenizes the text a schema forces next (a key, its quotes) at most steps, the same few texts
+        # in every reply: remembered, a step's mask is no round trip through the tokenizer
+        self.encode = functools.lru_cache(maxsize=4096)(self._encode)
 
     def __call__(self, text: str | bytes) -> list[int]:
+        return list(self.encode(text))
+
+    def _encode(self, text: str | bytes) -> tuple[int, ...]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        return self._tokenizer.encode(text, add_bos=False)
+        return tuple(self._tokenizer.encode(text, add_bos=False))
 
 
 @functools.lru_cache(maxsize=4)
@@ -86,19 +92,17 @@ class Matcher:
         self._m = llguidance.LLMatcher(_lltokenizer(tokenizer), constraint.grammar(), log_level=0)
         if self._m.is_error():
             raise InvalidParameterError(f"the JSON schema cannot be enforced: {self._m.get_error()[:300]}")
-        self._ahead = 0
+        self._eog = tokenizer.eog_ids
+        self._ahead, self._ended = 0, False
+        self._bits = np.zeros((self.n_vocab + 31) // 32 * 4, dtype=np.uint8)  # llguidance's mask: a bit per id
 
     def allows(self, token: int) -> bool:
         return self._m.validate_tokens([token]) == 1
 
-    def prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`, in order from here, the constraint allows."""
-        return self._m.validate_tokens(list(tokens)) if tokens else 0
-
     def allowed(self) -> torch.Tensor:
         """A bool per vocabulary id: may it come next."""
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, count=self.n_vocab, bitorder="little").view(np.bool_))
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        return torch.from_numpy(np.unpackbits(self._bits, count=self.n_vocab, bitorder="little").view(np.bool_))
 
     def consume(self, token: int) -> None:
         """An emitted token."""
@@ -106,7 +110,11 @@ class Matcher:
             raise ConstraintError(f"token {token} was emitted against the constraint: {self._m.get_error()[:300]}")
 
     def ahead(self, token: int) -> None:
-        """Move over a token not yet emitted (a draft being verified); `back` undoes every such move."""
+        """Move over a token not yet emitted (a draft); `back` undoes every such move. An end token is only noted:
+        nothing follows it (and llguidance does not roll one back exactly)."""
+        if token in self._eog:
+            self._ended = True
+            return
         self.consume(token)
         self._ahead += 1
 
@@ -114,8 +122,9 @@ class Matcher:
         if self._ahead:
             self._m.rollback(self._ahead)
             self._ahead = 0
+        self._ended = False
 
     @property
     def done(self) -> bool:
-        """The output is complete: nothing but the end may follow."""
-        return self._m.is_stopped()
+        """The output is complete (or an end token was taken ahead): nothing but the end may follow."""
+        return self._ended or self._m.is_stopped()

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from engine.errors import NonFiniteLogitsError
@@ -51,7 +52,9 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     keep = allowed.to(logits.device)
     if keep.numel() < logits.numel():
         keep = torch.nn.functional.pad(keep, (0, logits.numel() - keep.numel()))
-    return logits.masked_fill(~keep, float("-inf"))
+    if logits.is_cpu and logits.dtype == torch.float32 and not logits.requires_grad:  # numpy: far less dispatch
+        return torch.from_numpy(np.where(keep.numpy(), logits.numpy(), np.float32("-inf")))
+    return torch.where(keep, logits, float("-inf"))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> torch.Tensor:

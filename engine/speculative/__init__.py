@@ -15,7 +15,7 @@ length: rollback costs no recomputation.
 """
 from engine.speculative.depth import AutoMemory, DepthController, SpecStats
 from engine.speculative.drafter import Draft, MTPDrafter
-from engine.speculative.verify import SpeculativeDecoder, accept_greedy, accept_sampling, allowed_draft
+from engine.speculative.verify import SpeculativeDecoder, accept_greedy, accept_sampling
 
 __all__ = ["AutoMemory", "DepthController", "Draft", "MTPDrafter", "SpecStats", "SpeculativeDecoder",
-           "accept_greedy", "accept_sampling", "allowed_draft"]
+           "accept_greedy", "accept_sampling"]

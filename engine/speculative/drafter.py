@@ -9,7 +9,8 @@ import torch
 
 from engine.cache import Cache
 from engine.models.runner import HeadRunner
-from engine.sampling import Sampler
+from engine.constrain import Matcher
+from engine.sampling import Sampler, masked
 from engine.events import MAX_DRAFT
 
 CATCH_UP_CHUNK = 256
@@ -20,8 +21,6 @@ class Draft:
     tokens: list[int]
     probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
     catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
-    # the q of a draft the constraint forbade, cut off with the drafts after it (engine.speculative.verify)
-    cut: torch.Tensor | None = None
 
 
 class MTPDrafter:
@@ -66,9 +65,12 @@ class MTPDrafter:
         self.pending_tokens, self.pending_hidden = [], []
         self._committed = self.cache.pos
 
-    def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0) -> Draft:
+    def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0,
+              matcher: Matcher | None = None) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
-        `history` is every token so far, ending with x (for the repetition penalty)."""
+        `history` is every token so far, ending with x (for the repetition penalty). Under a constraint (`matcher`,
+        moved ahead over the chain and back) each draft is chosen from the head's masked row, so every draft is one
+        the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it."""
         out = Draft([], [])
         if len(self.pending_tokens) > MAX_DRAFT + 1:  # a backlog (steps decoded without drafting): caught up on
             t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
@@ -80,25 +82,33 @@ class MTPDrafter:
         res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
         self._committed = self.cache.pos
         hist = list(history)
-        for i in range(depth):
-            logits = res.logits[-1]
-            if sampler.cfg.greedy:
-                q = None
-                tok = int(torch.argmax(sampler.penalized(logits, hist)))
-            else:
-                q = sampler.distribution(logits, hist)
-                tok = sampler.draw(q)
-            if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
-                conf = float(q.max()) if q is not None else float(torch.softmax(logits.float(), -1).max())
-                if conf < p_min:
+        try:
+            for i in range(depth):
+                logits = res.logits[-1]
+                if sampler.cfg.greedy:
+                    q = None
+                    tok = int(torch.argmax(sampler.penalized(logits, hist))) if matcher is None else \
+                        sampler.pick(logits, hist, matcher)
+                else:
+                    q = sampler.distribution(logits, hist, matcher)
+                    tok = sampler.draw(q)
+                if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
+                    row = logits if matcher is None else masked(logits, matcher.allowed())
+                    conf = float(q.max()) if q is not None else float(torch.softmax(row.float(), -1).max())
+                    if conf < p_min:
+                        break
+                out.tokens.append(tok)
+                out.probs.append(q)
+                hist.append(tok)
+                if matcher is not None:
+                    matcher.ahead(tok)
+                if i + 1 < depth and self.cache.pos < self.cache.n_ctx and not (matcher is not None and matcher.done):
+                    res = self.head.forward([tok], res.hidden[-1:], self.cache)
+                else:
                     break
-            out.tokens.append(tok)
-            out.probs.append(q)
-            hist.append(tok)
-            if i + 1 < depth and self.cache.pos < self.cache.n_ctx:
-                res = self.head.forward([tok], res.hidden[-1:], self.cache)
-            else:
-                break
+        finally:
+            if matcher is not None:
+                matcher.back()
         return out
 
     def commit(self, kept: int, tokens: Sequence[int], verify_hidden: torch.Tensor) -> None:

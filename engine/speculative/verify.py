@@ -4,8 +4,8 @@ A step either decodes one token plainly, optionally drafting one token beside it
 guess compared with the trunk's own next token: acceptance learnt without a verify pass), or drafts K tokens,
 verifies [x, d1..dK] in one trunk pass, emits the accepted prefix and the trunk's own token, and commits the kept
 prefix (GDN state at the last kept position, attention KV and the head's KV truncated by length). Under a
-constraint (engine.constrain) a draft is cut at its first token the constraint forbids before it is verified, and
-acceptance reads every verify row masked, the matcher moved ahead over the drafts and back.
+constraint (engine.constrain) the drafts are drawn from the head's masked rows, so none is one the constraint forbids,
+and acceptance reads every verify row masked, the matcher moved ahead over the drafts and back.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class SpeculativeDecoder:
         probe = None
         if depth.probe_now(room):  # shadow probe: one draft, no verify
             t_probe = time.perf_counter()
-            probe = self.drafter.draft(x, 1, sampler, run.history)
+            probe = self.drafter.draft(x, 1, sampler, run.history, matcher=run.matcher)
             probe_s = time.perf_counter() - t_probe
             spec.draft_s += probe_s
         t_step = time.perf_counter()
@@ -68,8 +68,7 @@ class SpeculativeDecoder:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         t0 = time.perf_counter()
-        drafted = self.drafter.draft(x, k, sampler, run.history, depth.p_min)
-        draft = allowed_draft(drafted, run.matcher)
+        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min, run.matcher)
         t1 = time.perf_counter()
         pos0 = cache.pos
         seq = [x] + draft.tokens
@@ -96,7 +95,7 @@ class SpeculativeDecoder:
             self.drafter.commit(c, seq, res.hidden)
             self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
-        spec.record(len(drafted.tokens), n_acc)  # drafts the constraint cut count as drafted and not accepted
+        spec.record(len(draft.tokens), n_acc)
         spec.draft_s += t1 - t0
         spec.verify_s += t2 - t1
         spec.commit_s += t4 - t3
@@ -104,15 +103,6 @@ class SpeculativeDecoder:
         # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
         depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), len(draft.tokens), t1 - t0 - draft.catch_up_s)
         return emitted[kept - 1][0]
-
-
-def allowed_draft(draft: Draft, matcher: Matcher | None) -> Draft:
-    """The draft cut before its first token the constraint forbids (that token's q kept as `cut`: sampling draws the
-    bonus token as that draft's rejection would have)."""
-    n = len(draft.tokens) if matcher is None else matcher.prefix(draft.tokens)
-    if n == len(draft.tokens):
-        return draft
-    return Draft(draft.tokens[:n], draft.probs[:n], draft.catch_up_s, cut=draft.probs[n])
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
@@ -138,8 +128,8 @@ def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
                     history: list[int], matcher: Matcher | None = None) -> tuple[int, int]:
     """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
     min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
-    draw the bonus token from p_{K+1} (or, for a draft cut by the constraint, as that cut draft's rejection would).
-    The emitted tokens are distributed exactly as plain sampling, under a constraint as plain masked sampling."""
+    draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling (under a
+    constraint, p and q both masked: as plain masked sampling)."""
     hist = list(history)
     try:
         for i, (d, q) in enumerate(zip(draft.tokens, draft.probs)):
@@ -150,17 +140,11 @@ def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
                 if matcher is not None:
                     matcher.ahead(d)
                 continue
-            return i, _residual_draw(sampler, p, q)
-        p = sampler.distribution(target_logits[len(draft.tokens)], hist, matcher)
-        # a cut draft is one p gives no mass (p(d) = 0): rejected for certain, so the draw is its rejection's
-        return len(draft.tokens), sampler.draw(p) if draft.cut is None else _residual_draw(sampler, p, draft.cut)
+            residual = torch.clamp(p - q, min=0.0)
+            total = float(residual.sum())
+            tok = sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)
+            return i, tok
+        return len(draft.tokens), sampler.draw(sampler.distribution(target_logits[len(draft.tokens)], hist, matcher))
     finally:
         if matcher is not None:
             matcher.back()
-
-
-def _residual_draw(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
-    """The token after a rejected draft drawn from q: from normalise(max(0, p − q)), or p where that has no mass."""
-    residual = torch.clamp(p - q, min=0.0)
-    total = float(residual.sum())
-    return sampler.draw(residual / total) if total > 0 and math.isfinite(total) else sampler.draw(p)

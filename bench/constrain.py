@@ -1,0 +1,128 @@
+"""What constrained decoding (response_format json_schema, engine/constrain.py) costs in decode speed: the same
+prompts decoded free and under a nested schema, plain and with MTP, greedy and sampled, in alternating rounds.
+
+    python bench/constrain.py [--rounds 3] [--out bench/results/constrain.json]
+
+The embedded model on the CPU, 3 chat prompts through the chat template. Each constrained reply runs until its JSON is
+complete; the free reply of the same case then decodes exactly as many tokens (EOS ignored), so both time the same
+length. Decode tok/s is decode tokens over decode seconds from the final Stats (TTFT excluded), summed over the
+prompts and rounds. Beside it, the per-step pieces of the mask at a mid-reply state: llguidance's bitmask as a bool
+row (`allowed`), one token checked (`allows`, what greedy asks first) and a logit row masked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import decode  # noqa: E402
+from bench.decode import git_info, machine_info, write_result  # noqa: E402
+from bench.timing import mean_seconds  # noqa: E402
+from engine.constrain import Constraint, Matcher  # noqa: E402
+from engine.events import GenerationConfig  # noqa: E402
+from engine.generate import load  # noqa: E402
+from engine.sampling import SamplingConfig, masked  # noqa: E402
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "home": {"type": "object",
+                 "properties": {"city": {"type": "string", "maxLength": 16},
+                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                "kind": {"enum": ["house", "flat", "tent"]}},
+                 "required": ["city", "zip", "kind"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "colours", "home"],
+    "additionalProperties": False,
+}
+SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}},
+          "required": ["people"], "additionalProperties": False}
+PROMPTS = ["Describe three people as JSON.", "Who made the heaven?", "Spell the word banana."]
+SAMPLINGS = {"greedy": SamplingConfig(), "t0.8": SamplingConfig(temperature=0.8, seed=7)}
+MODES = {"plain": (False, None), "mtp_k2": (True, 2)}
+
+
+def reply(eng, prompt: str, gen: GenerationConfig) -> dict:  # type: ignore[no-untyped-def]
+    eng.reset()
+    return decode.run_record(decode.final_stats(eng, [{"role": "user", "content": prompt}], gen))
+
+
+def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None) -> dict:  # type: ignore[no-untyped-def]
+    """One round of one case: every prompt constrained, then free over as many tokens."""
+    sums = {"free": [0, 0.0], "schema": [0, 0.0]}
+    eog = eng.tokenizer.eog_ids
+    for prompt in PROMPTS:
+        base = GenerationConfig(max_tokens=512, sampling=sampling, mtp=mtp, draft=draft, stats_interval_s=3600.0)
+        held = reply(eng, prompt, GenerationConfig(**{**base.__dict__, "constraint": Constraint.json_schema(SCHEMA)}))
+        eng.tokenizer.eog_ids = frozenset()  # the free reply decodes exactly as many tokens
+        try:
+            free = reply(eng, prompt, GenerationConfig(**{**base.__dict__, "max_tokens": held["generated_tokens"]}))
+        finally:
+            eng.tokenizer.eog_ids = eog
+        for name, r in (("free", free), ("schema", held)):
+            sums[name][0] += r["decode_tokens"]
+            sums[name][1] += r["decode_s"]
+    return {name: {"decode_tokens": n, "decode_s": round(s, 4)} for name, (n, s) in sums.items()}
+
+
+def mask_costs(eng) -> dict:  # type: ignore[no-untyped-def]
+    """Microseconds per call of the mask's pieces, the matcher inside the first person's object."""
+    m = Matcher(Constraint.json_schema(SCHEMA), eng.tokenizer)
+    for t in eng.tokenizer.encode('{"people": [{"name": "Adam", "age": 93, "colours": ["red"], "home": {"city": "',
+                                  add_bos=False):
+        m.consume(t)
+    row, allowed = torch.randn(eng.hp.n_vocab), m.allowed()
+    reps = 2000
+    return {"vocab": eng.hp.n_vocab, "allowed_us": round(mean_seconds(m.allowed, reps) * 1e6, 1),
+            "allows_us": round(mean_seconds(lambda: m.allows(100), reps) * 1e6, 1),
+            "masked_row_us": round(mean_seconds(lambda: masked(row, allowed), reps) * 1e6, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "constrain.json"))
+    args = ap.parse_args()
+    eng = load(None)
+    reply(eng, PROMPTS[0], GenerationConfig(max_tokens=16, stats_interval_s=3600.0))  # warm-up
+    result: dict = {"command": "python bench/constrain.py " + " ".join(sys.argv[1:]),
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
+                    "machine": machine_info(torch.get_num_threads()), "torch": torch.__version__,
+                    "schema": SCHEMA, "prompts": PROMPTS, "rounds": [], "summary": {}}
+    t0 = time.perf_counter()
+    totals: dict[str, dict[str, list[float]]] = {}
+    for rnd in range(args.rounds):
+        for s_name, sampling in SAMPLINGS.items():
+            for m_name, (mtp, draft) in MODES.items():
+                r = case(eng, sampling, mtp, draft)
+                key = f"{m_name}/{s_name}"
+                result["rounds"].append({"round": rnd, "case": key, **r})
+                for name, v in r.items():
+                    acc = totals.setdefault(key, {}).setdefault(name, [0, 0.0])
+                    acc[0] += v["decode_tokens"]
+                    acc[1] += v["decode_s"]
+                print(json.dumps({"round": rnd, "case": key, **r}), flush=True)
+    for key, t in totals.items():
+        free, held = t["free"][0] / t["free"][1], t["schema"][0] / t["schema"][1]
+        result["summary"][key] = {"free_tok_s": round(free, 1), "schema_tok_s": round(held, 1),
+                                  "cost_pct": round(100 * (1 - held / free), 1)}
+    result["mask_us"] = mask_costs(eng)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result["summary"], indent=1), json.dumps(result["mask_us"]))
+    write_result(result, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
