@@ -6,7 +6,7 @@ prompts decoded free and under a nested schema, plain and with MTP, greedy and s
 The embedded model on the CPU, 3 chat prompts through the chat template. Each constrained reply runs until its JSON is
 complete; the free reply of the same case then decodes exactly as many tokens (EOS ignored), so both time the same
 length. Decode tok/s is decode tokens over decode seconds from the final Stats (TTFT excluded), summed over the
-prompts and rounds. Beside it, the per-step pieces of the mask at a mid-reply state: llguidance's bitmask as a bool
+prompts and rounds; with MTP the drafted and accepted drafts too. Beside it, the per-step pieces of the mask at a mid-reply state: llguidance's bitmask as a bool
 row (`allowed`), one token checked (`allows`, what greedy asks first) and a logit row masked.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def reply(eng, prompt: str, gen: GenerationConfig) -> dict:  # type: ignore[no-u
 
 def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None) -> dict:  # type: ignore[no-untyped-def]
     """One round of one case: every prompt constrained, then free over as many tokens."""
-    sums = {"free": [0, 0.0], "schema": [0, 0.0]}
+    sums = {"free": [0, 0.0, 0, 0], "schema": [0, 0.0, 0, 0]}
     eog = eng.tokenizer.eog_ids
     for prompt in PROMPTS:
         base = GenerationConfig(max_tokens=512, sampling=sampling, mtp=mtp, draft=draft, stats_interval_s=3600.0)
@@ -72,9 +72,10 @@ def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None) -> dict:  
         finally:
             eng.tokenizer.eog_ids = eog
         for name, r in (("free", free), ("schema", held)):
-            sums[name][0] += r["decode_tokens"]
-            sums[name][1] += r["decode_s"]
-    return {name: {"decode_tokens": n, "decode_s": round(s, 4)} for name, (n, s) in sums.items()}
+            for i, key in enumerate(("decode_tokens", "decode_s", "drafted", "accepted")):
+                sums[name][i] += r.get(key, 0)
+    return {name: {"decode_tokens": n, "decode_s": round(s, 4), **({"drafted": d, "accepted": a} if mtp else {})}
+            for name, (n, s, d, a) in sums.items()}
 
 
 def mask_costs(eng) -> dict:  # type: ignore[no-untyped-def]
