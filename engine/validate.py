@@ -94,6 +94,8 @@ def validate_generation(gen: Any) -> None:
     _number("p_min", gen.p_min, 0.0, 1.0)
     if gen.logprobs is not None:
         integer("logprobs", gen.logprobs, 0, MAX_TOP_LOGPROBS)
+    if gen.constraint is not None:  # engine.constrain.Constraint: its schema compiled, before the prompt is processed
+        gen.constraint.check()
 
 
 def validate_engine_config(cfg: Any) -> None:

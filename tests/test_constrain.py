@@ -13,6 +13,8 @@ import torch
 import engine.generate
 from bench.constrain import SCHEMA  # three people: nested objects, arrays, enums, a pattern
 from engine.constrain import Constraint, Matcher
+from engine.errors import InvalidParameterError
+from engine.events import GenerationConfig
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative import Draft, accept_greedy, accept_sampling
 from engine.server.run import LocalServer
@@ -162,3 +164,8 @@ def test_a_draft_the_constraint_forbids_is_never_accepted(eng) -> None:
     # an allowed draft is accepted, and the matcher is moved back after it: it holds only what was emitted
     n_acc, nxt = accept_greedy(forced_rows(eng, brace, 2), [brace], Sampler(SamplingConfig()), [], m)
     assert n_acc == 1 and m.allows(brace) and not m.allows(nxt)
+
+
+def test_the_engine_refuses_a_schema_it_cannot_enforce_before_the_prompt(eng) -> None:
+    with pytest.raises(InvalidParameterError, match="cannot be enforced"):
+        next(iter(eng.generate(CHAT, GenerationConfig(constraint=Constraint('{"type": "strin"}')))))
