@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
 
 from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
-from app import context, remote
+from app import context, dialogs, remote
 from app.context import DoesNotFit, TokenCounter
 from app.get_models import GetModelsDialog
 from app.hub import Downloader, HubDownloader
@@ -87,7 +87,8 @@ class MainWindow(QMainWindow):
         self.session = ChatSession(store, lambda msg: self.show_error("Conversation history", msg))
         self.loading: str | None = None  # the file being loaded
         self._library_stale = True
-        self.errors: list[str] = []  # every error shown, for tests and the smoke test
+        self.errors: list[str] = []  # every error reported (as said, before app.dialogs words it), for tests
+        dialogs.use_plain_buttons()
         self._build()
         self._connect()
         self._restore_layout()
@@ -843,9 +844,10 @@ class MainWindow(QMainWindow):
         self._update_context()  # the system prompt counts
 
     def show_error(self, title: str, msg: str, retry: bool = False) -> None:
-        """A message box that leaves the window live; `retry` adds a Retry button (a new version of the reply)."""
+        """A message box in plain words (app.dialogs) that leaves the window live; `retry` adds a Retry button (a
+        new version of the reply). `errors` keeps `msg` itself, as the engine or the store said it."""
         self.errors.append(msg)
-        box = QMessageBox(QMessageBox.Icon.Warning, title, msg, QMessageBox.StandardButton.Ok, self)
+        box = dialogs.error_box(self, title, msg)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         if retry:
             box.addButton(QMessageBox.StandardButton.Retry).clicked.connect(self.regenerate)

@@ -1,0 +1,43 @@
+"""Issue 47, items 10-14 and the chat's Markdown, through the real window (offscreen): error dialogs in plain words,
+File › Connect to a server…, the Settings tab at both screen sizes, a second app on the same history, Copy's
+confirmation, the expert heatmap, code blocks with Copy and readable LaTeX."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtWidgets import QMessageBox, QStyle
+
+from app.dialogs import PlainButtons
+from app.window import MainWindow
+from engine.storage.modelfile import default_model_path
+from tests.test_window import _window
+
+
+def _error_box(qtbot, win: MainWindow, path: Path) -> QMessageBox:
+    n = len(win.errors)
+    win.load_model(str(path))
+    qtbot.waitUntil(lambda: len(win.errors) > n, timeout=30_000)
+    return win.error_box
+
+
+def test_error_dialogs_speak_plainly_with_the_details_kept(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    cut = tmp_path / "interrupted.gguf"
+    cut.write_bytes(default_model_path().read_bytes()[:100_000])  # the issue's file: cut in the vocabulary
+    box = _error_box(qtbot, win, cut)
+    assert box.text().startswith("The file interrupted.gguf is incomplete") and "download was interrupted" in box.text()
+    assert "bytes" not in box.text() and "at byte 99998" in box.detailedText() and "(truncated?)" in box.detailedText()
+    assert box.icon() == QMessageBox.Icon.Warning and box.windowTitle() == "Could not open the model"
+    ok = box.button(QMessageBox.StandardButton.Ok)
+    # The generic Unix theme (X11 without a desktop's) puts an icon on OK; the app's style puts none on any button.
+    assert isinstance(win.style(), PlainButtons) and ok.icon().isNull()
+    assert win.style().styleHint(QStyle.StyleHint.SH_DialogButtonBox_ButtonsHaveIcons) == 0
+    box.close()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("just some notes")
+    box = _error_box(qtbot, win, notes)
+    assert box.text() == "The file notes.txt is not a GGUF model file." and box.detailedText() == ""
+    assert win.errors[-1] == "notes.txt is not a GGUF model file"  # as the engine said it
+    box.close()
+    win.show_error("Generation failed", "the server closed the connection")
+    assert win.error_box.text() == "The server closed the connection."
