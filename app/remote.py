@@ -1,5 +1,5 @@
-"""Remote engines in the app: the saved list (QSettings), the "Connect to a remote engine" dialog, and what the
-Model tab says about a connected one.
+"""Remote engines in the app: the saved list (QSettings), the "Connect to a server" dialog (File › Connect to a
+server…), and what the Model tab says about a connected one.
 
 Nothing here waits on the network in the GUI thread: the model list is fetched on a plain thread and comes
 back through a queued signal; connecting happens on the engine worker's thread (app.worker).
@@ -11,7 +11,6 @@ import threading
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QSettings, Signal
-from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QMenu, QPushButton, QWidget)
 
@@ -20,6 +19,8 @@ from engine.remote import RemoteConfig, RemoteEngine, list_models
 
 KEY = "remote/engines"
 MAX_SAVED = 20
+MIN_WIDTH = 560  # the dialog's: a server URL and a model's repository name fit whole
+MODEL_CHARS = 32  # the model box's minimum width, in characters
 
 
 def load_remotes(qs: QSettings) -> list[RemoteConfig]:
@@ -53,17 +54,14 @@ def label(cfg: RemoteConfig) -> str:
     return cfg.name or f"{cfg.model or 'first model'} @ {cfg.url}"
 
 
-def fill_menu(menu: QMenu, remotes: list[RemoteConfig], connect: Callable[[RemoteConfig], None],
-              add: Callable[[], None]) -> None:
-    """Saved remote engines below the local files of the model menu, then "Connect to a remote engine…"."""
-    menu.addSeparator()
+def fill_menu(menu: QMenu, remotes: list[RemoteConfig], connect: Callable[[RemoteConfig], None]) -> None:
+    """Saved remote engines below the local files of Open recent: one click reconnects."""
+    if remotes:
+        menu.addSeparator()
     for cfg in remotes:
         act = menu.addAction(f"Remote: {label(cfg)}")
         act.setToolTip(cfg.url)
         act.triggered.connect(lambda _c=False, cfg=cfg: connect(cfg))
-    add_act = QAction("Connect to a remote engine…", menu)
-    add_act.triggered.connect(add)
-    menu.addAction(add_act)
 
 
 def remote_info(eng: RemoteEngine) -> dict[str, Any]:
@@ -101,12 +99,15 @@ class _Fetcher(QObject):
 
 
 class RemoteDialog(QDialog):
-    """Base URL, API key, model (from the server's /v1/models) and a name for the menu."""
+    """Base URL, API key, model (from the server's /v1/models) and a name for the menu; wide enough for a whole URL
+    and a model's repository name (Qwen/Qwen3.5-397B-A17B-GGUF), the fields growing with the dialog."""
 
     def __init__(self, parent: QWidget | None = None, cfg: RemoteConfig | None = None):
         super().__init__(parent)
-        self.setWindowTitle("Connect to a remote engine")
+        self.setWindowTitle("Connect to a server")
+        self.setMinimumWidth(MIN_WIDTH)
         form = QFormLayout(self)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.url = QLineEdit(cfg.url if cfg else "")
         self.url.setPlaceholderText("http://gpu-server:8000/v1")
         self.key = QLineEdit(cfg.api_key or "" if cfg else "")
@@ -114,6 +115,9 @@ class RemoteDialog(QDialog):
         self.key.setPlaceholderText("optional")
         self.model = QComboBox()
         self.model.setEditable(True)
+        # Sized by the field, not by the names it holds: a long name is shown whole in a wider dialog.
+        self.model.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model.setMinimumContentsLength(MODEL_CHARS)
         if cfg and cfg.model:
             self.model.addItem(cfg.model)
         self.fetch_btn = QPushButton("Fetch models")

@@ -227,6 +227,9 @@ class MainWindow(QMainWindow):
         self.get_models_action = QAction("&Get models…", self)
         self.get_models_action.setToolTip("Download a Qwen3.5/3.6 GGUF model from Hugging Face")
         file_menu.addAction(self.get_models_action)
+        self.connect_action = QAction("&Connect to a server…", self)
+        self.connect_action.setToolTip("Chat through llama-server, vLLM, SGLang or another Foretell over the OpenAI API")
+        file_menu.addAction(self.connect_action)
         self.recent_menu = file_menu.addMenu("Open &recent")
         self._fill_recent()
         self.library_action = file_menu.addAction("Model &library")
@@ -356,6 +359,7 @@ class MainWindow(QMainWindow):
         self.settings_panel.changed.connect(self.on_settings)
         self.open_action.triggered.connect(self.open_dialog)
         self.get_models_action.triggered.connect(lambda: self.get_models(HubDownloader()))
+        self.connect_action.triggered.connect(self.remote_dialog)
         self.library_action.triggered.connect(lambda: self.show_tab(TABS.index("Model")))
         self.quit_action.triggered.connect(self.close)
         self.reset_layout_action.triggered.connect(self._default_layout)
@@ -516,12 +520,14 @@ class MainWindow(QMainWindow):
         for p in self.settings.recent_models:
             act = self.recent_menu.addAction(p)
             act.triggered.connect(lambda _c=False, p=p: self.load_model(p))
-        remote.fill_menu(self.recent_menu, remote.load_remotes(self.qs), self.connect_remote, self.remote_dialog)
+        remote.fill_menu(self.recent_menu, remote.load_remotes(self.qs), self.connect_remote)
 
-    def remote_dialog(self) -> None:
+    def remote_dialog(self) -> remote.RemoteDialog:
+        """File › Connect to a server…"""
         dlg = remote.RemoteDialog(self)
         dlg.accepted.connect(lambda: self.connect_remote(dlg.config()))
         dlg.open()
+        return dlg
 
     def connect_remote(self, cfg) -> None:  # engine.remote.RemoteConfig
         """Connect on the worker thread; the current engine stays until the server and model check out."""

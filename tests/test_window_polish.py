@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtWidgets import QMessageBox, QStyle
+from PySide6.QtWidgets import QDialogButtonBox, QMessageBox, QStyle
 
 from app.dialogs import PlainButtons
+from app.remote import MIN_WIDTH, RemoteDialog
 from app.window import MainWindow
 from engine.storage.modelfile import default_model_path
+from tests.remote_stub import Behaviour, Stub
 from tests.test_window import _window
 
 
@@ -41,3 +43,27 @@ def test_error_dialogs_speak_plainly_with_the_details_kept(qtbot, tmp_path: Path
     box.close()
     win.show_error("Generation failed", "the server closed the connection")
     assert win.error_box.text() == "The server closed the connection."
+
+
+def test_connect_to_a_server_has_its_own_entry_and_shows_whole_values(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    file_menu = win.menuBar().actions()[0].menu()
+    assert "&Connect to a server…" in [a.text() for a in file_menu.actions()]
+    assert not any("Connect" in a.text() for a in win.recent_menu.actions())  # no longer under Open recent
+    win.show()
+    model = "Qwen3.6-35B-A3B-UD-Q4_K_XL-mtp.gguf"
+    with Stub(Behaviour(model=model)) as stub:
+        win.connect_action.trigger()
+        dlg = next(d for d in win.findChildren(RemoteDialog) if d.isVisible())
+        assert dlg.windowTitle() == "Connect to a server" and dlg.width() >= MIN_WIDTH
+        dlg.url.setText(stub.url)
+        dlg.fetch_btn.click()
+        qtbot.waitUntil(lambda: dlg.model.count() == 1, timeout=10_000)
+        assert dlg.model.currentText() == model
+        box = dlg.model.lineEdit()
+        assert box.fontMetrics().horizontalAdvance(model) < box.width()  # the whole name, not "emo.gguf"
+        assert dlg.url.fontMetrics().horizontalAdvance(stub.url) < dlg.url.width()
+        dlg.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+        qtbot.waitUntil(lambda: win.loading is None and win.model_info.remote, timeout=30_000)
+        assert win.model_info.name.startswith(model)
+        assert any(a.text().startswith(f"Remote: {model} @ ") for a in win.recent_menu.actions())
