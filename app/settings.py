@@ -2,7 +2,8 @@
 
 Model-level settings (context length, device, GPU layers, experts on CPU, expert cache) apply on the next
 load; generation settings (MTP, draft depth, sampling, system prompt) apply to the next reply. Bad stored
-values fall back to defaults instead of breaking start-up.
+values fall back to defaults instead of breaking start-up. The six sampling controls fold under one "Sampling"
+row that says what they are set to, so the form (and "Serve on localhost" under it) fits a 1366×768 screen.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QHBoxLayout, QLabel,
-                               QPlainTextEdit, QSlider, QSpinBox, QWidget)
+                               QPlainTextEdit, QSizePolicy, QSlider, QSpinBox, QToolButton, QWidget)
 
 from engine.errors import InvalidParameterError
 from engine.events import EngineConfig, GenerationConfig
@@ -58,6 +59,16 @@ class AppSettings:
                                     min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                                     seed=None if self.seed < 0 else self.seed),
         )
+
+    def sampling_summary(self) -> str:
+        """The sampling settings in a few words, for the folded Sampling row."""
+        parts = ["greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"]
+        parts += [f"{name} {v:g}" for name, v, off in (("top-k", self.top_k, 0), ("top-p", self.top_p, 1.0),
+                                                       ("min-p", self.min_p, 0.0),
+                                                       ("repetition penalty", self.repeat_penalty, 1.0))
+                  if v != off]
+        parts.append("random seed" if self.seed < 0 else f"seed {self.seed}")
+        return ", ".join(parts)
 
     def add_recent(self, path: str) -> None:
         self.recent_models = ([path] + [p for p in self.recent_models if p != path])[:MAX_RECENT]
@@ -110,7 +121,9 @@ class SettingsPanel(QWidget):
         self.settings = settings
         self.form = form = QFormLayout(self)
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow panel puts fields under labels
-        self.mtp = QCheckBox("Speculative decoding with the MTP head")
+        # Short texts: a checkbox wider than the field column puts it on a line of its own in a narrow panel.
+        self.mtp = QCheckBox("Speculative decoding")
+        self.mtp.setToolTip("Draft tokens with the model's MTP head and verify them in one pass")
         self.draft = QComboBox()
         self.draft.addItems(["auto"] + [str(i) for i in range(1, MAX_DRAFT + 1)])
         self.temperature = _dspin(0, 2, 0.05)
@@ -122,7 +135,7 @@ class SettingsPanel(QWidget):
         self.context = _ispin(256, 262144, 256)
         self.max_tokens = _ispin(1, 32768)
         self.system_prompt = QPlainTextEdit()
-        self.system_prompt.setMaximumHeight(90)
+        self.system_prompt.setMaximumHeight(72)
         self.theme = QComboBox()
         self.theme.addItems(["system", "light", "dark"])
         # GPU placement (next load). Without CUDA the controls stay visible but disabled, with the reason.
@@ -132,11 +145,13 @@ class SettingsPanel(QWidget):
         self.gpu_layers.setRange(-1, 128)
         self.gpu_layers_label = QLabel()
         gl = QWidget()
+        gl.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)  # no row takes spare height
         gl_lay = QHBoxLayout(gl)
         gl_lay.setContentsMargins(0, 0, 0, 0)
         gl_lay.addWidget(self.gpu_layers)
         gl_lay.addWidget(self.gpu_layers_label)
-        self.cpu_moe = QCheckBox("Keep routed experts on the CPU")
+        self.cpu_moe = QCheckBox("Keep on the CPU")
+        self.cpu_moe.setToolTip("Keep the routed experts' weights on the CPU (next load)")
         self.expert_cache = QComboBox()
         self.expert_cache.setEditable(True)
         self.expert_cache.addItems(["auto", "0", "16", "32", "64", "128", "1024MiB", "4096MiB"])
@@ -146,7 +161,21 @@ class SettingsPanel(QWidget):
         self.gpu_reason.setAccessibleName("GPU status")
         for w in (self.device, self.gpu_layers, self.cpu_moe, self.expert_cache):
             w.setEnabled(ok)
+        self.sampling = QToolButton()  # folds the sampling rows; beside it, what they are set to
+        self.sampling.setCheckable(True)
+        self.sampling.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.sampling.setToolTip("Temperature, top-k, top-p, min-p, repetition penalty and seed")
+        self.sampling_label = QLabel()
+        self.sampling_label.setWordWrap(True)  # a long summary wraps instead of widening the panel
+        samp = QWidget()
+        samp.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        samp_lay = QHBoxLayout(samp)
+        samp_lay.setContentsMargins(0, 0, 0, 0)
+        samp_lay.addWidget(self.sampling)
+        samp_lay.addWidget(self.sampling_label, 1)
+        self.sampling_rows = (self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty, self.seed)
         rows = [("MTP", self.mtp, "MTP speculative decoding"), ("Draft depth", self.draft, "Draft depth"),
+                ("Sampling", samp, "Sampling settings"),
                 ("Temperature", self.temperature, "Temperature (0 = greedy)"), ("Top-k", self.top_k, "Top-k"),
                 ("Top-p", self.top_p, "Top-p"), ("Min-p", self.min_p, "Min-p"),
                 ("Repetition penalty", self.repeat_penalty, "Repetition penalty"),
@@ -154,7 +183,7 @@ class SettingsPanel(QWidget):
                 ("Max reply tokens", self.max_tokens, "Maximum reply tokens"),
                 ("System prompt", self.system_prompt, "System prompt"), ("Theme", self.theme, "Theme"),
                 ("Device (next load)", self.device, "Compute device"), ("GPU layers", gl, "GPU layers"),
-                ("Experts", self.cpu_moe, "Experts on CPU"), ("Expert cache", self.expert_cache,
+                ("Routed experts", self.cpu_moe, "Experts on CPU"), ("Expert cache", self.expert_cache,
                                                               "Expert cache size (experts per layer or MiB)"),
                 ("", self.gpu_reason, "GPU status")]
         self.remote_note = QLabel()  # a remote engine: what its server decides, not these settings
@@ -166,6 +195,8 @@ class SettingsPanel(QWidget):
         self.local_only = (self.context, self.device, gl, self.cpu_moe, self.expert_cache, self.gpu_reason)
         form.setRowVisible(self.remote_note, False)
         self._set(settings)
+        self.sampling.toggled.connect(self.show_sampling)
+        self.show_sampling(False)
         for w in (self.temperature, self.top_p, self.min_p, self.repeat_penalty):
             w.valueChanged.connect(self._emit)
         for w in (self.top_k, self.seed, self.context, self.max_tokens):
@@ -193,6 +224,18 @@ class SettingsPanel(QWidget):
                 f"Remote {remote['server']} engine: context, device and memory are the server's. "
                 + ("MTP and draft depth below are sent with each request." if per_request else
                    "MTP and draft depth are the server's own setting (it does not take them per request)."))
+
+    def show_sampling(self, on: bool) -> None:
+        """Unfold (or fold) the sampling rows; folded, the button says what they are set to."""
+        for w in self.sampling_rows:
+            self.form.setRowVisible(w, on)
+        self.sampling.setChecked(on)
+        self.sampling.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
+        self.sampling.setText("Hide" if on else "Show")
+        self._sampling_text()
+
+    def _sampling_text(self) -> None:
+        self.sampling_label.setText(self.settings.sampling_summary())
 
     def _set(self, s: AppSettings) -> None:
         self.mtp.setChecked(s.mtp)
@@ -227,6 +270,7 @@ class SettingsPanel(QWidget):
             expert_cache=self.expert_cache.currentText().strip() or "auto",
         )
         self._gpu_label(self.settings.gpu_layers)
+        self._sampling_text()
         self.changed.emit(self.settings)
 
 

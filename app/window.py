@@ -174,7 +174,12 @@ class MainWindow(QMainWindow):
         st_col = QVBoxLayout(settings_tab)
         st_col.setContentsMargins(0, 0, 0, 0)
         st_col.addWidget(self.settings_panel)
+        line = QFrame()
+        line.setFrameShape(QFrame.Shape.HLine)
+        line.setFrameShadow(QFrame.Shadow.Sunken)
+        st_col.addWidget(line)
         st_col.addWidget(self.serve_panel)
+        st_col.addStretch(1)  # a tall panel's spare height goes below the forms, not between their rows
         self.metrics = MetricsDock()
         model_tab = QWidget()
         ml = QVBoxLayout(model_tab)

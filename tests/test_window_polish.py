@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtWidgets import QDialogButtonBox, QMessageBox, QStyle
+from PySide6.QtWidgets import QDialogButtonBox, QFormLayout, QMessageBox, QStyle
 
 from app.dialogs import PlainButtons
 from app.remote import MIN_WIDTH, RemoteDialog
-from app.window import MainWindow
+from app.window import TABS, MainWindow
 from engine.storage.modelfile import default_model_path
 from tests.remote_stub import Behaviour, Stub
 from tests.test_window import _window
@@ -67,3 +67,40 @@ def test_connect_to_a_server_has_its_own_entry_and_shows_whole_values(qtbot, tmp
         qtbot.waitUntil(lambda: win.loading is None and win.model_info.remote, timeout=30_000)
         assert win.model_info.name.startswith(model)
         assert any(a.text().startswith(f"Remote: {model} @ ") for a in win.recent_menu.actions())
+
+
+def _rows(win: MainWindow) -> list[tuple[int, int]]:
+    """(top, bottom) of each shown settings row and of the Serve switch, in the Settings tab's coordinates."""
+    tab = win.tabs.widget(TABS.index("Settings")).widget()
+    form = win.settings_panel.form
+    fields = [form.itemAt(i, QFormLayout.ItemRole.FieldRole) for i in range(form.rowCount())]
+    shown = [f.widget() for f in fields if f is not None and f.widget().isVisible()]
+    out = []
+    for w in shown + [win.serve_panel.switch]:
+        top = w.mapTo(tab, w.rect().topLeft()).y()
+        out.append((top, top + w.height()))
+    return sorted(out)
+
+
+def test_settings_fit_1366x768_without_gaps_at_1920x1080(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    win.show_tab(TABS.index("Settings"))
+    scroll = win.tabs.currentWidget()
+    for w, h in ((1366, 768 - 60), (1920, 1080 - 60)):  # 60 px for a desktop panel and the title bar
+        win.resize(w, h)
+        win.show()
+        qtbot.waitUntil(lambda: win.width() == w and win.height() == h, timeout=3000)
+        qtbot.wait(50)
+        switch, address = win.serve_panel.switch, win.serve_panel.url
+        bottom = address.mapTo(scroll.viewport(), address.rect().bottomLeft()).y()
+        assert switch.isVisible() and bottom < scroll.viewport().height(), (w, bottom)  # above the fold
+        rows = _rows(win)
+        gaps = [b[0] - a[1] for a, b in zip(rows, rows[1:])]
+        assert max(gaps) < 40, (w, gaps)  # no row stretched by the spare height (they were ~150 px at 1920)
+    # The folded sampling rows say what they hold, and unfold on a click.
+    panel = win.settings_panel
+    assert panel.sampling_label.text() == "greedy, random seed" and not panel.temperature.isVisible()
+    panel.temperature.setValue(0.7)
+    assert panel.sampling_label.text() == "temperature 0.7, random seed"
+    panel.sampling.click()
+    assert panel.temperature.isVisible() and panel.seed.isVisible() and panel.sampling.text() == "Hide"
