@@ -1,7 +1,9 @@
 """`foretell`: the desktop app. `foretell --smoke-test` opens the real window, sends one prompt, waits for
 the reply, saves a screenshot and exits 0 (non-zero on any failure: 2 with a message when the model cannot be
 loaded). A conversation store that is damaged, read-only or cannot be created opens a dialog (move the damaged
-file aside, or run without history); the smoke test takes "without history" and says so."""
+file aside, or run without history); one that another Foretell holds says so and offers to bring that window
+forward (app/instance.py) — a second app never runs silently on the same history. The smoke test takes "without
+history" and says so."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from app.instance import ask_to_show
 from app.store import Store, StoreError, move_aside
 
 # What to do about a store that cannot be opened: "move" (aside, then start a fresh one), "memory" (run without
-# history) or "quit".
+# history), "show" (the Foretell that holds it comes forward; this one quits) or "quit".
 StoreChoice = Callable[[StoreError], str]
 
 
@@ -24,9 +27,16 @@ def open_store(path: Path | None, choose: StoreChoice) -> Store | None:
     except StoreError as err:
         e = err
     choice = choose(e)
+    history = path if path is not None else Store.default_path()
+    if choice == "show" and e.kind == "locked":
+        if ask_to_show(history):
+            return None
+        print(f"foretell: no Foretell answered for {history}: another program holds it; running without history",
+              file=sys.stderr)
+        return Store.in_memory()
     if choice == "move" and e.kind == "damaged":
         try:
-            moved = move_aside(path if path is not None else Store.default_path())
+            moved = move_aside(history)
             print(f"foretell: the damaged conversation database was moved to {moved}", file=sys.stderr)
             return Store(path)
         except (OSError, StoreError) as e2:
@@ -37,19 +47,31 @@ def open_store(path: Path | None, choose: StoreChoice) -> Store | None:
     return None
 
 
-def _ask_store(e: StoreError) -> str:
-    """The start-up dialog for a store that cannot be opened."""
+def ask_store(e: StoreError) -> str:
+    """The start-up dialog for a store that cannot be opened: what the user chose (a StoreChoice)."""
     from PySide6.QtWidgets import QMessageBox
 
-    box = QMessageBox(QMessageBox.Icon.Warning, "Conversation history unavailable", str(e))
-    move = box.addButton("Move the damaged file aside", QMessageBox.ButtonRole.AcceptRole) if e.kind == "damaged" else None
-    memory = box.addButton("Run without history", QMessageBox.ButtonRole.ActionRole)
+    from app import dialogs
+
+    dialogs.use_plain_buttons()
+    memory_only = "Without history, this session's chats are kept in memory only."
+    if e.kind == "locked":
+        box = QMessageBox(QMessageBox.Icon.Information, "Foretell is already open",
+                          "Foretell is already open with this conversation history. One window at a time can "
+                          "use it, so that neither overwrites what the other saved.")
+        box.setInformativeText(f"Switch to that window, or open this one without history. {memory_only}")
+        box.setDetailedText(str(e))
+        choices = {box.addButton("Switch to the open window", QMessageBox.ButtonRole.AcceptRole): "show"}
+    else:
+        box = QMessageBox(QMessageBox.Icon.Warning, "Conversation history unavailable", dialogs.sentence(str(e)))
+        damaged = e.kind == "damaged"
+        box.setInformativeText(("The damaged file is renamed, never deleted. " if damaged else "") + memory_only)
+        choices = {box.addButton("Move the damaged file aside", QMessageBox.ButtonRole.AcceptRole): "move"} \
+            if damaged else {}
+    choices[box.addButton("Run without history", QMessageBox.ButtonRole.ActionRole)] = "memory"
     box.addButton("Quit", QMessageBox.ButtonRole.RejectRole)
-    box.setInformativeText("The damaged file is renamed, never deleted. Without history, this session's chats "
-                           "are kept in memory only.")
     box.exec()
-    clicked = box.clickedButton()
-    return "move" if move is not None and clicked is move else "memory" if clicked is memory else "quit"
+    return choices.get(box.clickedButton(), "quit")
 
 
 def _no_history(e: StoreError) -> str:
@@ -74,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Foretell")
-    choose = _no_history if args.smoke_test else _ask_store
+    choose = _no_history if args.smoke_test else ask_store
     if args.data_dir:
         d = Path(args.data_dir)
         store = open_store(d / "conversations.sqlite3", choose)
@@ -82,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         store, qs = open_store(None, choose), QSettings("Foretell", "Foretell")
     if store is None:
-        return 1
+        return 0  # the user chose to quit, or to switch to the Foretell already open
     win = MainWindow(store, qs, args.model)
     win.show()
     if not args.smoke_test:

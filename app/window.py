@@ -27,6 +27,7 @@ from app import context, dialogs, remote
 from app.context import DoesNotFit, TokenCounter
 from app.get_models import GetModelsDialog
 from app.hub import Downloader, HubDownloader
+from app.instance import InstanceServer
 from app.library import LibraryPanel, models_folder, scan
 from app.reply_stats import footer, mtp_mode
 from app.serve_panel import ServePanel
@@ -96,6 +97,10 @@ class MainWindow(QMainWindow):
         self.refresh_conversations()
         self._reopen_conversation()
         self.refresh_library()
+        # A second app on this history asks this one to come forward (app/instance.py).
+        self.instance = InstanceServer(store.path, self) if store.path is not None else None
+        if self.instance is not None:
+            self.instance.showRequested.connect(self.bring_forward)
         # No model named: the last one opened (the embedded model if it cannot be opened any more).
         last = next(iter(self.settings.recent_models), None)
         self._fallback = model is None and last is not None and Path(last).exists()
@@ -269,6 +274,16 @@ class MainWindow(QMainWindow):
         self.help_menu = self.menuBar().addMenu("&Help")
         self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("F1"))
         self.help_menu.addAction(self.shortcuts_action)
+
+    def bring_forward(self) -> None:
+        """Another app was started on this history: this window comes forward and says why."""
+        if self.isMinimized():
+            self.showNormal()
+        self.show()
+        self.raise_()
+        self.activateWindow()
+        self.statusBar().showMessage("Foretell is already open here: this window has the conversation history",
+                                     10_000)
 
     def show_shortcuts(self) -> None:
         menus = [a.menu() for a in self.menuBar().actions() if a.menu() is not None]
@@ -558,8 +573,9 @@ class MainWindow(QMainWindow):
         """The Get models dialog over `downloader`; downloads go to the library's folder (the models folder in the
         user data directory until one is chosen), and a downloaded model can be opened from it."""
         folder = str(self.qs.value("library/folder", "") or "") or str(models_folder())
-        self.get_models_dialog = GetModelsDialog(downloader, Path(folder), self)
-        self.get_models_dialog.work.finished.connect(lambda path, _e: path and self._set_library_folder(folder))
+        self.get_models_dialog = GetModelsDialog(downloader, Path(folder), self, self.settings.context,
+                                                 self.settings.engine_config().device)
+        self.get_models_dialog.work.finished.connect(lambda path, *_: path and self._set_library_folder(folder))
         self.get_models_dialog.opened.connect(self.load_model)
         self.get_models_dialog.open()
         return self.get_models_dialog
@@ -905,6 +921,8 @@ class MainWindow(QMainWindow):
         self.engine.shutdown()
         self._save_layout()
         save_settings(self.qs, self.settings)
+        if self.instance is not None:
+            self.instance.close()
         self.store.close()  # the history's lock goes with the window: another window may open it now
         super().closeEvent(e)
 

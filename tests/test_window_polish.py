@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtWidgets import QDialogButtonBox, QFormLayout, QMessageBox, QStyle
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication, QDialogButtonBox, QFormLayout, QMessageBox, QStyle
 
 from app.dialogs import PlainButtons
+from app.main import ask_store, open_store
 from app.remote import MIN_WIDTH, RemoteDialog
 from app.window import TABS, MainWindow
 from engine.storage.modelfile import default_model_path
@@ -104,3 +106,35 @@ def test_settings_fit_1366x768_without_gaps_at_1920x1080(qtbot, tmp_path: Path) 
     assert panel.sampling_label.text() == "temperature 0.7, random seed"
     panel.sampling.click()
     assert panel.temperature.isVisible() and panel.seed.isVisible() and panel.sampling.text() == "Hide"
+
+
+def _answer(qtbot, button: str, seen: list[QMessageBox]) -> None:
+    """Click `button` of the start-up dialog once it is up (it runs its own event loop)."""
+    def click() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(20, click)
+            return
+        seen.append(box)
+        next(b for b in box.buttons() if b.text() == button).click()
+    QTimer.singleShot(20, click)
+
+
+def test_a_second_app_on_the_same_history_says_so_and_brings_the_first_forward(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)  # holds tmp_path/c.db
+    win.showMinimized()
+    seen: list[QMessageBox] = []
+    _answer(qtbot, "Switch to the open window", seen)
+    assert open_store(tmp_path / "c.db", ask_store) is None  # this app quits: it never runs beside the first
+    box = seen[0]
+    assert box.windowTitle() == "Foretell is already open" and "already open with this conversation history" in box.text()
+    assert "another program has it open" in box.detailedText()
+    assert [b.text() for b in box.buttons()] and {"Run without history", "Quit"} <= {b.text() for b in box.buttons()}
+    qtbot.waitUntil(lambda: "this window has the conversation history" in win.statusBar().currentMessage(),
+                    timeout=5000)
+    assert not win.isMinimized()
+    # Or this one runs without history, saying so; the first keeps its own.
+    _answer(qtbot, "Run without history", seen)
+    second = open_store(tmp_path / "c.db", ask_store)
+    assert second is not None and second.path is None and len(seen) == 2
+    second.close()
