@@ -1,142 +1,138 @@
-"""File › Get models through the real window, with a downloader that stands in for the Hub (no network): the
-known repositories, a repository's files with size, MTP head and fit, a download with progress, Cancel, a second
-download, and the model opened from the library folder."""
+"""File › Get models through the real window, over app.hub.HubDownloader against tests/hub_stub.py's local server
+in the Hub's layout (no network): the suggested first model, the search (known MTP builds first, other
+architectures left out), a repository's files with size, MTP head and fit, a download paused, resumed, cancelled and
+interrupted, a corrupted one refused, and the model opened from the library folder."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
-import pytest
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, Qt
+from PySide6.QtTest import QTest
 
-from app.hub import KNOWN_REPOS, DownloadCancelled, RemoteFile
+from app.hub import KNOWN_REPOS, HubDownloader, partial_bytes
 from app.store import Store
 from app.window import MainWindow
 from tests.fixtures import TINY_MOE, fixture_path
-from tests.hub_stub import FakeHub
+from tests.hub_stub import BIG, HUGE, TINY, Listed, LocalHub
+
+MiB = 2**20
 
 
-def test_get_a_model_with_progress_cancel_and_open(qtbot, tmp_path: Path) -> None:
+def _window(qtbot, tmp_path: Path) -> tuple[MainWindow, Path]:
     qs = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
     win = MainWindow(Store(tmp_path / "c.db"), qs, str(fixture_path(TINY_MOE)))
     qtbot.addWidget(win)
     qtbot.waitUntil(lambda: win.model_info is not None, timeout=30_000)
     models = tmp_path / "models"
     qs.setValue("library/folder", str(models))
-    assert "&Get models…" in [a.text() for a in win.menuBar().actions()[0].menu().actions()]
-    hub = FakeHub()
-    dlg = win.get_models(hub)
-    assert dlg.repos.count() == len(KNOWN_REPOS) and "MTP" in dlg.repos.item(0).text()
-    dlg.repos.setCurrentRow(0)
-    qtbot.waitUntil(lambda: dlg.file_list.count() == 2, timeout=5000)
-    assert hub.listed == [KNOWN_REPOS[0][0]] and "2 GGUF files" in dlg.status.text()
-    small, huge = dlg.file_list.item(0).text(), dlg.file_list.item(1).text()
-    assert "Q8_0" in small and "MTP head yes" in small and "fits in RAM" in small
-    assert "Q4_K_M" in huge and "MTP head no" in huge and "5120.00 GiB" in huge and "larger than the free RAM" in huge
-    # Download, cancel half-way, download again.
-    hub.slow.set()
-    dlg.file_list.setCurrentRow(0)
-    dlg.download_btn.click()
-    assert dlg.cancel_btn.isEnabled() and not dlg.download_btn.isEnabled()
-    qtbot.waitUntil(lambda: dlg.progress_bar.value() > 0, timeout=10_000)
-    assert " of " in dlg.progress_bar.format()
-    dlg.cancel_btn.click()
-    qtbot.waitUntil(lambda: "cancelled" in dlg.status.text(), timeout=10_000)
-    assert not dlg.open_btn.isEnabled() and dlg.download_btn.isEnabled() and not dlg.progress_bar.isVisible()
-    assert list(models.iterdir()) == []
-    hub.slow.clear()
-    dlg.download_btn.click()
-    qtbot.waitUntil(lambda: dlg.downloaded is not None, timeout=10_000)
-    got = models / "Tiny-MTP-Q8_0.gguf"
-    assert got.read_bytes() == hub.data and dlg.downloaded == str(got) and "Downloaded to" in dlg.status.text()
-    # In the library, and opened from the dialog.
-    assert win.qs.value("library/folder") == str(models)
-    dlg.open_btn.click()
-    qtbot.waitUntil(lambda: win.loading is None and win.model_info.path == str(got), timeout=30_000)
-    win.show()
-    win.tab_actions["Model"].trigger()
-    assert win.library.list.count() >= 1 and win.library.entries[0].path == str(got)
+    return win, models
 
 
-def test_the_hub_downloads_progress_and_cancel() -> None:
-    """huggingface_hub takes a progress-bar class: ours reports the bytes (from where a download starts) and stops
-    it when cancelled."""
-    from app.hub import reporting_bar
-
-    seen: list[tuple[int, int]] = []
-    cancel = threading.Event()
-    bar = reporting_bar(lambda d, t: seen.append((d, t)), cancel)(unit="B", total=1000, initial=200, desc="x")
-    bar.update(300)
-    bar.update(100)
-    assert seen == [(500, 1000), (600, 1000)]
-    cancel.set()
-    with pytest.raises(DownloadCancelled):
-        bar.update(100)
-    bar.close()
+def _choose(qtbot, dlg, name: str) -> None:
+    qtbot.waitUntil(lambda: dlg.file_list.count() == 3, timeout=5000)
+    dlg.file_list.setCurrentRow([f.name for f in dlg.files].index(name))
 
 
-def test_the_hub_downloader_against_a_local_server_in_the_hubs_layout(tmp_path: Path) -> None:
-    """HubDownloader through huggingface_hub against a server on 127.0.0.1 that answers as the Hub does (the model
-    listing with file sizes, the file's HEAD and ranged GET): files listed, a download cancelled mid-way, then
-    complete and identical."""
-    import hashlib
-    import json
-    import os
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+def test_search_suggest_refuse_a_corrupted_file_and_open(qtbot, tmp_path: Path) -> None:
+    win, models = _window(qtbot, tmp_path)
+    index = (Listed("someone/Qwen3.5-9B-GGUF", "qwen35", 900), Listed("else/Qwen3.5-Llamafied-GGUF", "llama", 5000),
+             Listed("other/Qwen3.5-2B-MTP-GGUF", "qwen35", 40))
+    with LocalHub(index) as hub:
+        assert "&Get models…" in [a.text() for a in win.menuBar().actions()[0].menu().actions()]
+        dlg = win.get_models(HubDownloader(hub.endpoint))
+        assert dlg.repos.count() == len(KNOWN_REPOS) and "MTP" in dlg.repos.item(0).text()
+        # The suggestion is a known MTP build; Show it lists its files.
+        assert dlg.suggested.repo in [r for r, _, _ in KNOWN_REPOS] and dlg.suggested.repo in \
+            dlg.suggestion_label.text()
+        dlg.suggest_btn.click()
+        assert dlg.repo == dlg.suggested.repo
+        qtbot.waitUntil(lambda: dlg.file_list.count() == 3, timeout=5000)
+        assert hub.listed == [dlg.suggested.repo] and "3 GGUF files" in dlg.status.text()
+        small, huge = dlg.file_list.item(0).text(), dlg.file_list.item(2).text()
+        assert "Q8_0" in small and "MTP head yes" in small and "fits this machine" in small
+        assert "Q4_K_M" in huge and "MTP head no" in huge and "5120.00 GiB" in huge and "too large" in huge
+        # Search: the engine's architectures only, the known MTP builds first, then other MTP builds.
+        QTest.keyClicks(dlg.search_box, "Qwen3.5")
+        QTest.keyClick(dlg.search_box, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: "repositories" in dlg.status.text(), timeout=5000)
+        assert [dlg.repos.item(i).text().split("\n")[0] for i in range(dlg.repos.count())] == [
+            KNOWN_REPOS[1][0], KNOWN_REPOS[2][0], "other/Qwen3.5-2B-MTP-GGUF", "someone/Qwen3.5-9B-GGUF"]
+        assert "qwen35 · 900 downloads" in dlg.repos.item(3).text() and dlg.file_list.count() == 0
+        # A corrupted file is refused and removed.
+        dlg.repos.setCurrentRow(3)
+        _choose(qtbot, dlg, TINY)
+        hub.corrupt = True
+        dlg.download_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=10_000)
+        assert "arrived damaged" in dlg.status.text() and "removed" in dlg.status.text()
+        assert list(models.iterdir()) == [] and not dlg.open_btn.isEnabled()
+        hub.corrupt = False
+        dlg.download_btn.click()
+        qtbot.waitUntil(lambda: dlg.downloaded is not None, timeout=10_000)
+        got = models / TINY
+        assert got.read_bytes() == hub.data[TINY] and dlg.downloaded == str(got)
+        assert "SHA-256 matches" in dlg.status.text()
+        # In the library, and opened from the dialog.
+        assert win.qs.value("library/folder") == str(models)
+        dlg.open_btn.click()
+        qtbot.waitUntil(lambda: win.loading is None and win.model_info.path == str(got), timeout=30_000)
+        win.show()
+        win.tab_actions["Model"].trigger()
+        assert win.library.list.count() >= 1 and win.library.entries[0].path == str(got)
 
-    from app.hub import HubDownloader
 
-    data = os.urandom(25 * 2**20)  # huggingface_hub reports every 10 MiB: three reports
-    sha, commit = hashlib.sha256(data).hexdigest(), "a" * 40
-
-    class Hub(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _headers(self, code: int, length: int, extra: dict[str, str]) -> None:
-            self.send_response(code)
-            for k, v in {"X-Repo-Commit": commit, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                         "X-Linked-Size": str(len(data)), "Content-Length": str(length), **extra}.items():
-                self.send_header(k, v)
-            self.end_headers()
-
-        def do_HEAD(self) -> None:  # noqa: N802
-            self._headers(200, len(data), {})
-
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path.startswith("/api/models/org/repo"):
-                body = json.dumps({"id": "org/repo", "sha": commit, "siblings": [
-                    {"rfilename": "m-MTP-Q4_K_M.gguf", "size": len(data)}, {"rfilename": "README.md", "size": 9}]})
-                self._headers(200, len(body), {"Content-Type": "application/json"})
-                self.wfile.write(body.encode())
-                return
-            start = int(self.headers["Range"].split("=")[1].split("-")[0]) if self.headers.get("Range") else 0
-            ranged = {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"} if start else {}
-            self._headers(206 if start else 200, len(data) - start, ranged)
-            try:
-                self.wfile.write(data[start:])
-            except (BrokenPipeError, ConnectionResetError):  # the cancelled download hung up
-                pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        hub = HubDownloader(f"http://127.0.0.1:{server.server_port}")
-        assert hub.files("org/repo") == [RemoteFile("m-MTP-Q4_K_M.gguf", len(data))]
-        seen: list[tuple[int, int]] = []
-        cancel = threading.Event()
-
-        def progress(done: int, total: int) -> None:
-            seen.append((done, total))
-            if done > len(data) // 3:
-                cancel.set()
-
-        with pytest.raises(DownloadCancelled):
-            hub.download("org/repo", "m-MTP-Q4_K_M.gguf", tmp_path, progress, cancel)
-        assert seen and seen[-1][0] < len(data) and not (tmp_path / "m-MTP-Q4_K_M.gguf").exists()
-        seen.clear()
-        got = hub.download("org/repo", "m-MTP-Q4_K_M.gguf", tmp_path, lambda d, t: seen.append((d, t)),
-                           threading.Event())
-        assert got == tmp_path / "m-MTP-Q4_K_M.gguf" and got.read_bytes() == data and seen[-1] == (len(data),) * 2
-    finally:
-        server.shutdown()
+def test_pause_resume_cancel_and_an_interrupted_download(qtbot, tmp_path: Path) -> None:
+    win, models = _window(qtbot, tmp_path)
+    with LocalHub() as hub:
+        dlg = win.get_models(HubDownloader(hub.endpoint))
+        dlg.repos.setCurrentRow(0)
+        _choose(qtbot, dlg, BIG)
+        assert not dlg.pause_btn.isEnabled() and not dlg.cancel_btn.isEnabled()
+        # Pause half-way, then Cancel the paused download: its partial file goes.
+        hub.slow.set()
+        dlg.download_btn.click()
+        assert dlg.pause_btn.isEnabled() and not dlg.download_btn.isEnabled()
+        qtbot.waitUntil(lambda: dlg.progress_bar.value() > 0, timeout=10_000)
+        assert "10 MiB of 25 MiB" in dlg.progress_bar.format()
+        dlg.pause_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=10_000)
+        assert dlg.status.text() == "Paused at 10 MiB of 25 MiB. Resume continues from there."
+        assert dlg.download_btn.text() == "Resume" and dlg.cancel_btn.isEnabled() and not dlg.pause_btn.isEnabled()
+        assert partial_bytes(models, BIG) == 10 * MiB and not (models / BIG).exists()
+        dlg.cancel_btn.click()
+        assert "removed" in dlg.status.text() and partial_bytes(models, BIG) == 0
+        assert dlg.download_btn.text() == "Download" and not dlg.cancel_btn.isEnabled()
+        # Pause again, and Resume: one Range request from where it stopped.
+        dlg.download_btn.click()
+        qtbot.waitUntil(lambda: dlg.progress_bar.value() > 0, timeout=10_000)
+        dlg.pause_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=10_000)
+        hub.slow.clear()
+        hub.ranges.clear()
+        dlg.download_btn.click()
+        assert "Resuming" in dlg.status.text()
+        qtbot.waitUntil(lambda: dlg.downloaded is not None, timeout=10_000)
+        assert hub.ranges == [10 * MiB] and (models / BIG).read_bytes() == hub.data[BIG]
+        # Cancel under way: nothing is left.
+        dlg.file_list.setCurrentRow([f.name for f in dlg.files].index(TINY))
+        hub.slow.set()
+        dlg.download_btn.click()
+        dlg.cancel_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=10_000)
+        assert dlg.status.text() == "Download cancelled." and partial_bytes(models, TINY) == 0
+        assert not (models / TINY).exists()
+        # The connection drops and the server is down: what came is kept; Resume finishes it when it is back.
+        hub.slow.clear()
+        (models / BIG).unlink()
+        dlg.file_list.setCurrentRow([f.name for f in dlg.files].index(BIG))
+        hub.ranges.clear()
+        hub.cut_after(12 * MiB)
+        dlg.download_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=15_000)
+        assert dlg.status.text().startswith("The download stopped at 10 MiB of 25 MiB (")
+        assert "503" in dlg.status.text() and dlg.status.text().endswith("Resume continues from there.")
+        hub.recover()
+        dlg.download_btn.click()
+        qtbot.waitUntil(lambda: not dlg.busy, timeout=10_000)
+        assert hub.ranges == [0, 10 * MiB] and (models / BIG).read_bytes() == hub.data[BIG]
+        assert HUGE not in [p.name for p in models.iterdir()]

@@ -2,7 +2,7 @@
 1920×1080, light and dark: first run, during streaming, after four replies (MTP off, fixed depth, auto), a
 regenerated reply (two versions) with the model library, a non-model file refused, a long prompt processed, a
 message too long for the context refused, the context nearly full, the oldest messages left out, and File › Get
-models mid-download (from a stand-in for the Hub).
+models mid-download (from a local server in the Hub's layout).
 
     python docs/screenshots/make.py            # needs Xvfb and openbox (Debian: apt-get install xvfb openbox)
 
@@ -174,22 +174,24 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     win.chat.find("no longer sent")
     settle()
     shot("left-out")
-    # File › Get models, mid-download (a stand-in for the Hub: no network).
-    from tests.hub_stub import FakeHub
+    # File › Get models, mid-download (a local server in the Hub's layout: no network).
+    from app.hub import HubDownloader
+    from tests.hub_stub import BIG, LocalHub
 
-    hub = FakeHub()
+    hub = LocalHub()
     hub.slow.set()
     win.qs.setValue("library/folder", str(data / "models"))  # downloads go to the run's own folder
-    dlg = win.get_models(hub)
-    dlg.repos.setCurrentRow(0)
+    dlg = win.get_models(HubDownloader(hub.endpoint))
+    dlg.repos.setCurrentRow(1)
     wait(lambda: dlg.file_list.count() > 0)
-    dlg.file_list.setCurrentRow(0)
+    dlg.file_list.setCurrentRow([f.name for f in dlg.files].index(BIG))
     dlg.download_btn.click()
     wait(lambda: dlg.progress_bar.value() > 300)
     shot("get-models")
     dlg.cancel_btn.click()
     wait(lambda: not dlg.busy)
     dlg.close()
+    hub.close()
     win.close()
     shutil.rmtree(data, ignore_errors=True)
 
