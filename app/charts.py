@@ -24,6 +24,9 @@ HISTORY = 600  # points per series: one minute at the 100 ms tick
 HEAT_STEPS = 120  # columns of the per-layer cache hit-rate map
 MAX_BARS = 24  # replies shown in the per-reply chart
 MODE_COLOURS = {"off": "#9e9e9e", "fixed": "#e6550d", "auto": "#2b8cbe", SERVER: "#8856a7"}
+USAGE_UNIT = "share of the layer's expert choices (%)"
+HIT_UNIT = "expert-cache hit rate (%)"
+MAX_TICKS = 12  # labelled rows or columns of the expert map; more are thinned to every k-th
 
 
 class Ring:
@@ -176,6 +179,13 @@ class MetricsDock(QWidget):
                              "how often each expert was chosen, per layer.", "layer", "expert")
         self.heat = pg.ImageItem()
         self.c_usage.plot.addItem(self.heat)
+        self.heat_bar = pg.ColorBarItem(values=(0, 100), colorMap=pg.colormap.get("viridis"), interactive=False,
+                                        label=USAGE_UNIT, colorMapMenu=False)
+        self.heat_bar.setImageItem(self.heat, insert_in=self.c_usage.plot.getPlotItem())
+        self.heat_rows: list[str] = []  # each row of the map: the model's layer number, or "MTP" for its MTP block
+        self.model_layers = 0  # the model's layers, without its MTP block (0: not known, every row by number)
+        self.usage_layers: list[int] = []
+        self.cache_layers: list[int] = []
         self.charts = (self.c_replies, self.c_speed, self.c_acc, self.c_len, self.c_depth, self.c_mem, self.c_cpu,
                        self.c_cache, self.c_usage)
         self.depth_caption = QLabel("Depth d: the share of d-th drafted tokens the model accepted (a chain stops at "
@@ -209,12 +219,12 @@ class MetricsDock(QWidget):
         for c in self.charts:
             p = c.plot
             p.setBackground(bg)
-            for side in ("left", "bottom"):
-                ax = p.getAxis(side)
-                ax.setPen(fg)
-                ax.setTextPen(fg)
-                ax.setLabel(ax.labelText, color=fg)
             p.plotItem.titleLabel.setText(p.plotItem.titleLabel.text, color=fg)
+        for ax in [c.plot.getAxis(side) for c in self.charts for side in ("left", "bottom")] + [
+                self.heat_bar.axis, self.heat_bar.getAxis("left")]:
+            ax.setPen(fg)
+            ax.setTextPen(fg)
+            ax.setLabel(ax.labelText, color=fg)
         self.ref_line.setPen(pg.mkPen("#bbb" if dark else "#555", width=2, style=Qt.PenStyle.DashLine))
         self.dirty = True
 
@@ -243,8 +253,8 @@ class MetricsDock(QWidget):
         if st.expert_cache:
             self._push_cache(t, st.expert_cache)
         elif st.expert_usage:
-            layers = sorted(st.expert_usage)
-            self.usage = np.array([st.expert_usage[i] for i in layers], dtype=np.float64)
+            self.usage_layers = sorted(st.expert_usage)
+            self.usage = np.array([st.expert_usage[i] for i in self.usage_layers], dtype=np.float64)
         if st.final and st.decode_tok_s > 0:
             mode = self.mode if st.mtp or self.mode == SERVER else "off"  # a model without an MTP head: off
             self.replies.append(Reply(st.decode_tok_s, mode, st.generated_tokens, sp.drafted if sp else None,
@@ -259,7 +269,7 @@ class MetricsDock(QWidget):
 
     def _push_cache(self, t: float, caches: dict[int, dict]) -> None:
         """Hit rate since the previous Stats (overall and per layer), and how full the caches are."""
-        layers = sorted(caches)
+        layers = self.cache_layers = sorted(caches)
         per_layer = np.zeros(len(layers))
         dh_all = dm_all = 0
         for j, il in enumerate(layers):
@@ -318,12 +328,12 @@ class MetricsDock(QWidget):
             self.l_occ.setData(*self.occupancy.data())
             n = self.layer_hits_n
             ring = self.layer_hits if n <= HEAT_STEPS else np.roll(self.layer_hits, -(n % HEAT_STEPS), axis=0)
-            self.heat.setImage(np.nan_to_num(ring[:min(n, HEAT_STEPS)], nan=0.0), levels=(0.0, 1.0))
-            self.c_usage.show_data()
+            self._draw_heat(100 * np.nan_to_num(ring[:min(n, HEAT_STEPS)], nan=0.0), self.cache_layers, 100.0,
+                            HIT_UNIT, experts=False)
         elif self.usage is not None and self.usage.sum() > 0:
-            rows = self.usage / np.maximum(self.usage.sum(axis=1, keepdims=True), 1.0)
-            self.heat.setImage(rows.T, autoLevels=True)
-            self.c_usage.show_data()
+            rows = 100 * self.usage / np.maximum(self.usage.sum(axis=1, keepdims=True), 1.0)
+            top = float(np.ceil(rows.max() / 5) * 5) or 5.0  # the scale's top: the largest share, up to a 5
+            self._draw_heat(rows.T, self.usage_layers, top, USAGE_UNIT, experts=True)
         self._summarise()
 
     def _draw_replies(self) -> None:
@@ -362,6 +372,22 @@ class MetricsDock(QWidget):
         self.p_replies.getAxis("bottom").setTicks([[(float(i), str(i)) for i in x]])  # replies are whole numbers
         self.c_replies.show_data()
 
+    def _draw_heat(self, image: np.ndarray, layers: list[int], top: float, unit: str, experts: bool) -> None:
+        """The expert map: one row per layer the engine reported, labelled with the model's layer number or "MTP"
+        (the axis shows those rows and no more), its colours read on the bar beside it in `unit` from 0 to `top`.
+        `experts`: the columns are experts (labelled by number), else the cache's updates (plain axis)."""
+        plot = self.c_usage.plot
+        self.heat.setImage(image, levels=(0.0, top))
+        self.heat_bar.setLevels((0.0, top))
+        self.heat_bar.getAxis("left").setLabel(unit)  # the bar's label, between it and the map
+        n = self.model_layers
+        self.heat_rows = [str(il) if not n or il < n else "MTP" for il in layers]  # the MTP block routes too
+        plot.setYRange(0, len(layers), padding=0)
+        plot.getAxis("left").setTicks([_ticks(self.heat_rows)])
+        plot.setXRange(0, image.shape[0], padding=0)
+        plot.getAxis("bottom").setTicks([_ticks([str(e) for e in range(image.shape[0])])] if experts else None)
+        self.c_usage.show_data()
+
     def _draw_depth(self) -> None:
         depths = [i for i, n in enumerate(self.tried) if n]
         if not depths:
@@ -393,3 +419,9 @@ class MetricsDock(QWidget):
             r = self.replies[-1]
             text = f"<b>Last reply ({mode_name(r.mode)}, {r.engine}): {verdict(r, self.replies).sentence}.</b><br>{text}"
         self.summary.setText(text)
+
+
+def _ticks(names: list[str]) -> list[tuple[float, str]]:
+    """A tick at the middle of each pixel row (or column) i, named names[i]; at most about MAX_TICKS of them."""
+    step = -(-len(names) // MAX_TICKS) or 1
+    return [(i + 0.5, n) for i, n in enumerate(names) if i % step == 0]

@@ -146,6 +146,14 @@ class ChatView(QTextBrowser):
     def last_reply(self) -> str:
         return next((m.text for m in reversed(self.messages) if m.role == "assistant"), "")
 
+    def copy(self, text: str) -> None:
+        """Put `text` on the clipboard and say so (`copied`: the window confirms it in its status bar)."""
+        QGuiApplication.clipboard().setText(text)
+        self.copied.emit(text)
+
+    def copy_last_reply(self) -> None:
+        self.copy(self.last_reply())
+
     # -- rendering ---------------------------------------------------------------------------------
     @property
     def muted(self) -> str:
@@ -226,11 +234,9 @@ class ChatView(QTextBrowser):
     def _on_anchor(self, url: QUrl) -> None:
         kind, _, arg = url.toString().partition(":")
         if kind == "copy" and arg.isdigit() and int(arg) < len(self._codes):
-            QGuiApplication.clipboard().setText(self._codes[int(arg)])
-            self.copied.emit(self._codes[int(arg)])
+            self.copy(self._codes[int(arg)])
         elif kind == "copymsg" and arg.isdigit() and int(arg) < len(self.messages):
-            QGuiApplication.clipboard().setText(self.messages[int(arg)].text)
-            self.copied.emit(self.messages[int(arg)].text)
+            self.copy(self.messages[int(arg)].text)
         elif kind == "edit" and arg.isdigit() and int(arg) < len(self.messages):
             self.editRequested.emit(int(arg))
         elif kind == "del" and arg.isdigit() and int(arg) < len(self.messages):

@@ -41,6 +41,7 @@ from engine.events import Stats
 
 LAYOUT_VERSION = 2  # restoreState refuses a layout saved by another version of the panels
 TABS = ("Settings", "Metrics", "Model")
+COPIED_MS = 3000  # how long the status bar says "Copied"
 WARN_COLOUR = "#c77700"  # the context meter nearly full: amber, readable on the light and the dark theme
 
 
@@ -364,7 +365,7 @@ class MainWindow(QMainWindow):
         self.chat.deleteRequested.connect(self.delete_message)
         self.chat.versionRequested.connect(self.switch_version)
         self.chat.exampleChosen.connect(self.ask_example)
-        self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied to the clipboard", 3000))
+        self.chat.copied.connect(lambda _t: self.statusBar().showMessage("Copied", COPIED_MS))
         self.new_btn.clicked.connect(self.new_conversation)
         self.new_action.triggered.connect(self.new_conversation)
         self.rename_btn.clicked.connect(self.rename_conversation)
@@ -394,7 +395,7 @@ class MainWindow(QMainWindow):
             QShortcut(QKeySequence("Esc"), self, activated=self.stop_or_cancel,
                       whatsThis="Stop the reply, cancel loading a model, or cancel an edit"),
             QShortcut(QKeySequence("Ctrl+Shift+C"), self, whatsThis="Copy the last reply",
-                      activated=lambda: QGuiApplication.clipboard().setText(self.chat.last_reply()))]
+                      activated=self.chat.copy_last_reply)]
         self._update_buttons()
 
     # -- model -------------------------------------------------------------------------------------
@@ -439,6 +440,7 @@ class MainWindow(QMainWindow):
                  f"quant mix: {mix}", f"Placement: {info['placement']}.", f"<small>{info['path']}</small>"]
         lines += [f"<i>{n}</i>" for n in info["notices"]]
         self.info.setText("<br>".join(lines))
+        self.metrics.model_layers = info["layers"]
         self.setWindowTitle(f"Foretell — {info['name']}")
         self.model_label.setText(info["name"])
         self.device_label.setText("CPU" if info["placement"].startswith("all ") else "CPU + GPU")

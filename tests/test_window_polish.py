@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer, QUrl
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QFormLayout, QMessageBox, QStyle
 
 from app.dialogs import PlainButtons
@@ -13,8 +15,9 @@ from app.main import ask_store, open_store
 from app.remote import MIN_WIDTH, RemoteDialog
 from app.window import TABS, MainWindow
 from engine.storage.modelfile import default_model_path
+from tests.fixtures import TINY_MOE
 from tests.remote_stub import Behaviour, Stub
-from tests.test_window import _window
+from tests.test_window import _focus, _send, _window
 
 
 def _error_box(qtbot, win: MainWindow, path: Path) -> QMessageBox:
@@ -138,3 +141,25 @@ def test_a_second_app_on_the_same_history_says_so_and_brings_the_first_forward(q
     second = open_store(tmp_path / "c.db", ask_store)
     assert second is not None and second.path is None and len(seen) == 2
     second.close()
+
+
+def test_copy_is_confirmed_and_the_expert_map_has_the_models_layers_and_a_scale(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    _focus(qtbot, win)
+    win.settings.max_tokens = 8
+    _send(qtbot, win, "Hello!")
+    win.chat.anchorClicked.emit(QUrl("copymsg:0"))  # the message's Copy link
+    assert QGuiApplication.clipboard().text() == "Hello!" and win.statusBar().currentMessage() == "Copied"
+    win.statusBar().clearMessage()
+    QTest.keyClick(win, Qt.Key.Key_C, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
+    assert QGuiApplication.clipboard().text() == win.chat.last_reply() and win.statusBar().currentMessage() == "Copied"
+    # The expert map: a row per layer of the model, no more, and a colour bar in percent beside it.
+    dock = win.metrics
+    qtbot.waitUntil(lambda: dock.c_usage.has_data, timeout=3000)
+    layers = TINY_MOE.n_layer  # the window's model
+    rows = [str(i) for i in range(layers)] + ["MTP"]  # the MTP block's experts: its own row, named
+    assert dock.heat_rows == rows and dock.heat.image.shape[1] == len(rows)
+    assert dock.c_usage.plot.getViewBox().viewRange()[1] == [0, len(rows)]  # rows 0-9 showed for 8 layers
+    assert dock.heat_bar.getAxis("left").labelText == "share of the layer's expert choices (%)"
+    low, high = dock.heat_bar.levels()
+    assert low == 0 and high >= float(dock.heat.image.max()) and high % 5 == 0
