@@ -8,13 +8,16 @@ kept and marked, a deleted conversation or message comes back with Undo. What is
 (app.context): the oldest exchanges are left out and the reply says so; a message that cannot fit is refused before
 it is stored. A store that fails (disk full, read-only) never stops the session: `report` is told why, a write
 says it did nothing (False or None), and a read that fails stands for no rows.
+
+A conversation may have settings of its own (ConversationSettings: system prompt, sampling, MTP), stored with it;
+one without them follows the global defaults (`effective`).
 """
 from __future__ import annotations
 
 import datetime as dt
 import enum
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Mapping, TypeVar
 
 from app import context
@@ -47,6 +50,37 @@ def list_labels(convs: list[Conversation], models: Mapping[int, str]) -> list[tu
 
 def system_messages(system_prompt: str) -> list[Message]:
     return [Message("system", system_prompt.strip())] if system_prompt.strip() else []
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """What a conversation sets of its own, in place of the same fields of the global defaults (AppSettings)."""
+
+    system_prompt: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    mtp: bool = True
+    draft: str = "auto"  # "auto" or a depth's digits, as AppSettings.draft
+
+    @classmethod
+    def of(cls, defaults: Any) -> ConversationSettings:
+        """The defaults' values of these fields (what a conversation starts from when it takes its own)."""
+        return cls(**{f.name: getattr(defaults, f.name) for f in fields(cls)})
+
+    @classmethod
+    def stored(cls, d: Mapping[str, Any] | None) -> ConversationSettings | None:
+        """From the store's JSON; None (the defaults) where there is none or it cannot be read."""
+        if not isinstance(d, Mapping):
+            return None
+        try:
+            return cls(**{f.name: type(f.default)(d[f.name]) for f in fields(cls) if f.name in d})
+        except (TypeError, ValueError):
+            return None
+
+    def apply(self, defaults: T) -> T:
+        """`defaults` (an AppSettings) with this conversation's values in place of its own."""
+        return replace(defaults, **asdict(self))  # type: ignore[type-var]
 
 
 class State(enum.Enum):
@@ -120,6 +154,7 @@ class ChatSession:
         self.left_out = 0  # the oldest messages the reply under way was sent without (they did not fit)
         self.deleted: int | None = None  # the conversation an Undo would bring back
         self.removed: Removed | None = None  # or the message(s) it would put back
+        self.own: ConversationSettings | None = None  # the open (or next) conversation's own settings
 
     @property
     def generating(self) -> bool:
@@ -146,13 +181,51 @@ class ChatSession:
 
     def open(self, conv_id: int) -> None:
         self.conv_id, self.editing = conv_id, None
-        self.shown = self._read(lambda: self.store.messages(conv_id), [])
+        shown, own = self._read(lambda: (self.store.messages(conv_id), self.store.conversation_settings(conv_id)),
+                                ([], None))
+        self.shown, self.own = shown, ConversationSettings.stored(own)
 
     def new(self) -> bool:
-        """No conversation open (the next message starts one); False while a reply is under way."""
+        """No conversation open (the next message starts one, with the defaults); False while a reply is under
+        way."""
         if self.generating:
             return False
-        self.conv_id, self.editing, self.shown = None, None, []
+        self.conv_id, self.editing, self.shown, self.own = None, None, [], None
+        return True
+
+    # -- settings ----------------------------------------------------------------------------------
+    def effective(self, defaults: T) -> T:
+        """The settings a reply in the open conversation is made with: its own where it has them, else
+        `defaults`."""
+        return self.own.apply(defaults) if self.own is not None else defaults
+
+    def set_own(self, own: ConversationSettings | None) -> bool:
+        """Give the open conversation settings of its own (None: the defaults again), stored with it; with none
+        open, they go with the conversation the next message starts. False where the store failed."""
+        if self.conv_id is not None:
+            try:
+                self.store.set_conversation_settings(self.conv_id, asdict(own) if own is not None else None)
+            except StoreError as e:
+                self._failed(e)
+                return False
+        self.own = own
+        return True
+
+    def presets(self) -> dict[str, str]:
+        return self._read(self.store.presets, {})
+
+    def save_preset(self, name: str, text: str) -> bool:
+        return self._write(lambda: self.store.save_preset(name, text))
+
+    def delete_preset(self, name: str) -> bool:
+        return self._write(lambda: self.store.delete_preset(name))
+
+    def _write(self, call: Callable[[], None]) -> bool:
+        try:
+            call()
+        except StoreError as e:
+            self._failed(e)
+            return False
         return True
 
     def rename(self, title: str) -> None:
@@ -262,6 +335,8 @@ class ChatSession:
         try:
             if self.conv_id is None:
                 self.conv_id = self.store.new_conversation(auto_title(text)).id
+                if self.own is not None:
+                    self.store.set_conversation_settings(self.conv_id, asdict(self.own))
             parent = self.editing.parent_id if self.editing is not None else ...
             self.store.add_message(self.conv_id, "user", text, parent_id=parent)
             if self.editing is not None and parent is None and \

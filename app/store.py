@@ -215,6 +215,32 @@ class Store:
         self.db.execute("UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
                         (title, time.time(), conversation_id))
 
+    @_guarded("read the conversation's settings")
+    def conversation_settings(self, conversation_id: int) -> dict[str, Any] | None:
+        """The settings the conversation has of its own (as stored by `set_conversation_settings`); None: it
+        uses the defaults."""
+        row = self.db.execute("SELECT settings FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        return json.loads(row[0]) if row and row[0] else None
+
+    @_guarded("save the conversation's settings")
+    def set_conversation_settings(self, conversation_id: int, settings: dict[str, Any] | None) -> None:
+        self.db.execute("UPDATE conversations SET settings = ? WHERE id = ?",
+                        (json.dumps(settings) if settings is not None else None, conversation_id))
+
+    @_guarded("read the system prompt presets")
+    def presets(self) -> dict[str, str]:
+        """Saved system prompts by name, in name order."""
+        return dict(self.db.execute("SELECT name, text FROM presets ORDER BY name COLLATE NOCASE").fetchall())
+
+    @_guarded("save the preset")
+    def save_preset(self, name: str, text: str) -> None:
+        self.db.execute("INSERT INTO presets (name, text) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET "
+                        "text = excluded.text", (name.strip(), text))
+
+    @_guarded("delete the preset")
+    def delete_preset(self, name: str) -> None:
+        self.db.execute("DELETE FROM presets WHERE name = ?", (name,))
+
     @_guarded("delete the conversation")
     def delete(self, conversation_id: int) -> None:
         """Hide the conversation; `undelete` brings it back until the store is next opened (then it is purged)."""

@@ -25,6 +25,7 @@ from app.charts import MetricsDock
 from app.chat_view import ChatView, ViewMessage
 from app import context, dialogs, remote
 from app.context import DoesNotFit, TokenCounter
+from app.conversation_settings import ConversationPanel
 from app.get_models import GetModelsDialog
 from app.hub import Downloader, HubDownloader
 from app.instance import InstanceServer
@@ -179,6 +180,8 @@ class MainWindow(QMainWindow):
         settings_tab = QWidget()
         st_col = QVBoxLayout(settings_tab)
         st_col.setContentsMargins(0, 0, 0, 0)
+        self.conv_panel = ConversationPanel(self.session)  # this conversation's own settings, above the defaults
+        st_col.addWidget(self.conv_panel)
         st_col.addWidget(self.settings_panel)
         line = QFrame()
         line.setFrameShape(QFrame.Shape.HLine)
@@ -378,6 +381,7 @@ class MainWindow(QMainWindow):
         self.search.textChanged.connect(lambda _t: self.refresh_conversations())
         self.conv_list.currentItemChanged.connect(self._on_select)
         self.settings_panel.changed.connect(self.on_settings)
+        self.conv_panel.changed.connect(self._update_context)
         self.open_action.triggered.connect(self.open_dialog)
         self.get_models_action.triggered.connect(lambda: self.get_models(HubDownloader()))
         self.connect_action.triggered.connect(self.remote_dialog)
@@ -475,7 +479,7 @@ class MainWindow(QMainWindow):
         if info is None or self.loading:
             return
         try:
-            used = self.session.measure(self.settings.system_prompt, self.settings.max_tokens)
+            used = self.session.measure(self.session.effective(self.settings).system_prompt, self.settings.max_tokens)
         except EngineError:
             used = None
         start = used.left_out if used is not None else 0
@@ -630,6 +634,7 @@ class MainWindow(QMainWindow):
         self.qs.setValue("last_conversation", self.conv_id)
         self.edit_banner.setVisible(False)
         self.chat.set_messages([self._view(m) for m in self.session.shown])
+        self.conv_panel.show_settings(self.settings)
         self._update_buttons()
         self._update_context()
 
@@ -645,6 +650,7 @@ class MainWindow(QMainWindow):
         self.qs.remove("last_conversation")
         self.edit_banner.setVisible(False)
         self.chat.set_messages([])
+        self.conv_panel.show_settings(self.settings)
         self.refresh_conversations()
         self._update_buttons()
         self._update_context()
@@ -687,7 +693,7 @@ class MainWindow(QMainWindow):
         self.refresh_conversations()
 
     def export_meta(self) -> dict:
-        s = self.settings
+        s = self.session.effective(self.settings)
         m = self.model_info
         return {"model": m.name if m else None, "model_file": m.path if m else None,
                 "exported": dt.datetime.now().isoformat(timespec="seconds"),
@@ -728,7 +734,7 @@ class MainWindow(QMainWindow):
             return
         text = self.prompt.toPlainText().strip()
         try:
-            refused = self.session.refusal(text, self.settings.system_prompt) if text else None
+            refused = self.session.refusal(text, self.session.effective(self.settings).system_prompt) if text else None
         except EngineError as e:
             refused = str(e)
         if refused is not None:  # never stored: the text stays in the input, the conversation as it was
@@ -755,7 +761,7 @@ class MainWindow(QMainWindow):
 
     def _reply(self) -> None:
         """Show the branch the session answers and ask the engine for the reply."""
-        s = self.settings
+        s = self.session.effective(self.settings)  # the conversation's own settings, where it has them
         try:
             msgs = self.session.reply(s.system_prompt, self.model_info.mode(s.mtp, s.draft), s.max_tokens)
         except (DoesNotFit, EngineError) as e:
@@ -870,6 +876,7 @@ class MainWindow(QMainWindow):
         self.settings = s
         save_settings(self.qs, s)
         self.apply_theme(s.theme)
+        self.conv_panel.show_settings(s)  # a conversation on the defaults shows the new ones
         self._update_context()  # the system prompt counts
 
     def show_error(self, title: str, msg: str, retry: bool = False) -> None:

@@ -88,6 +88,7 @@ def test_a_version_1_database_migrates_without_loss(tmp_path: Path) -> None:
                                                                            (4, "after a gap", 2)]
     assert st.messages(1)[1].stats == {"tokens": 3} and st.messages(2) == [] and st.messages(3)[0].content == "x"
     assert {c.title for c in st.conversations()} == {"Old", "Empty", "Other"}
+    assert st.db.execute("PRAGMA user_version").fetchone()[0] == 3 and st.conversation_settings(1) is None
     st.add_message(1, "assistant", "new")  # the migrated tree takes new messages where it ended
     assert [m.position for m in st.messages(1)] == [0, 1, 3, 4]
     st.close()
