@@ -1,8 +1,8 @@
-"""The chat transcript: Markdown replies with highlighted, copyable code blocks, collapsible thinking,
-optional colouring of tokens that came from accepted drafts, and a stats footer per reply. Each message has
-Copy and Delete, user messages Edit, and a turn with several versions ‹ i/n › links to switch between them. An empty
-conversation shows the welcome pane with example questions. Lines stay readable on wide screens: the text
-column is at most READABLE_WIDTH pixels, centred.
+"""The chat transcript: Markdown replies with highlighted code blocks (each with its own Copy), LaTeX left readable
+(its source in monospace), collapsible thinking, optional colouring of tokens that came from accepted drafts, and a
+stats footer per reply. Each message has Copy and Delete, user messages Edit, and a turn with several versions
+‹ i/n › links to switch between them. An empty conversation shows the welcome pane with example questions. Lines
+stay readable on wide screens: the text column is at most READABLE_WIDTH pixels, centred.
 
 Streaming text is buffered and the view re-rendered on a 75 ms tick, never per token.
 """
@@ -35,6 +35,11 @@ model…</b>, the <b>Model</b> tab's library, or drop a .gguf file on the window
 <p style="color:{muted}">Replies show their speed; the <b>Metrics</b> tab shows whether speculative decoding with the
 model's MTP head makes them faster (switch it in <b>Settings</b>).</p>"""
 FENCE = re.compile(r"```([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+# LaTeX, left as its source in monospace (Qt's Markdown would eat its backslashes and read * and _ as emphasis):
+# `code` spans pass through; $$…$$ and \[…\] are display math, $…$ and \(…\) inline. An inline $ opens only before
+# a non-space and closes only after one, not before a digit: "$5 and $6" stays text.
+MATH = re.compile(r"(`+)[^`]*?\1|\$\$(?P<d1>.+?)\$\$|\\\[(?P<d2>.+?)\\\]|\\\((?P<i1>.+?)\\\)"
+                  r"|(?<![\\$\w])\$(?P<i2>\S(?:[^$\n]*?\S)?)\$(?![\d$])", re.S)
 THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
 
 
@@ -63,21 +68,35 @@ def _code_html(code: str, lang: str, idx: int, dark: bool) -> str:
 
 
 def render_markdown(text: str, dark: bool, codes: list[str]) -> str:
-    """HTML for one message: Qt renders the Markdown, pygments the fenced code (appended to `codes`)."""
+    """HTML for one message: Qt renders the Markdown, pygments the fenced code (each block appended to `codes`, its
+    Copy link copies it), and LaTeX is shown as its source in monospace."""
     blocks: list[str] = []
+    maths: list[str] = []
 
     def stash(m: re.Match[str]) -> str:
         codes.append(m.group(2))
         blocks.append(_code_html(m.group(2), m.group(1), len(codes) - 1, dark))
         return f"\n\nFORETELLCODE{len(blocks) - 1}\n\n"
 
+    def stash_math(m: re.Match[str]) -> str:
+        if m.group(1):  # a code span: Markdown's own
+            return m.group(0)
+        src = html.escape(m.group(0))
+        if m.group("d1") is not None or m.group("d2") is not None:
+            maths.append(f'<pre style="margin:4px 0 4px 24px">{src}</pre>')
+            return f"\n\nFORETELLMATH{len(maths) - 1}Z\n\n"
+        maths.append(f"<code>{src}</code>")
+        return f"FORETELLMATH{len(maths) - 1}Z"
+
     doc = QTextDocument()
-    doc.setMarkdown(FENCE.sub(stash, text))
+    doc.setMarkdown(MATH.sub(stash_math, FENCE.sub(stash, text)))
     out = doc.toHtml()
     body = re.search(r"<body[^>]*>(.*)</body>", out, re.S)
     out = body.group(1) if body else out
     for i, b in enumerate(blocks):
         out = re.sub(rf"<p[^>]*>FORETELLCODE{i}</p>", lambda _m, b=b: b, out)
+    for i, m in enumerate(maths):  # a display block is its own paragraph; inline math sits in one
+        out = re.sub(rf"<p[^>]*>FORETELLMATH{i}Z</p>|FORETELLMATH{i}Z", lambda _m, m=m: m, out)
     return out
 
 

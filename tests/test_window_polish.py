@@ -163,3 +163,37 @@ def test_copy_is_confirmed_and_the_expert_map_has_the_models_layers_and_a_scale(
     assert dock.heat_bar.getAxis("left").labelText == "share of the layer's expert choices (%)"
     low, high = dock.heat_bar.levels()
     assert low == 0 and high >= float(dock.heat.image.max()) and high % 5 == 0
+
+
+REPLY = r"""Two ways:
+
+```python
+print("one")
+```
+
+```bash
+echo two
+```
+
+Euler: $e^{i\pi} + 1 = 0$, and $a_1 * b_2 * c_3$ stays whole.
+
+$$\int_0^1 x^2 \, dx = \frac{1}{3}$$
+
+Inline \( \alpha_i * \beta_j \) too; a price of $5 and $6 is text."""
+
+
+def test_code_blocks_each_have_copy_and_latex_stays_readable(qtbot, tmp_path: Path) -> None:
+    win = _window(qtbot, tmp_path)
+    conv = win.store.new_conversation("Maths")
+    win.store.add_message(conv.id, "user", "Show me")
+    win.store.add_message(conv.id, "assistant", REPLY)
+    win.open_conversation(conv.id)
+    shown = win.chat.toPlainText()
+    for source in (r"$e^{i\pi} + 1 = 0$", "$a_1 * b_2 * c_3$", r"$$\int_0^1 x^2 \, dx = \frac{1}{3}$$",
+                   r"\( \alpha_i * \beta_j \)", "a price of $5 and $6 is text."):
+        assert source in shown, source  # as written: no backslash, * or _ taken by the Markdown
+    assert "```" not in shown and shown.count("Copy") == 4  # two messages' Copy links, one per code block
+    win.chat.anchorClicked.emit(QUrl("copy:1"))
+    assert QGuiApplication.clipboard().text() == "echo two\n" and win.statusBar().currentMessage() == "Copied"
+    win.chat.anchorClicked.emit(QUrl("copy:0"))
+    assert QGuiApplication.clipboard().text() == 'print("one")\n'
