@@ -229,16 +229,23 @@ class GetModelsDialog(QDialog):
             self.status.setText(f"Could not list {repo}: {error}")
             return
         self.files = files
-        for f in files:
-            part = partial_bytes(self.folder, f.name)
-            paused = f" · {_size(part)} here, paused" if part else ""
-            self.file_list.addItem(QListWidgetItem(
-                f"{f.name}\n{f.quant} · {_size(f.size)} · MTP head {'yes' if f.mtp else 'no'} · "
-                f"{fits(f.size, self.n_ctx, self.device)}{paused}"))
+        for _ in files:
+            self.file_list.addItem(QListWidgetItem())
+        self._show_files()
         self.status.setText(f"{len(files)} GGUF file{'s' if len(files) != 1 else ''} in {repo}." if files else
                             f"{repo} has no GGUF file.")
 
+    def _show_files(self) -> None:
+        """Each file's two lines: quant, size, MTP head, fit, and what of it is here from a paused download."""
+        for i, f in enumerate(self.files):
+            part = partial_bytes(self.folder, f.name)
+            paused = f" · {_size(part)} here, paused" if part else ""
+            self.file_list.item(i).setText(f"{f.name}\n{f.quant} · {_size(f.size)} · MTP head "
+                                           f"{'yes' if f.mtp else 'no'} · {fits(f.size, self.n_ctx, self.device)}"
+                                           f"{paused}")
+
     def _update_buttons(self) -> None:
+        self._show_files()
         f = self._file()
         part = partial_bytes(self.folder, f.name) if f is not None else 0
         self.download_btn.setText("Resume" if part and not self.busy else "Download")

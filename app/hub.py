@@ -132,10 +132,10 @@ def fitting(size: int, n_ctx: int, device: str = "cpu") -> bool:
 
 
 def suggestion(n_ctx: int, device: str = "cpu") -> RemoteRepo:
-    """The first model to suggest: the largest known MTP build that fits, else the smallest."""
-    ok = [(r, about) for r, about, size in KNOWN_REPOS if fitting(size, n_ctx, device)]
-    repo, about = ok[0] if ok else KNOWN_REPOS[-1][:2]
-    return RemoteRepo(repo, about, True)
+    """The first model to suggest: the largest known MTP build that fits, else the smallest; its `about` says
+    whether it fits."""
+    repo, about, size = next((k for k in KNOWN_REPOS if fitting(k[2], n_ctx, device)), KNOWN_REPOS[-1])
+    return RemoteRepo(repo, f"{about} · {fits(size, n_ctx, device)}", True)
 
 
 class HubDownloader:

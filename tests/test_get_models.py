@@ -43,7 +43,7 @@ def test_search_suggest_refuse_a_corrupted_file_and_open(qtbot, tmp_path: Path) 
         assert dlg.repos.count() == len(KNOWN_REPOS) and "MTP" in dlg.repos.item(0).text()
         # The suggestion is a known MTP build; Show it lists its files.
         assert dlg.suggested.repo in [r for r, _, _ in KNOWN_REPOS] and dlg.suggested.repo in \
-            dlg.suggestion_label.text()
+            dlg.suggestion_label.text() and "GiB free" in dlg.suggestion_label.text()
         dlg.suggest_btn.click()
         assert dlg.repo == dlg.suggested.repo
         qtbot.waitUntil(lambda: dlg.file_list.count() == 3, timeout=5000)
@@ -99,9 +99,11 @@ def test_pause_resume_cancel_and_an_interrupted_download(qtbot, tmp_path: Path) 
         assert dlg.status.text() == "Paused at 10 MiB of 25 MiB. Resume continues from there."
         assert dlg.download_btn.text() == "Resume" and dlg.cancel_btn.isEnabled() and not dlg.pause_btn.isEnabled()
         assert partial_bytes(models, BIG) == 10 * MiB and not (models / BIG).exists()
+        assert dlg.file_list.currentItem().text().endswith(" · 10 MiB here, paused")
         dlg.cancel_btn.click()
         assert "removed" in dlg.status.text() and partial_bytes(models, BIG) == 0
         assert dlg.download_btn.text() == "Download" and not dlg.cancel_btn.isEnabled()
+        assert "paused" not in dlg.file_list.currentItem().text()
         # Pause again, and Resume: one Range request from where it stopped.
         dlg.download_btn.click()
         qtbot.waitUntil(lambda: dlg.progress_bar.value() > 0, timeout=10_000)

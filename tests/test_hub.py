@@ -97,6 +97,7 @@ def test_fit_and_the_first_model() -> None:
     assert fits(MiB, 4096).startswith("fits this machine (about 0.5 GiB")  # 4,096 tokens of KV at most: 0.5 GiB
     assert fits(5 * 2**40, 4096).startswith("too large for this machine")
     assert fits(0, 4096) == "size not given"
-    assert suggestion(10**9).repo == KNOWN_REPOS[-1][0]  # nothing fits a billion tokens: the smallest
+    none = suggestion(10**9)  # nothing fits a billion tokens: the smallest, and it says so
+    assert none.repo == KNOWN_REPOS[-1][0] and " · too large for this machine" in none.about
     largest = next((r for r, _, size in KNOWN_REPOS if fitting(size, 0)), KNOWN_REPOS[-1][0])
     assert suggestion(0).repo == largest and suggestion(0).known
