@@ -14,7 +14,7 @@ from app.settings import AppSettings, _dspin, _ispin
 from engine.validate import MAX_DRAFT
 
 DEFAULTS = "Uses the default settings below."
-OWN = "Has its own settings: the defaults below do not apply to it."
+OWN = "Has its own settings (these)."
 
 
 class ConversationPanel(QGroupBox):
@@ -30,8 +30,7 @@ class ConversationPanel(QGroupBox):
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         self.own = QCheckBox("Own settings")
         self.own.setAccessibleName("This conversation has its own settings")
-        self.state = QLabel(DEFAULTS)
-        self.state.setWordWrap(True)
+        self.state = QLabel(DEFAULTS)  # one line: a wrapped label beside the box is cut at this width
         self.state.setAccessibleName("This conversation's settings")
         top = QHBoxLayout()
         top.addWidget(self.state, 1)

@@ -282,10 +282,10 @@ class GetModelsDialog(QDialog):
 
     @Slot(object, object)
     def _progress(self, done: int, total: int) -> None:
-        if total:
-            self.progress_bar.setValue(int(1000 * done / total))
+        if total:  # the text first: setValue repaints at once
             self.progress_bar.setFormat(f"{_size(done)} of {_size(total)}" if done < total else
                                         "Checking the file's SHA-256…")
+            self.progress_bar.setValue(int(1000 * done / total))
 
     @Slot(str, str, str)
     def _finished(self, path: str, error: str, kind: str) -> None:
