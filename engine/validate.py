@@ -30,6 +30,7 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096  # a chat request's messages, each rendered through the template before the context is known
 MAX_TEXT_FILE_BYTES = 16 << 20  # `tokenize --text-file`: ~4M tokens, the largest context (MAX_CTX)
 MAX_QUEUE = 1024  # requests waiting behind a server's running one
+MAX_PARALLEL = 64  # requests a server decodes together (serve --parallel)
 MAX_PORT = 65535
 MAX_API_KEY_CHARS = 256
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
@@ -186,6 +187,11 @@ def port_arg(value: str) -> int:
 def queue_arg(value: str) -> int:
     """How many requests may wait behind a server's running one."""
     return _arg(lambda v: _whole("queue", v, 0, MAX_QUEUE), value)
+
+
+def parallel_arg(value: str) -> int:
+    """How many requests a server decodes together."""
+    return _arg(lambda v: _whole("parallel", v, 1, MAX_PARALLEL), value)
 
 
 def gpu_layers_arg(value: str) -> int | None:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import openai
 import pytest
@@ -274,16 +275,22 @@ def _wait_aborts(server: LocalServer, n: float, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_disconnect_stops_generation(server) -> None:
-    aborts = metric(server, 'request_success_total{finished_reason="abort"}')
-    gen0 = metric(server, "generation_tokens_total")
-    body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # streamed: leave after a chunk
+def stream_then_leave(srv: LocalServer, body: bytes, before_leaving: Callable[[], None]) -> None:
+    """Post a streamed completion over a raw socket, read two chunks, call `before_leaving`, and close the socket."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         got = b""
         while got.count(b"data: ") < 2:
             got += s.recv(4096)
+        before_leaving()
+
+
+def test_disconnect_stops_generation(server) -> None:
+    aborts = metric(server, 'request_success_total{finished_reason="abort"}')
+    gen0 = metric(server, "generation_tokens_total")
+    body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}).encode()
+    stream_then_leave(server, body, lambda: None)
     _wait_aborts(server, aborts + 1)
     body = body.replace(b'"stream": true', b'"stream": false')
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # whole reply: leave while waiting

@@ -55,6 +55,15 @@ def check_room(cache: Cache, pos: int, n: int) -> None:
         raise ValueError(f"{n} tokens at position {pos} exceed the cache of {cache.n_ctx}")
 
 
+@dataclass
+class SeqRows:
+    """One sequence's rows in a pass over several sequences (Qwen35Model.several): its cache, its positions, and where
+    its rows lie among the pass's."""
+    cache: Cache
+    at: ops.Positions
+    rows: slice
+
+
 # --- norms and rotary embedding ------------------------------------------------------------------
 
 # Batch invariance: norms and RoPE (ops.rms_norm, ops.l2_norm, ops.rope) work row by row, and small per-token
@@ -89,9 +98,15 @@ class GatedAttention:
     def qkv(self, x: torch.Tensor, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
             cb: Hook) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed, rotated queries [n, H, D], keys [n, H_kv, D], values [n, H_kv, D_v] and the output gate."""
+        w = self.w
+        return self.heads(*ops.linear_many(x, (w.q, w.k, w.v)), at, rope, cb)
+
+    def heads(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: ops.Positions,
+              rope: tuple[torch.Tensor, torch.Tensor], cb: Hook
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv's part after the projections: one sequence's rows at positions `at`."""
         hp, w, il = self.hp, self.w, self.il
-        n, D, Dv = x.shape[0], hp.head_dim_k, hp.head_dim_v
-        qg, k, v = ops.linear_many(x, (w.q, w.k, w.v))
+        n, D, Dv = qg.shape[0], hp.head_dim_k, hp.head_dim_v
         qg = qg.reshape(n, hp.n_head, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(n, hp.n_head * D)
         k = k.reshape(n, hp.n_head_kv, D)
@@ -106,14 +121,33 @@ class GatedAttention:
         cb("Vcur", il, v)
         return q, k, v, gate
 
-    def __call__(self, x: torch.Tensor, kv: KVLayer, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
-                 cb: Hook) -> torch.Tensor:
-        q, k, v, gate = self.qkv(x, at, rope, cb)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer, at: ops.Positions,
+               cb: Hook) -> torch.Tensor:
+        """One sequence's keys and values into its cache, its queries over it: [n, H·D_v]."""
         ops.kv_write(kv.k, kv.v, k, v, at)
         out = ops.attention(q, kv.k, kv.v, at, self.scale, self.backend)
         cb("attn_out", self.il, out)
-        out = ops.sigmoid_gate(out, gate, self.backend)
-        return ops.linear(out, self.w.o)
+        return out
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.sigmoid_gate(out, gate, self.backend), self.w.o)
+
+    def __call__(self, x: torch.Tensor, kv: KVLayer, at: ops.Positions, rope: tuple[torch.Tensor, torch.Tensor],
+                 cb: Hook) -> torch.Tensor:
+        q, k, v, gate = self.qkv(x, at, rope, cb)
+        return self.output(self.attend(q, k, v, kv, at, cb), gate)
+
+    def several(self, x: torch.Tensor, parts: list[SeqRows], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rows of several sequences: the projections over all of them, each sequence's heads and attention over its
+        own rows and cache."""
+        w = self.w
+        qg, k, v = ops.linear_many(x, (w.q, w.k, w.v))
+        outs, gates = [], []
+        for p in parts:
+            q_p, k_p, v_p, gate = self.heads(qg[p.rows], k[p.rows], v[p.rows], p.at, rope, _noop)
+            outs.append(self.attend(q_p, k_p, v_p, p.cache.kv[self.il], p.at, _noop))
+            gates.append(gate)
+        return self.output(torch.cat(outs), torch.cat(gates))
 
 
 @dataclass
@@ -148,10 +182,19 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, st: GDNState, cb: Hook, capture: CapturedStates | None,
                  chunked: bool) -> torch.Tensor:
+        mixed, z, b, a = self.project(x)  # mixed: [n, C]
+        return self.output(self.recur(mixed, b, a, st, cb, capture, chunked), z)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = self.w
+        return ops.linear_many(x, (w.qkv, w.gate, w.beta, w.alpha))
+
+    def recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, st: GDNState, cb: Hook,
+              capture: CapturedStates | None, chunked: bool) -> torch.Tensor:
+        """One sequence's conv and delta rule over its projected rows, from and into its state: o [n, H_v, d_v]."""
         hp, w, il = self.hp, self.w, self.il
-        n = x.shape[0]
-        Hk, Hv, dk, dv, K = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim, hp.ssm_conv_kernel
-        mixed, z, b, a = ops.linear_many(x, (w.qkv, w.gate, w.beta, w.alpha))  # mixed: [n, C]
+        n = mixed.shape[0]
+        Hk, Hv, dk, K = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_conv_kernel
         # Causal depthwise conv over [state ; new inputs], taps accumulated in a fixed order.
         window = torch.cat([st.conv, mixed], dim=0)  # [K-1+n, C]
         if capture is not None:
@@ -170,8 +213,21 @@ class GatedDeltaNet:
         cb("beta", il, beta)
         cb("gate", il, g)
         cb("attn_output", il, o)
+        return o
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated output norm and the output projection of o [n, H_v, d_v]."""
+        hp, w = self.hp, self.w
+        n, Hv, dv = o.shape[0], hp.ssm_dt_rank, hp.ssm_head_v_dim
         o = ops.rms_norm(o, w.norm, hp.rms_eps, self.backend, gate=ops.silu(z.view(n, Hv, dv), self.backend))
         return ops.linear(o.reshape(n, Hv * dv), w.out)
+
+    def several(self, x: torch.Tensor, parts: list[SeqRows], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rows of several sequences: the projections and the output over all of them, each sequence's recurrence over
+        its own rows and state."""
+        mixed, z, b, a = self.project(x)
+        o = [self.recur(mixed[p.rows], b[p.rows], a[p.rows], p.cache.gdn[self.il], _noop, None, False) for p in parts]
+        return self.output(torch.cat(o), z)
 
 
 class RoutingStats:
@@ -364,6 +420,17 @@ class DecoderLayer:
         return out
 
 
+    def several(self, x: torch.Tensor, parts: list[SeqRows], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The layer over rows of several sequences (SeqRows): norms, the mixer's projections and the FFN over all rows
+        at once (one read of the weights), each sequence's attention or recurrence over its own rows and state."""
+        a = ops.rms_norm(x, self.attn_norm, self.eps, self.backend)
+        h = x + self.mixer.several(a, parts, rope)
+        if isinstance(self.mixer, GatedDeltaNet):
+            for p in parts:
+                p.cache.gdn[self.il].own_conv()
+        return h + self.ffn(ops.rms_norm(h, self.post_norm, self.eps, self.backend), _noop)
+
+
 # --- the model -----------------------------------------------------------------------------------
 
 @dataclass
@@ -448,6 +515,18 @@ class Qwen35Model:
                 x = x.to(layer.device)
             x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
         return self.finish(x, logit_rows, cap, cb)
+
+    def several(self, x: torch.Tensor, parts: list[SeqRows]) -> ForwardResult:
+        """The trunk over embedded rows of several sequences (no hook, no captured states): the post-norm hidden rows of
+        all of them and the logits of each sequence's last row, in the order of `parts`. The caller advances the
+        caches."""
+        for layer in self.layers:
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = layer.several(x, parts, self.rope(layer.device))
+        res = self.finish(x, "none", None)
+        res.logits = ops.linear(res.hidden[[p.rows.stop - 1 for p in parts]], self.output)
+        return res
 
     def finish(self, x: torch.Tensor, logit_rows: str, cap: CapturedStates | None, cb: Hook = _noop) -> ForwardResult:
         """After the last layer: the final norm and the LM head's rows `logit_rows`."""

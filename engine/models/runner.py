@@ -22,8 +22,8 @@ import torch
 from engine import ops
 from engine.cache import Cache, CapturedStates, GDNState
 from engine.models.mtp import MTPHead
-from engine.models.qwen35 import (STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, _noop, check_room,
-                                  id_tensor)
+from engine.models.qwen35 import (STEP_ROWS, DecoderLayer, ForwardResult, Hook, Qwen35Model, SeqRows, _noop,
+                                  check_room, id_tensor)
 from engine.models.step_graph import StepGraphs
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,23 @@ class Runner:
         else:
             res = self._rows(m.embed(ids), cache, ops.Positions(n, pos), logit_rows, capture, chunked)
         cache.pos = pos + n
+        return res
+
+    def forward_many(self, tokens: Sequence[Sequence[int]], caches: Sequence[Cache]) -> ForwardResult:
+        """Several sequences' new tokens, each at its cache's positions, in one pass (Qwen35Model.several: one read of
+        the weights for all rows); advances every cache. The hidden rows of all tokens in order, and the logits after
+        each sequence's last token. One sequence runs as `forward` (its one-call forms); several run op by op, since
+        the fused layer holds one sequence's state: both give each sequence its solo run's bits."""
+        if len(caches) == 1:
+            return self.forward(list(tokens[0]), caches[0])
+        parts, start = [], 0
+        for toks, cache in zip(tokens, caches):
+            check_room(cache, cache.pos, len(toks))
+            parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
+            start += len(toks)
+        res = self.model.several(self.model.embed([t for toks in tokens for t in toks]), parts)
+        for p in parts:
+            p.cache.pos += p.at.n
         return res
 
     def _rows(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,

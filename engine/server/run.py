@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # types only: the CLI's parser does not load the kernels (eng
     from engine.events import GenerationConfig
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
+DEFAULT_PARALLEL = 4  # requests decoded together
 
 
 class LocalServer:
@@ -27,8 +28,8 @@ class LocalServer:
 
     def __init__(self, engine: ServedEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, defaults: Callable[[], GenerationConfig] | None = None,
-                 max_waiting: int = 8, lock: threading.Lock | None = None, cors_origins: tuple[str, ...] = (),
-                 shutdown_grace_s: int = 5):
+                 max_waiting: int = 8, parallel: int = DEFAULT_PARALLEL, lock: threading.Lock | None = None,
+                 cors_origins: tuple[str, ...] = (), shutdown_grace_s: int = 5):
         import uvicorn
 
         from engine.events import GenerationConfig
@@ -39,11 +40,13 @@ class LocalServer:
             validate.api_key(api_key)
         validate.integer("port", port, 0, validate.MAX_PORT)
         validate.integer("queue", max_waiting, 0, validate.MAX_QUEUE)
+        validate.integer("parallel", parallel, 1, validate.MAX_PARALLEL)
         for origin in cors_origins:
             validate.origin(origin)
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.scheduler = Scheduler(engine, defaults or GenerationConfig, max_waiting=max_waiting, lock=lock)
+        self.scheduler = Scheduler(engine, defaults or GenerationConfig, max_waiting=max_waiting, parallel=parallel,
+                                   lock=lock)
         self.app = create_app(self.scheduler, port=self.port, api_key=api_key, cors_origins=cors_origins)
         # No access log: clients' requests are nobody's business. On stop, replies in flight get
         # `shutdown_grace_s`, then are cancelled, which stops their generations.
@@ -115,8 +118,11 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", type=validate.api_key_arg, default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--queue", type=validate.queue_arg, default=8,
-                   help=f"requests that may wait behind the running one (default 8, at most {validate.MAX_QUEUE}); "
+                   help=f"requests that may wait behind the running ones (default 8, at most {validate.MAX_QUEUE}); "
                    "more are refused with 429")
+    s.add_argument("--parallel", type=validate.parallel_arg, default=DEFAULT_PARALLEL,
+                   help=f"requests decoded together, each with its own cache (default {DEFAULT_PARALLEL}, at most "
+                   f"{validate.MAX_PARALLEL}; 1: one at a time)")
     s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", type=validate.origin_arg,
                    help="allow browser requests from this origin, e.g. http://localhost:3000 (repeatable; "
                    "default: none)")
@@ -147,7 +153,8 @@ def serve(args: argparse.Namespace, engine: ServedEngine, gen: GenerationConfig)
     import sys
 
     server = LocalServer(engine, host=args.host, port=args.port, api_key=args.api_key, defaults=lambda: gen,
-                         max_waiting=args.queue, cors_origins=tuple(args.cors))
+                         max_waiting=args.queue, parallel=args.parallel,
+                         cors_origins=tuple(args.cors))
     print(f"serving {server.model_name} on {server.url} (OpenAI API; Ctrl+C stops)", file=sys.stderr, flush=True)
     try:
         server.run()

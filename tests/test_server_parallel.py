@@ -1,0 +1,135 @@
+"""Parallel requests (`serve --parallel N`): sequences decoded together, each with its own cache, joining and leaving
+between steps. Every greedy reply equals the one it gets alone (the multi-sequence pass is batch-invariant), a client
+that leaves mid-batch frees its place at once, and the engine-level batch keeps each sequence's tokens as they join,
+leave and reuse a slot's cached prefix."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+import engine.generate
+from engine.batch import Batch
+from engine.consume import collect
+from engine.events import Done, GenerationConfig, Stats, Token
+from engine.server.run import LocalServer
+from tests.test_server import LONG_PROMPT, client, metric, stream_then_leave
+
+PROMPTS = ["In the beginning", "And God said, Let there be light", "The LORD is my shepherd", "Blessed are the meek",
+           "Now the serpent was more subtil", "And Noah begat", "Honour thy father", "In my Father's house"]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return engine.generate.load(None)
+
+
+@pytest.fixture(scope="module")
+def server(eng):
+    srv = LocalServer(eng, port=0, parallel=4, max_waiting=4)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def complete(c: openai.OpenAI, prompt: str, **kw) -> openai.types.Completion:
+    return c.completions.create(model="m", prompt=prompt, temperature=0, **kw)
+
+
+def test_eight_concurrent_clients_get_their_one_at_a_time_replies(server) -> None:
+    c = client(server)
+    alone = [complete(c, p, max_tokens=40) for p in PROMPTS]
+    batched0 = server.scheduler.batch.batched_steps
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(p: str) -> openai.types.Completion:
+        start.wait(10)
+        return complete(c, p, max_tokens=40)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(one, PROMPTS))
+    assert time.perf_counter() - t0 < 30
+    for a, b in zip(alone, together):
+        assert b.choices[0].text == a.choices[0].text
+        assert b.usage.completion_tokens == a.usage.completion_tokens
+        assert b.choices[0].finish_reason == a.choices[0].finish_reason
+    assert server.scheduler.batch.batched_steps > batched0  # some steps ran several sequences in one pass
+    assert metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0
+
+
+def test_a_client_leaving_mid_batch_frees_its_place(eng) -> None:
+    """Two places and no queue: while one reply goes on, another's client leaves, and a third request is then taken
+    (not refused with 429) and answered."""
+    srv = LocalServer(eng, port=0, parallel=2, max_waiting=0)
+    srv.start()
+    try:
+        c = client(srv)
+        long_reply = ThreadPoolExecutor(1)
+        going = long_reply.submit(lambda: list(complete(c, LONG_PROMPT, max_tokens=2000, stream=True)))
+        deadline = time.monotonic() + 10
+        while srv.metrics.running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        body = b'{"prompt": "And God said", "max_tokens": 2000, "temperature": 0, "stream": true}'
+
+        def both_running() -> None:
+            assert srv.metrics.running == 2
+
+        stream_then_leave(srv, body, both_running)
+        deadline = time.monotonic() + 10
+        while srv.metrics.finished["abort"] < 1:
+            assert time.monotonic() < deadline, "the generation went on after the client left"
+            time.sleep(0.01)
+        assert not going.done()  # the long reply is still being decoded
+        third = complete(c, "Honour thy father", max_tokens=8)
+        assert third.choices[0].finish_reason in ("stop", "length") and third.usage.completion_tokens >= 1
+        chunks = going.result(60)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        long_reply.shutdown()
+        assert srv.metrics.rejected == 0 and srv.metrics.running == 0
+    finally:
+        srv.stop()
+
+
+def test_batch_sequences_join_leave_and_reuse_a_prefix(eng) -> None:
+    """Sequences joining a batch at different steps, alone (with MTP) or together, and a request extending a finished
+    one's sequence (prefilled from where that one stopped): each gets the tokens it gets from `Engine.generate`."""
+    gens = [GenerationConfig(max_tokens=n, mtp=mtp) for n, mtp in ((30, True), (12, False), (24, True))]
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[:3]]
+    want = [collect(eng.generate(p, g)).tokens for p, g in zip(prompts, gens)]
+    batch = Batch(eng, 2)
+    got: dict[object, list[int]] = {}
+    final: dict[object, Stats] = {}
+    seqs = []
+    for step in range(200):
+        if step in (0, 3) or step > 3 and not batch.full and len(seqs) < 3:
+            seqs.append(batch.add(prompts[len(seqs)], gens[len(seqs)]))
+        if not batch.active:
+            break
+        for s, ev in batch.step():
+            assert not isinstance(ev, Exception)
+            if isinstance(ev, Token):
+                got.setdefault(s, []).extend(ev.ids)
+            elif isinstance(ev, Stats) and ev.final:
+                final[s] = ev
+    assert [got[s] for s in seqs] == want and batch.batched_steps > 0
+    follow = prompts[2] + want[2] + eng.encode_prompt(" And")  # the last reply's sequence, extended
+    again = batch.add(follow, gens[1])
+    events = [ev for _ in range(100) if batch.active for _, ev in batch.step()]
+    # in the slot: the prompt and every token generated (an end token too) but the last, which was not yet run
+    assert again.n_prefill == len(follow) - len(prompts[2]) - final[seqs[2]].generated_tokens + 1
+    assert [i for ev in events if isinstance(ev, Token) for i in ev.ids] == collect(eng.generate(follow, gens[1])).tokens
+    assert isinstance(events[-1], Done)
+
+
+def test_parallel_flag_is_checked() -> None:
+    out = subprocess.run([sys.executable, "-m", "engine", "serve", "--parallel", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "error: argument --parallel: parallel 0 is out of range: it must be 1…64 (see foretell-cli serve --help)"]
