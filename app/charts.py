@@ -177,6 +177,7 @@ class MetricsDock(QWidget):
         self.c_cache.setVisible(False)
         self.c_usage = Chart("Expert usage per layer", "Appears after a reply from a mixture-of-experts model: "
                              "how often each expert was chosen, per layer.", "layer", "expert")
+        self.c_usage.setMinimumHeight(260)  # a row per layer, and the colour bar's own axis below the title
         self.heat = pg.ImageItem()
         self.c_usage.plot.addItem(self.heat)
         self.heat_bar = pg.ColorBarItem(values=(0, 100), colorMap=pg.colormap.get("viridis"), interactive=False,

@@ -29,6 +29,20 @@ STREAMED = "Hello!"  # the demo model's longest answer
 LONG_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(150))
 HUGE_PROMPT = "Please read these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(300))
 NOTES = "Please remember these notes. " + " ".join(f"Note {i}: the meeting is on day {i}." for i in range(45))
+MATHS_REPLY = r"""Compute it exactly, then check it numerically:
+
+$$\int_0^1 x^2 \, dx = \left[ \frac{x^3}{3} \right]_0^1 = \frac{1}{3}$$
+
+```python
+from scipy.integrate import quad
+print(quad(lambda x: x**2, 0, 1))  # (0.333..., error estimate)
+```
+
+```bash
+python -c "print(1/3)"
+```
+
+The midpoint rule with $n$ steps errs by about $\frac{1}{12 n^2}$ here, so \( n = 100 \) gives 4 correct digits."""
 STREAM_AT = 6  # tokens into the reply: the screen is grabbed from the token handler while the worker goes on
 
 
@@ -62,11 +76,12 @@ def open_window(theme: str):  # type: ignore[no-untyped-def]
 
 def _drive(out: Path, theme: str, tag: str) -> None:
     """Inside the X server: run the window, ask, and grab the screen at each stage."""
-    from PySide6.QtCore import QObject, Qt, Slot
+    from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Slot
     from PySide6.QtGui import QGuiApplication, QImage
-    from PySide6.QtWidgets import QMessageBox
+    from PySide6.QtWidgets import QApplication, QMessageBox
 
     from app.window import TABS
+    from engine.storage.modelfile import default_model_path
 
     app, win, data, wait = open_window(theme)
 
@@ -130,16 +145,62 @@ def _drive(out: Path, theme: str, tag: str) -> None:
     win.tabs.setCurrentIndex(TABS.index("Model"))
     settle()
     shot("versions-library")
-    # A file that is not a model: refused in plain words, the loaded model kept.
-    notes = data / "notes.txt"
+    # A file that is not a model, and a model file cut short (an interrupted download): refused in plain words (the
+    # reader's message under Show details), the loaded model kept.
+    notes, cut = data / "notes.txt", data / "Qwen3.5-2B-Q4_K_M.gguf"
     notes.write_text("just some notes")
-    n = len(win.errors)
-    win.load_model(str(notes))
-    wait(lambda: len(win.errors) > n)
+    cut.write_bytes(default_model_path().read_bytes()[:100_000])
+    for path, stage in ((notes, "not-a-model"), (cut, "incomplete-file")):
+        n = len(win.errors)
+        win.load_model(str(path))
+        wait(lambda n=n: len(win.errors) > n)
+        settle()
+        shot(stage)
+        for box in win.findChildren(QMessageBox):
+            box.close()
+    # The expert map (bottom of the Metrics tab): the model's layers, the MTP block's row, a colour bar in %.
+    win.tabs.setCurrentIndex(TABS.index("Metrics"))
+    settle()  # the tab lays its charts out first: the bar's range grows
+    bar = win.tabs.currentWidget().verticalScrollBar()
+    bar.setValue(bar.maximum())
+    settle(0.3)
+    shot("expert-map")
+    # Markdown: code blocks with their own Copy (one just copied), LaTeX as its source.
+    conv = win.store.new_conversation("Integrals")
+    win.store.add_message(conv.id, "user", "How do I check the integral of x² from 0 to 1?")
+    win.store.add_message(conv.id, "assistant", MATHS_REPLY)
+    win.open_conversation(conv.id)
+    win.refresh_conversations()
+    win.chat.anchorClicked.emit(QUrl("copy:0"))
     settle()
-    shot("not-a-model")
-    for box in win.findChildren(QMessageBox):
-        box.close()
+    shot("markdown-latex")
+    # File › Connect to a server…, the models fetched from a stand-in server.
+    from tests.remote_stub import Behaviour, Stub
+
+    with Stub(Behaviour(model="Qwen3.6-35B-A3B-UD-Q4_K_XL-mtp.gguf")) as stub:
+        dlg = win.remote_dialog()
+        dlg.url.setText(stub.url)
+        dlg.name.setText("GPU box")
+        dlg.fetch_btn.click()
+        wait(lambda: dlg.model.count() > 0)
+        settle()
+        shot("connect-server")
+        dlg.reject()
+    # A second Foretell on the same history: the start-up dialog over the first window.
+    from app.main import ask_store, open_store
+
+    def grab_then_quit() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(50, grab_then_quit)
+            return
+        settle()
+        shot("second-instance")
+        next(b for b in box.buttons() if b.text() == "Quit").click()
+
+    QTimer.singleShot(50, grab_then_quit)
+    if open_store(data / "c.sqlite3", ask_store) is not None:
+        raise SystemExit("screenshots: a second store opened on the same history")
     # A long prompt: "Processing prompt … n/N" with its progress bar before the first token.
     win.settings_panel.max_tokens.setValue(8)
     win.prompt.setPlainText(LONG_PROMPT)
