@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
 import engine.generate
 from engine.batch import Batch
 from engine.consume import collect
 from engine.events import Done, GenerationConfig, Stats, Token
+from engine.models.runner import ManyChoice, Runner
 from engine.server.run import LocalServer
 from tests.test_server import LONG_PROMPT, client, metric, stream_then_leave
 
@@ -133,3 +135,26 @@ def test_parallel_flag_is_checked() -> None:
                          timeout=60)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "error: argument --parallel: parallel 0 is out of range: it must be 1…64 (see foretell-cli serve --help)"]
+
+
+def test_forward_many_gives_each_sequence_its_own_bits_in_both_forms(eng) -> None:
+    """Runner.forward_many over three sequences, step after step, in the form its timings choose (each form is tried
+    first): the logits each sequence gets alone."""
+    runner = Runner(eng.model, step_graphs="off")
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[3:6]]
+
+    def alone(ids: list[int]) -> list[torch.Tensor]:
+        cache = runner.new_cache(256)
+        out = [runner.forward(ids, cache).logits[-1]]
+        for _ in range(9):
+            out.append(runner.forward([int(out[-1].argmax())], cache).logits[-1])
+        return out
+
+    want = [alone(p) for p in prompts]
+    caches = [runner.new_cache(256) for _ in prompts]
+    rows = [runner.forward(p, c).logits[-1] for p, c in zip(prompts, caches)]
+    for step in range(1, 10):
+        res = runner.forward_many([[int(r.argmax())] for r in rows], caches)
+        rows = list(res.logits)
+        assert all(torch.equal(r, w[step]) for r, w in zip(rows, want)), step
+    assert all(len(runner.many.times[(3, form)]) >= ManyChoice.TRY for form in (True, False))

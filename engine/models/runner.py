@@ -15,6 +15,9 @@ The engine and the drafter call `Runner.forward` and `HeadRunner.forward`, nothi
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -44,6 +47,30 @@ def run_layer(layer: DecoderLayer, fused: ops.FusedLayer | None, x: torch.Tensor
     if idx is not None:
         layer.routed(idx)
     return out
+
+
+class ManyChoice:
+    """Per number of sequences k, which form of Runner.forward_many runs: one pass over all rows ("together") or each
+    sequence's own pass. Each form is measured on its first TRY passes, then the faster (median of its last RECENT)
+    runs and the other is tried again every EVERY passes, so a change in the host's or the model's speed is
+    followed. Both forms give the same bits: the choice follows the timings alone."""
+
+    TRY, RECENT, EVERY = 3, 8, 64
+
+    def __init__(self) -> None:
+        self.times: dict[tuple[int, bool], deque] = {}
+        self.passes: dict[int, int] = {}
+
+    def pick(self, k: int) -> bool:
+        n = self.passes[k] = self.passes.get(k, 0) + 1
+        t, a = (self.times.setdefault((k, form), deque(maxlen=self.RECENT)) for form in (True, False))
+        if len(t) < self.TRY or len(a) < self.TRY:
+            return len(t) <= len(a)
+        faster = statistics.median(t) <= statistics.median(a)
+        return not faster if n % self.EVERY == 0 else faster
+
+    def observe(self, k: int, together: bool, ns: int) -> None:
+        self.times[(k, together)].append(ns)
 
 
 class HeadRunner:
@@ -91,6 +118,7 @@ class Runner:
         ops.link_layers(self.fused, model.output)
         self.graphs, head_graphs = self._graphs(step_graphs)
         self.mtp = HeadRunner(model.mtp, head_graphs) if model.mtp is not None else None
+        self.many = ManyChoice()  # forward_many's form per number of sequences
 
     def _fuse_step(self) -> ops.FusedStep | None:
         """Every layer, the final norm and the head as one call per decode step, where every layer is fused on the
@@ -171,20 +199,30 @@ class Runner:
         return res
 
     def forward_many(self, tokens: Sequence[Sequence[int]], caches: Sequence[Cache]) -> ForwardResult:
-        """Several sequences' new tokens, each at its cache's positions, in one pass (Qwen35Model.several: one read of
-        the weights for all rows); advances every cache. The hidden rows of all tokens in order, and the logits after
-        each sequence's last token. One sequence runs as `forward` (its one-call forms); several run op by op, since
-        the fused layer holds one sequence's state: both give each sequence its solo run's bits."""
+        """Several sequences' new tokens, each at its cache's positions; advances every cache. The hidden rows of all
+        tokens in order, and the logits after each sequence's last token. Two forms, the same bits: one pass over all
+        rows (Qwen35Model.several: norms, projections, MoE and the head read their weights once; op by op, since a
+        fused layer holds one sequence's state), or each sequence's own pass in its one-call forms. Which one runs is
+        chosen per number of sequences from their measured times (ManyChoice): where a pass is mostly the
+        interpreter's per-op time (a small model), the separate fused passes win; where it is mostly weights read, the
+        shared pass."""
         if len(caches) == 1:
             return self.forward(list(tokens[0]), caches[0])
-        parts, start = [], 0
-        for toks, cache in zip(tokens, caches):
-            check_room(cache, cache.pos, len(toks))
-            parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
-            start += len(toks)
-        res = self.model.several(self.model.embed([t for toks in tokens for t in toks]), parts)
-        for p in parts:
-            p.cache.pos += p.at.n
+        together = self.many.pick(len(caches))
+        t0 = time.perf_counter_ns()
+        if together:
+            parts, start = [], 0
+            for toks, cache in zip(tokens, caches):
+                check_room(cache, cache.pos, len(toks))
+                parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
+                start += len(toks)
+            res = self.model.several(self.model.embed([t for toks in tokens for t in toks]), parts)
+            for p in parts:
+                p.cache.pos += p.at.n
+        else:
+            each = [self.forward(list(toks), cache) for toks, cache in zip(tokens, caches)]
+            res = ForwardResult(torch.cat([r.hidden for r in each]), torch.cat([r.logits for r in each]), None)
+        self.many.observe(len(caches), together, time.perf_counter_ns() - t0)
         return res
 
     def _rows(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
