@@ -20,7 +20,6 @@ from engine.memory import available_bytes, plan_memory
 from engine.placement import DEFAULT_MARGIN, free_device_bytes
 from engine.storage.modelfile import SUPPORTED_ARCHS
 
-GB = 10**9
 GiB = 2**30
 # Known MTP builds, largest first: (repo, what it is, about how many bytes its file has). The size picks a first
 # model before the Hub is asked; the file list then gives the real one.
