@@ -32,7 +32,7 @@ from engine.memory import available_bytes, plan_memory
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
 from engine.sampling import Sampler
 from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats
-from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
+from engine.speculative import AutoMemory, DepthController, MTPDrafter, PassCosts, SpecStats, SpeculativeDecoder
 from engine.decoding import Decoder, PlainDecoder, Reply
 from engine.tokenizer import Tokenizer
 from engine import validate
@@ -112,6 +112,7 @@ class Engine:
             self.notices.append(fallback)
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
+        self._pass_costs = PassCosts.of_model(self.hp, {n: t.n_bytes for n, t in mf.tensors.items()})
         self._last_logits: torch.Tensor | None = None
         self._lock = threading.Lock()  # held by the running generation (see the module docstring)
         self._owner: int | None = None  # thread ident of the lock's holder
@@ -256,7 +257,7 @@ class Engine:
         spec = SpecStats()
         reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
         depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible,
-                                memory=self._auto_memory) if use_mtp else None
+                                memory=self._auto_memory, costs=self._pass_costs) if use_mtp else None
         logits, n_prefilled = yield from self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")

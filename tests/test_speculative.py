@@ -433,6 +433,8 @@ def test_nothing_is_packed_once_decoding_has_begun(monkeypatch: pytest.MonkeyPat
 def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     """On random weights (acceptance 0) auto decodes plainly; its shadow probes cost one head pass each and
     never a verify pass, and the output is still the plain greedy output."""
+    from engine.speculative import DepthController
+
     eng = _engine(TINY_MOE)
     prompt = [5, 6, 7, 8]
     plain, _, _, _ = _gen(eng, prompt, max_tokens=80, mtp=False)
@@ -452,6 +454,6 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     # its first speculative step and one every 32 steps on verifying a draft).
     assert sp.verify_steps == 0 and sp.plain_steps == 79 and not any(flags), sp
     assert sp.time_s.draft > 0  # the probes ran
-    # and the head ran for the probes alone, not at every step: after the two plain steps that measure decoding, then
-    # 64 steps later (the miss doubled the interval of 32)
-    assert drafts == [1, 1]
+    # and the head ran for the probes alone, not at every step: on the EARLY_PROBES plain steps after the two that
+    # measure decoding (one early miss must not decide), then no more: four misses in a row put the next 256 away
+    assert drafts == [1] * DepthController.EARLY_PROBES

@@ -13,9 +13,9 @@ length: rollback costs no recomputation.
   verify.py   acceptance (greedy, rejection sampling) and the decoding step itself: plain with a shadow probe,
               or draft → verify → commit
 """
-from engine.speculative.depth import AutoMemory, DepthController, SpecStats
+from engine.speculative.depth import AutoMemory, DepthController, PassCosts, SpecStats
 from engine.speculative.drafter import Draft, MTPDrafter
 from engine.speculative.verify import SpeculativeDecoder, accept_greedy, accept_sampling
 
-__all__ = ["AutoMemory", "DepthController", "Draft", "MTPDrafter", "SpecStats", "SpeculativeDecoder",
+__all__ = ["AutoMemory", "DepthController", "Draft", "MTPDrafter", "PassCosts", "SpecStats", "SpeculativeDecoder",
            "accept_greedy", "accept_sampling"]

@@ -2,8 +2,58 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from engine.events import MAX_DRAFT, SpeculativeStats, SpeculativeTimes
+from engine.storage.modelfile import HParams
+
+ROW_COMPUTE = 0.3  # each verify row past the first, in decode steps, beside its weight bytes: the products' arithmetic
+# on 2 cores (in-process, mid-size MoE on AVX512-VNNI: passes of 2…9 rows cost 1.7…4.9 steps, a third of it reading
+# distinct experts). Only a prior: auto replaces it with the times it measures.
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """A model's verify and draft passes in decode steps, before any is timed: from the weight bytes each reads (a
+    verify of n rows reads the distinct routed experts its rows pick, expected E·(1 − (1 − k/E)^n) of E with k per
+    row, and the rest once) plus ROW_COMPUTE per extra row; a draft, the MTP block and the output head it reads.
+    auto starts from these and scales them by what it measures (DepthController._extrapolate)."""
+
+    routed_share: float = 0.0  # a decode step's bytes in routed experts (0: dense)
+    n_expert: int = 0
+    n_used: int = 0
+    draft: float = 0.15
+
+    def verify(self, n: int) -> float:
+        if not self.n_expert:
+            return 1.0 + ROW_COMPUTE * (n - 1)
+        distinct = self.n_expert * (1.0 - (1.0 - self.n_used / self.n_expert) ** n) / self.n_used
+        return 1.0 + self.routed_share * (distinct - 1.0) + ROW_COMPUTE * (n - 1)
+
+    @classmethod
+    def of_model(cls, hp: HParams, tensor_bytes: Mapping[str, int]) -> "PassCosts":
+        """From a file's tensor sizes: the bytes a decode step reads (the trunk's layers, a routed expert stack at
+        k/E, the output head) and a draft pass (the MTP block likewise, and the head it shares)."""
+        used = hp.n_expert_used / hp.n_expert if hp.n_expert else 1.0
+        head = tensor_bytes.get("output.weight") or tensor_bytes.get("token_embd.weight", 0)  # tied: the embeddings
+        draft_head = head
+        step = routed = draft = 0.0
+        for name, n in tensor_bytes.items():
+            if not name.startswith("blk.") or "nextn.embed_tokens" in name:  # a lookup reads one row
+                continue
+            if "nextn.shared_head_head" in name:  # the block's own head, where it has one
+                draft_head = n
+                continue
+            read = n * used if "_exps." in name else n
+            if int(name.split(".")[1]) < hp.n_layer:
+                step += read
+                routed += read if "_exps." in name else 0.0
+            else:
+                draft += read
+        step += head
+        if step <= 0:
+            return cls()
+        return cls(routed / step, hp.n_expert, hp.n_expert_used, (draft + draft_head) / step)
 
 
 @dataclass
@@ -62,6 +112,8 @@ class AutoMemory:
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
     probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
     remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
+    compared: int = 0  # drafts at depth 1 ever compared with the trunk's token (not halved: ends the early probes)
+    yardsticks_kept: int = 0  # plain steps in a row, taken while drafting, that found the decode cost unchanged
 
 
 class DepthController:
@@ -70,25 +122,27 @@ class DepthController:
     auto maximises expected tokens per second, E(K) / C(K) with E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j (α_j the
     acceptance at depth j, smoothed towards α_{j−1}) and C(K) = verify(K+1) + K·draft (verify: the pass of K+1 rows,
     acceptance and commit, as a plain step's time holds its sampling and bookkeeping), against plain decoding
-    (K = 0, E = 1). While depth 0 wins, every `probe_every` plain steps (counted across replies; doubled up to 8×
-    while probes keep missing) either draft one token as a shadow probe (compared with the trunk's own token, no
-    verify pass), so acceptance can recover at the cost of one head pass, or — when drafts do match and only the
-    costs say no — take one real step at depth 1 whose verify time replaces the old one (doubled up to 8× likewise
-    while those steps keep confirming plain decoding). While drafting wins, every `probe_every`-th step runs plain,
-    so the decode cost it is weighed against stays current.
+    (K = 0, E = 1). A verify size not yet timed is costed from the model's bytes (PassCosts), scaled by the sizes
+    that were (_extrapolate). The first EARLY_PROBES plain steps after decoding is measured each draft one token as
+    a shadow probe (compared with the trunk's own token, no verify pass). While depth 0 wins, every `probe_every`
+    plain steps (counted across replies; doubled up to 8× while probes keep missing) either probe again, so
+    acceptance can recover at the cost of one head pass, or — when drafts do match and only the costs say no — take
+    one real step at depth 1 whose verify time replaces the old one (doubled up to 8× likewise while those steps
+    keep confirming plain decoding). While drafting wins, every `probe_every`-th step runs plain, so the decode cost
+    it is weighed against stays current (doubled up to 8× while those steps find it unchanged).
     """
 
-    # Relative costs used instead of timings when decisions must be reproducible (seeded sampling): a
-    # verify of n tokens ≈ 1 + 0.45·(n − 1) decode steps, a draft ≈ 0.15 (measured on the mid-size MoE).
-    FIXED_VERIFY_SLOPE = 0.45
-    FIXED_DRAFT = 0.15
     FIRST_DECODES = 2  # plain steps measured before the first draft (the first one alone runs cold)
     # Probes that keep missing double the interval up to this many times (32 → 256 plain steps): a model whose
     # drafts never match pays ~1/8 of the probes, and one hit brings the interval straight back.
     MAX_PROBE_BACKOFF = 3
+    # Shadow probes on every plain step until this many drafts at depth 1 were compared: one early miss (or hit) must
+    # not decide a reply (a first miss kept auto plain for ~100 steps of a head that agrees 9 times in 10).
+    EARLY_PROBES = 4
+    YARDSTICK_TOLERANCE = 0.1  # a plain step taken while drafting within this share of the decode cost: unchanged
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
-                 reproducible: bool = False, memory: AutoMemory | None = None):
+                 reproducible: bool = False, memory: AutoMemory | None = None, costs: PassCosts = PassCosts()):
         if depth is not None and not 1 <= depth <= MAX_DRAFT:
             raise ValueError(f"draft depth must be 1..{MAX_DRAFT} or auto")
         self.fixed = depth
@@ -96,11 +150,12 @@ class DepthController:
         self.p_min = 0.0 if depth is not None else p_min
         self.probe_every = probe_every
         self.reproducible = reproducible  # timings vary run to run; seeded sampling must not depend on them
+        self.costs = costs  # the prior: what each pass should cost, in decode steps
         self.t_decode: float | None = 1.0 if reproducible else None
         self.t_verify: dict[int, float] = {}
-        self.t_draft: float | None = self.FIXED_DRAFT if reproducible else None
-        if reproducible:
-            self.t_verify = {n: 1.0 + self.FIXED_VERIFY_SLOPE * (n - 1) for n in range(2, MAX_DRAFT + 2)}
+        self.t_draft: float | None = costs.draft if reproducible else None
+        if reproducible:  # the prior alone decides
+            self.t_verify = {n: costs.verify(n) for n in range(2, MAX_DRAFT + 2)}
         # Seeded sampling must not depend on earlier replies either: no memory then.
         self.memory = None if reproducible or depth is not None else memory
         if self.memory is not None:
@@ -114,8 +169,11 @@ class DepthController:
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
         self._misses = self.memory.probe_misses if self.memory is not None else 0
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
+        self._compared = max(self.memory.compared, int(self.memory.tried_at[0])) if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
-        self._drafting = 0  # steps in a row at depth ≥ 1 (every probe_every-th runs plain, re-measuring it)
+        self._drafting = 0  # steps in a row at depth ≥ 1 (every yardstick_interval()-th runs plain, re-measuring it)
+        self._kept = self.memory.yardsticks_kept if self.memory is not None else 0
+        self._yardstick = False  # this plain step re-measures decoding while drafting
         self._costs = 0  # bumped when a verify or draft cost changes (what _best_depth keeps depends on them)
         self._best_key: tuple | None = None
         self._best: tuple[int, float] = (0, 0.0)
@@ -136,6 +194,8 @@ class DepthController:
         m.since_probe = self._since_probe
         m.probe_misses = self._misses
         m.remeasures_plain = self._stays
+        m.compared = self._compared_total()
+        m.yardsticks_kept = self._kept
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -144,6 +204,10 @@ class DepthController:
     def observe_decode(self, seconds: float) -> None:
         if self.reproducible:
             return
+        if self._yardstick and self.t_decode is not None:  # one that agrees spaces the next out, one that differs not
+            self._kept = self._kept + 1 if abs(seconds - self.t_decode) <= self.YARDSTICK_TOLERANCE * self.t_decode \
+                else 0
+        self._yardstick = False
         self._decodes += 1
         if self._decodes <= self.FIRST_DECODES:
             # the first step after a prefill runs cold: take the fastest, a remembered figure included (replaced by a
@@ -191,8 +255,9 @@ class DepthController:
                 return 1
         elif not self.reproducible:
             self._drafting += 1
-            if self._drafting >= self.probe_every:  # one plain step keeps the cost it is weighed against current
+            if self._drafting >= self.yardstick_interval():  # a plain step keeps the cost it is weighed against current
                 self._drafting = 0
+                self._yardstick = True
                 return 0
         return best_k
 
@@ -205,13 +270,21 @@ class DepthController:
             return False
         if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
             return False
-        first = self.t_draft is None or self._prior_tried[0] + self.stats.tried_at[0] + self._probe_tried == 0
+        first = self.t_draft is None or self._compared_total() < self.EARLY_PROBES
         # while drafts do match, only the costs keep auto plain: choose() re-measures those with a real depth-1
         # step (spaced out while they confirm it), and a probe here would cost a head pass to learn nothing
         if first or self._since_probe >= self.probe_interval() and self._alphas()[0] < 0.5:
             self._since_probe = 0
             return True
         return False
+
+    def _compared_total(self) -> int:
+        return self._compared + self.stats.tried_at[0] + self._probe_tried
+
+    def yardstick_interval(self) -> int:
+        """Drafting steps between plain ones: `probe_every`, doubled (up to 8×) for each plain step in a row that found
+        decoding's cost as it was — each costs the gain of one speculative step, so a steady one is checked less."""
+        return self.probe_every << min(self._kept, self.MAX_PROBE_BACKOFF)
 
     def probe_interval(self) -> int:
         """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""
@@ -225,7 +298,7 @@ class DepthController:
         if not self.reproducible:
             self.t_draft = self._ema(self.t_draft, draft_seconds)
         elif self.t_draft is None:
-            self.t_draft = self.FIXED_DRAFT
+            self.t_draft = self.costs.draft
         self._costs += 1
 
     def _best_depth(self, room: int) -> tuple[int, float]:
@@ -268,12 +341,13 @@ class DepthController:
         return acc, tried
 
     def _extrapolate(self, n: int) -> float:
-        """Verify cost for an unmeasured size: that of the largest measured size below it. Optimistic on
-        purpose — a multi-token pass costs a fixed overhead plus little per token, and a straight line through
-        decode and the first verify overrates bigger passes so much that auto never tried them; a size that
-        looks worth it is tried once and then costed by its own measurement. Before any verify is measured,
-        the fixed relative cost (1 + 0.45·(n − 1) decode steps) stands in."""
-        below = [t for m, t in self.t_verify.items() if m < n]
-        if below:
-            return max(below)
-        return (self.t_decode or 0.0) * (1.0 + self.FIXED_VERIFY_SLOPE * (n - 1))
+        """Verify cost for an unmeasured size: the decode step plus the extra cost of the measured size nearest it
+        (below first), scaled by the prior's ratio of the two extras (PassCosts: the distinct experts more rows
+        pick, and their arithmetic) — the extra, not the whole, so a prior that overrates the rows' arithmetic (a
+        dense model on a fast core) does not keep deeper passes untried. Before any verify is measured, the prior in
+        units of the measured decode step."""
+        step = self.t_decode or 0.0
+        if self.t_verify:
+            m = min(self.t_verify, key=lambda m: (abs(m - n), m > n))
+            return step + max(self.t_verify[m] - step, 0.0) * (self.costs.verify(n) - 1.0) / (self.costs.verify(m) - 1.0)
+        return step * self.costs.verify(n)
