@@ -53,15 +53,19 @@ class ManyChoice:
     """Per number of sequences k, which form of Runner.forward_many runs: one pass over all rows ("together") or each
     sequence's own pass. Each form is measured on its first TRY passes, then the faster (median of its last RECENT)
     runs and the other is tried again every EVERY passes, so a change in the host's or the model's speed is
-    followed. Both forms give the same bits: the choice follows the timings alone."""
+    followed. Both forms give the same bits: the choice follows the timings alone. Without `apart` only the shared
+    pass runs (with step graphs, which hold one cache's buffers: a pass on another cache would record them anew)."""
 
     TRY, RECENT, EVERY = 3, 8, 64
 
-    def __init__(self) -> None:
+    def __init__(self, apart: bool = True) -> None:
+        self.apart = apart
         self.times: dict[tuple[int, bool], deque] = {}
         self.passes: dict[int, int] = {}
 
     def pick(self, k: int) -> bool:
+        if not self.apart:
+            return True
         n = self.passes[k] = self.passes.get(k, 0) + 1
         t, a = (self.times.setdefault((k, form), deque(maxlen=self.RECENT)) for form in (True, False))
         if len(t) < self.TRY or len(a) < self.TRY:
@@ -70,7 +74,7 @@ class ManyChoice:
         return not faster if n % self.EVERY == 0 else faster
 
     def observe(self, k: int, together: bool, ns: int) -> None:
-        self.times[(k, together)].append(ns)
+        self.times.setdefault((k, together), deque(maxlen=self.RECENT)).append(ns)
 
 
 class HeadRunner:
@@ -118,7 +122,7 @@ class Runner:
         ops.link_layers(self.fused, model.output)
         self.graphs, head_graphs = self._graphs(step_graphs)
         self.mtp = HeadRunner(model.mtp, head_graphs) if model.mtp is not None else None
-        self.many = ManyChoice()  # forward_many's form per number of sequences
+        self.many = ManyChoice(apart=self.graphs is None)  # forward_many's form per number of sequences
 
     def _fuse_step(self) -> ops.FusedStep | None:
         """Every layer, the final norm and the head as one call per decode step, where every layer is fused on the
