@@ -37,6 +37,9 @@ class SpeculativeStats:
     accepted_length_histogram: list[int] = field(default_factory=list)  # verify passes by drafts accepted
     verify_steps: int = 0
     plain_steps: int = 0  # steps decoded without drafting (auto chose depth 0)
+    # tokens per second of this reply's plain steps (auto runs one now and then while drafting, to keep its yardstick
+    # current): what the same engine decodes without MTP, measured in the same reply; 0 where none ran
+    plain_tok_s: float = 0.0
     time_s: SpeculativeTimes = field(default_factory=SpeculativeTimes)
     # Where the figures came from: "engine" (this process), or for a remote engine "timings" / "request metrics"
     # (per request), "/metrics" / "sglang gauges" / "/server_info" (server-wide: other clients count too).

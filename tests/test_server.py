@@ -122,8 +122,13 @@ def test_chat_reply_usage_timings_and_mtp_counters(server) -> None:
     assert metric(server, "spec_decode_num_draft_tokens_total") - drafts0 == t["draft_n"]
     assert metric(server, "spec_decode_num_accepted_tokens_total") - accepted0 == t["draft_n_accepted"]
     assert sum(per_position(server).values()) - sum(per_pos0.values()) == t["draft_n_accepted"]
+    assert t["mtp_speedup"] is None  # depth 2 throughout: no plain step of this reply to compare with
     plain = chat(c, "Who made the heaven?", max_tokens=12, extra_body={"mtp": False})
     assert plain.model_extra["timings"]["draft_n"] == 0
+    # auto runs plain steps (first of all, to time decoding): MTP's gain is the reply's rate over theirs
+    auto = chat(c, "Who made the heaven?", max_tokens=24, extra_body={"mtp": True}).model_extra["timings"]
+    assert auto["mtp_plain_per_second"] > 0
+    assert auto["mtp_speedup"] == pytest.approx(auto["predicted_per_second"] / auto["mtp_plain_per_second"])
 
 
 def test_stream_equals_whole_reply_with_usage(server) -> None:
@@ -231,7 +236,7 @@ def test_other_bad_requests_keep_the_openai_shape(server) -> None:
 
 
 def test_bounded_load_all_answered_or_429(server) -> None:
-    """16 clients x 3 requests against one generation slot and 4 places in the queue."""
+    """16 clients x 3 requests against 4 places generating together and 4 in the queue."""
     gen0 = metric(server, "generation_tokens_total")
     rejected0 = metric(server, "num_requests_rejected_total")
     c = client(server)

@@ -453,4 +453,7 @@ def timings(st: Stats) -> dict[str, Any]:
         "predicted_per_token_ms": 1000 / st.decode_tok_s if st.decode_tok_s else 0.0,
         "predicted_per_second": st.decode_tok_s,
         "draft_n": spec.drafted if spec else 0, "draft_n_accepted": spec.accepted if spec else 0,
+        # what MTP gave: the decode rate over this reply's own plain steps' rate (auto runs some); None where none ran
+        "mtp_plain_per_second": spec.plain_tok_s if spec and spec.plain_tok_s else None,
+        "mtp_speedup": st.decode_tok_s / spec.plain_tok_s if spec and spec.plain_tok_s and st.decode_tok_s else None,
     }

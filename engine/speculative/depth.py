@@ -95,6 +95,7 @@ class SpecStats:
             acceptance_by_depth=self.acceptance_by_depth(), tried_by_depth=list(self.tried_at),
             accepted_by_depth=list(self.accepted_at), mean_accepted_length=self.mean_accepted(),
             accepted_length_histogram=list(self.accept_hist), verify_steps=self.steps, plain_steps=self.plain_steps,
+            plain_tok_s=self.plain_steps / self.decode_s if self.decode_s > 0 else 0.0,
             time_s=SpeculativeTimes(self.draft_s, self.verify_s, self.commit_s, self.decode_s))
 
 
