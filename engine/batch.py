@@ -191,7 +191,8 @@ class Batch:
 
     def add(self, prompt: list[int], gen: GenerationConfig, stop: threading.Event | None = None) -> Sequence:
         """Start a reply to the token ids `prompt` (checked: not empty, shorter than the context) in the free slot whose
-        sequence it extends furthest; its events come from `step`."""
+        sequence it extends furthest (the least recently used where none), or a new one where none is free; its events
+        come from `step`."""
         validate_generation(gen)
         if self.full:
             raise ValueError(f"the batch already holds {self.size} sequences")
@@ -199,9 +200,7 @@ class Batch:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a context of {self.engine.n_ctx}")
         busy = {id(s.slot) for s in self.active}
         free = [s for s in self.slots if id(s) not in busy]
-        if len(free) + len(busy) < self.size:
-            free.append(self._slot())
-        slot = max(free, key=lambda s: s.common(prompt))
+        slot = max(free, key=lambda s: s.common(prompt)) if free else self._slot()  # slots: as many as ran at once
         seq = Sequence(self.engine, slot, list(prompt), gen, stop, self.memory)
         self.active.append(seq)
         return seq
