@@ -75,7 +75,8 @@ class GenerationConfig:
     stats_interval_s: float = 0.25
     mtp: bool = True  # speculative decoding with the model's MTP head (when it has one)
     draft: int | None = None  # draft depth 1..MAX_DRAFT, None = auto (engine.validate.parse_draft reads a setting)
-    p_min: float = 0.75  # auto: stop a chain when the draft's top probability is below this
+    p_min: float = 0.75  # auto: stop a chain at a draft whose top probability is below this (or below the
+    # break-even probability where drafts cost less: DepthController.chain_p_min)
     # each emitted token's log-probability and this many most likely alternatives (None: none, and no cost)
     logprobs: int | None = None
     # the output held to a JSON schema by constrained decoding (engine.constrain; None: free text, and no cost)

@@ -75,9 +75,11 @@ def flat(p: float) -> tuple[float, ...]:
 ENGINES = {
     # the mid-size MoE, its verify costed as its prior says, at the agreements bench/mtp_speedup.py runs
     **{f"moe-p{p:g}": Engine(MID.verify, 0.15, flat(p), MID) for p in (0.0, 0.6, 0.8, 0.9, 0.99)},
-    # a dense model whose verify rows cost far less than the prior's ROW_COMPUTE (wide cores): auto must find K 4-5
-    "dense-cheap-rows": Engine(lambda n: 1.0 + 0.08 * (n - 1), 0.17, (0.92, 0.91, 0.77, 0.83) + flat(0.8)[4:],
+    # a dense model whose verify rows cost a third of the prior's ROW_COMPUTE (wide cores): auto must find K 4-5
+    "dense-cheap-rows": Engine(lambda n: 1.0 + 0.03 * (n - 1), 0.17, (0.92, 0.91, 0.77, 0.83) + flat(0.8)[4:],
                                PassCosts(draft=0.17)),
+    # and one whose rows cost 4x the prior (a slow core): auto must not go deep
+    "dense-costly-rows": Engine(lambda n: 1.0 + 0.4 * (n - 1), 0.17, flat(0.85), PassCosts(draft=0.17)),
     # a model too small to gain (the embedded one: a verify costs 1.6 steps and more): plain decoding wins
     "small": Engine(lambda n: 1.6 + 0.4 * (n - 1), 0.45, flat(0.8), PassCosts(0.34, 16, 4, 0.34)),
 }
@@ -99,8 +101,8 @@ def test_the_prior_reads_the_model_bytes() -> None:
     arithmetic alone; a draft costs the MTP block and the head it reads, over a step's bytes."""
     moe = PassCosts(routed_share=0.4, n_expert=64, n_used=8)
     assert moe.verify(1) == pytest.approx(1.0)
-    assert moe.verify(2) == pytest.approx(1.0 + 0.4 * (64 * (1 - (56 / 64) ** 2) / 8 - 1) + 0.3)
-    assert PassCosts().verify(5) == pytest.approx(2.2)
+    assert moe.verify(2) == pytest.approx(1.0 + 0.4 * (64 * (1 - (56 / 64) ** 2) / 8 - 1) + 0.1)
+    assert PassCosts().verify(5) == pytest.approx(1.4)
     from engine.storage.modelfile import ModelFile, default_model_path
 
     mf = ModelFile(default_model_path())

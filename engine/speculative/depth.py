@@ -7,9 +7,9 @@ from typing import Mapping
 from engine.events import MAX_DRAFT, SpeculativeStats, SpeculativeTimes
 from engine.storage.modelfile import HParams
 
-ROW_COMPUTE = 0.3  # each verify row past the first, in decode steps, beside its weight bytes: the products' arithmetic
-# on 2 cores (in-process, mid-size MoE on AVX512-VNNI: passes of 2…9 rows cost 1.7…4.9 steps, a third of it reading
-# distinct experts). Only a prior: auto replaces it with the times it measures.
+ROW_COMPUTE = 0.1  # each verify row past the first, in decode steps, beside its weight bytes: the products' arithmetic
+# (bench/results/mtp_speedup.json, mid-size MoE, 2 cores AVX512-VNNI: verifies of 2, 3, 4 rows cost 1.3-1.4, 1.6-1.7,
+# 1.8-1.9 steps, the bytes alone 1.3, 1.6, 1.9). Only a prior: auto replaces it with the times it measures.
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,7 @@ class DepthController:
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
         self._compared = max(self.memory.compared, int(self.memory.tried_at[0])) if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
+        self._once: set[int] = set()  # verify sizes timed once in this reply, not remembered: maybe a cold first pass
         self._drafting = 0  # steps in a row at depth ≥ 1 (every yardstick_interval()-th runs plain, re-measuring it)
         self._kept = self.memory.yardsticks_kept if self.memory is not None else 0
         self._yardstick = False  # this plain step re-measures decoding while drafting
@@ -189,7 +190,8 @@ class DepthController:
         if self.memory is None:
             return
         m = self.memory
-        m.t_decode, m.t_verify, m.t_draft = self.t_decode, dict(self.t_verify), self.t_draft
+        m.t_decode, m.t_draft = self.t_decode, self.t_draft
+        m.t_verify = {n: self._verify_cost(n) for n in self.t_verify}
         acc, tried = self._evidence()
         m.accepted_at, m.tried_at = acc, tried
         m.since_probe = self._since_probe
@@ -222,14 +224,20 @@ class DepthController:
         if self.reproducible:
             return
         # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
-        self.t_verify[n] = seconds if self._remeasure else self._ema(self.t_verify.get(n), seconds)
+        # ... and so does the second timing of a size: its first pass may have run cold
+        replace = self._remeasure or n in self._once
+        if n not in self.t_verify:
+            self._once.add(n)
+        else:
+            self._once.discard(n)
+        self.t_verify[n] = seconds if replace else self._ema(self.t_verify.get(n), seconds)
         self._costs += 1
         if n_drafts:
             self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
         if self._remeasure and self.t_decode is not None and self.t_draft is not None:
             # one that confirms plain decoding spaces the next out (each costs the head's catch-up over the plain
             # steps since the last and a verify): drafts that match on a model too small to gain from them
-            depth1 = (1.0 + self._alphas()[0]) / (self.t_verify[n] + self.t_draft)
+            depth1 = (1.0 + self._alphas()[0]) / (self._verify_cost(n) + self.t_draft)
             self._stays = self._stays + 1 if depth1 <= 1.0 / self.t_decode else 0
         self._remeasure = False
 
@@ -261,6 +269,17 @@ class DepthController:
                 self._yardstick = True
                 return 0
         return best_k
+
+    def chain_p_min(self, k: int) -> float:
+        """The top probability below which this step's chain of k drafts stops early (positions 2…k): p_min, or less
+        where a draft costs less than it is worth — one more draft gains its acceptance probability (the head's top
+        probability stands in for it) and costs a draft pass and a verify row, so it pays above the break-even
+        probability best rate × that cost (on the mid-size MoE ~0.5, where a fixed 0.75 cut chains short of the
+        best fixed depth's gain)."""
+        if self.fixed is not None or self.t_draft is None or self.t_decode is None or self._best[1] <= 0:
+            return self.p_min
+        row = self._verify_cost(k + 1) - self._verify_cost(k) if k > 1 else 0.0
+        return min(self.p_min, self._best[1] * (self.t_draft + max(row, 0.0)))
 
     def probe_now(self, room: int) -> bool:
         """Whether this plain step should also draft one token with the head, to compare it with the trunk's
@@ -313,7 +332,7 @@ class DepthController:
         for k in range(1, min(MAX_DRAFT, room) + 1):
             prod *= alpha[k - 1]
             expect += prod
-            t_ver = self.t_verify.get(k + 1) or self._extrapolate(k + 1)
+            t_ver = self._verify_cost(k + 1)
             rate = expect / (t_ver + k * self.t_draft)  # type: ignore[operator]
             if rate > best:
                 best_k, best = k, rate
@@ -341,6 +360,15 @@ class DepthController:
         tried[0] += self._probe_tried
         return acc, tried
 
+    def _verify_cost(self, n: int) -> float:
+        """A verify of n rows: as timed (a size timed once, at most what the prior says: a cold first pass must not
+        keep auto from timing it again), else extrapolated."""
+        if n not in self.t_verify:
+            return self._extrapolate(n)
+        if n in self._once and self.t_decode is not None:
+            return min(self.t_verify[n], self.t_decode * self.costs.verify(n))
+        return self.t_verify[n]
+
     def _extrapolate(self, n: int) -> float:
         """Verify cost for an unmeasured size: the decode step plus the extra cost of the measured size nearest it
         (below first), scaled by the prior's ratio of the two extras (PassCosts: the distinct experts more rows
@@ -350,5 +378,6 @@ class DepthController:
         step = self.t_decode or 0.0
         if self.t_verify:
             m = min(self.t_verify, key=lambda m: (abs(m - n), m > n))
-            return step + max(self.t_verify[m] - step, 0.0) * (self.costs.verify(n) - 1.0) / (self.costs.verify(m) - 1.0)
+            extra = max(self._verify_cost(m) - step, 0.0)
+            return step + extra * (self.costs.verify(n) - 1.0) / (self.costs.verify(m) - 1.0)
         return step * self.costs.verify(n)

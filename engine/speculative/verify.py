@@ -68,7 +68,7 @@ class SpeculativeDecoder:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         t0 = time.perf_counter()
-        draft = self.drafter.draft(x, k, sampler, run.history, depth.p_min, run.matcher)
+        draft = self.drafter.draft(x, k, sampler, run.history, depth.chain_p_min(k), run.matcher)
         t1 = time.perf_counter()
         pos0 = cache.pos
         seq = [x] + draft.tokens
