@@ -523,7 +523,8 @@ def main() -> None:
                      ("thread_choice_embedded_contended", _thread_choice), ("thread_choice_mid", _thread_choice),
                      ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
-                     ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup)):
+                     ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
+                     ("mtp_speedup_p0", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
