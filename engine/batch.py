@@ -87,7 +87,6 @@ class Sequence:
         self.prefilling = True  # until the first token
         self.x = -1  # the last emitted token, not yet run by the trunk (once decoding)
         self.t_prefill = self.t_stats = 0.0
-        self.ended = False  # Done was yielded: the slot is free
 
     def prefill_chunk(self) -> Iterator[Event]:
         """The next chunk of the prompt; after the last, the first token."""
@@ -144,7 +143,6 @@ class Sequence:
 
     def end(self) -> Iterator[Event]:
         """The reply's last events; the slot keeps the sequence for a request that extends it."""
-        self.ended = True
         if self.reply.reason == "stopped" and not self.reply.out_ids:  # stopped in the prompt
             yield Done("stopped")
             return
@@ -254,6 +252,5 @@ class Batch:
 
     def _fail(self, s: Sequence, e: Exception) -> Iterator[tuple[Sequence, Event | Exception]]:
         s.slot.reset()
-        s.ended = True
         self._leave(s)
         yield s, e
