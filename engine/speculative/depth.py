@@ -182,6 +182,7 @@ class DepthController:
         self._alpha_key: tuple | None = None
         self._alpha: list[float] = []
         self._decodes = 0
+        self._cold = False  # t_decode is a reply's cold first step
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
         self._probe_tried = 0
 
@@ -212,10 +213,15 @@ class DepthController:
                 else 0
         self._yardstick = False
         self._decodes += 1
-        if self._decodes <= self.FIRST_DECODES:
-            # the first step after a prefill runs cold: take the fastest, a remembered figure included (replaced by a
-            # cold step, a slow figure could make drafting look worth it, and while drafting nothing corrects it)
-            self.t_decode = seconds if self.t_decode is None else min(self.t_decode, seconds)
+        if self._decodes == 1:
+            # the first step after a prefill runs cold: it stands in only where nothing is known, and the next step
+            # replaces it (a cold figure could make drafting look worth it, and while drafting nothing corrects it)
+            if self.t_decode is None:
+                self.t_decode, self._cold = seconds, True
+        elif self._cold:
+            # not the faster of the two either: on a shared host that picks a quiet moment's step, and every verify
+            # timed later looks dear against it (the mid MoE stayed plain where depth 3 gained a quarter)
+            self.t_decode, self._cold = seconds, False
         else:  # one slow step (a page fault, the collector) counts at most double: an outlier taken whole made
             # drafting look worth it for hundreds of steps, as drafting steps re-measure plain ones only now and then
             self.t_decode = self._ema(self.t_decode, min(seconds, 2.0 * self.t_decode))  # type: ignore[operator]
