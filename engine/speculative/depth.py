@@ -115,6 +115,7 @@ class AutoMemory:
     remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
     compared: int = 0  # drafts at depth 1 ever compared with the trunk's token (not halved: ends the early probes)
     yardsticks_kept: int = 0  # plain steps in a row, taken while drafting, that found the decode cost unchanged
+    below_cut: tuple[float, float] = (0.0, 0.0)  # drafts under the break-even cut in uncut chains: tried, accepted
 
 
 class DepthController:
@@ -140,6 +141,8 @@ class DepthController:
     # Shadow probes on every plain step until this many drafts at depth 1 were compared: one early miss (or hit) must
     # not decide a reply (a first miss kept auto plain for ~100 steps of a head that agrees 9 times in 10).
     EARLY_PROBES = 4
+    CUT_EXPLORE = 4  # every 4th speculative step of auto drafts its whole chain (chain_p_min)
+    CUT_EVIDENCE = 4  # drafts below the cut seen before their acceptance decides whether to cut
     YARDSTICK_TOLERANCE = 0.1  # a plain step taken while drafting within this share of the decode cost: unchanged
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
@@ -183,6 +186,11 @@ class DepthController:
         self._alpha: list[float] = []
         self._decodes = 0
         self._cold = False  # t_decode is a reply's cold first step
+        self._chains = 0  # speculative steps of auto
+        self._cut = 0.0  # this step's break-even cut
+        self._explore_cut = False  # this step drafts its whole chain (chain_p_min)
+        # drafts below the cut in the uncut chains, and those accepted (the memory's halved, as acceptance is)
+        self._low_tried, self._low_acc = (t / 2 for t in self.memory.below_cut) if self.memory is not None else (0, 0)
         self._probe_acc = 0.0  # shadow probes (depth 1): drafts compared with the trunk's own next token
         self._probe_tried = 0
 
@@ -200,6 +208,7 @@ class DepthController:
         m.remeasures_plain = self._stays
         m.compared = self._compared_total()
         m.yardsticks_kept = self._kept
+        m.below_cut = (self._low_tried, self._low_acc)
 
     @staticmethod
     def _ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -276,6 +285,23 @@ class DepthController:
                 return 0
         return best_k
 
+    @property
+    def learns_cut(self) -> bool:
+        """Whether this step's drafts should report their confidence (auto: the step drafts its whole chain, to learn
+        whether unconfident drafts are accepted)."""
+        return self._explore_cut
+
+    def observe_chain(self, confidence: list[float], accepted: int) -> None:
+        """An uncut chain's drafts: those past the first below the break-even cut, tried (the chain alive to them)
+        and accepted."""
+        if not self._explore_cut:
+            return
+        self._explore_cut = False
+        for i, c in enumerate(confidence[1:accepted + 1], start=1):
+            if c < self._cut:
+                self._low_tried += 1
+                self._low_acc += i < accepted
+
     def chain_p_min(self, k: int) -> float:
         """The top probability below which this step's chain of k drafts stops early (positions 2…k): p_min, or less
         where a draft costs less than it is worth — one more draft gains its acceptance probability (the head's top
@@ -285,7 +311,17 @@ class DepthController:
         if self.fixed is not None or self.t_draft is None or self.t_decode is None or self._best[1] <= 0:
             return self.p_min
         row = self._verify_cost(k + 1) - self._verify_cost(k) if k > 1 else 0.0
-        return min(self.p_min, self._best[1] * (self.t_draft + max(row, 0.0)))
+        self._cut = min(self.p_min, self._best[1] * (self.t_draft + max(row, 0.0)))
+        # A head's top probability need not be calibrated (an under-confident one is right far more often than it
+        # says): every CUT_EXPLORE-th step drafts its whole chain, and once the drafts it would have cut are
+        # accepted above the break-even rate, chains are no longer cut.
+        self._chains += 1
+        if self._chains % self.CUT_EXPLORE == 0 and not self.reproducible:
+            self._explore_cut = True
+            return 0.0
+        if self._low_tried >= self.CUT_EVIDENCE and self._low_acc / self._low_tried >= self._cut:
+            return 0.0
+        return self._cut
 
     def probe_now(self, room: int) -> bool:
         """Whether this plain step should also draft one token with the head, to compare it with the trunk's

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -21,6 +21,7 @@ class Draft:
     tokens: list[int]
     probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
     catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
+    confidence: list[float] = field(default_factory=list)  # each draft's top probability (where asked for)
 
 
 class MTPDrafter:
@@ -66,9 +67,10 @@ class MTPDrafter:
         self._committed = self.cache.pos
 
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0,
-              matcher: Matcher | None = None) -> Draft:
+              matcher: Matcher | None = None, confidence: bool = False) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
-        `history` is every token so far, ending with x (for the repetition penalty). Under a constraint (`matcher`,
+        `history` is every token so far, ending with x (for the repetition penalty). A draft past the first whose top
+        probability is below `p_min` ends the chain; `confidence` keeps every draft's top probability. Under a constraint (`matcher`,
         moved ahead over the chain and back) each draft is chosen from the head's masked row, so every draft is one
         the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it."""
         out = Draft([], [])
@@ -92,11 +94,14 @@ class MTPDrafter:
                 else:
                     q = sampler.distribution(logits, hist, matcher)
                     tok = sampler.draw(q)
-                if i > 0 and p_min > 0:  # an unconfident draft is more likely to cost than to pay
+                if i > 0 and (p_min > 0 or confidence):  # an unconfident draft is more likely to cost than to pay
                     row = logits if matcher is None else masked(logits, matcher.allowed())
                     conf = float(q.max()) if q is not None else float(torch.softmax(row.float(), -1).max())
                     if conf < p_min:
                         break
+                    out.confidence.append(conf)
+                elif confidence:
+                    out.confidence.append(1.0)  # the first draft is never cut
                 out.tokens.append(tok)
                 out.probs.append(q)
                 hist.append(tok)

@@ -68,7 +68,8 @@ class SpeculativeDecoder:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         t0 = time.perf_counter()
-        draft = self.drafter.draft(x, k, sampler, run.history, depth.chain_p_min(k), run.matcher)
+        cut = depth.chain_p_min(k)
+        draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut)
         t1 = time.perf_counter()
         pos0 = cache.pos
         seq = [x] + draft.tokens
@@ -96,6 +97,7 @@ class SpeculativeDecoder:
             self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
         spec.record(len(draft.tokens), n_acc)
+        depth.observe_chain(draft.confidence, n_acc)
         spec.draft_s += t1 - t0
         spec.verify_s += t2 - t1
         spec.commit_s += t4 - t3
