@@ -339,6 +339,70 @@ def _quant_mix(d: dict) -> list[str]:
     return out + [""]
 
 
+def _sweep_types(t: dict) -> str:
+    """A file's types, role by role, as `role TYPES` pieces (bench/sweep.py's file facts)."""
+    short = {"expert gate/up": "exp gate/up", "expert down": "exp down", "attention": "attn", "gdn": "GDN",
+             "shared expert": "shexp", "dense ffn gate/up": "ffn gate/up", "dense ffn down": "ffn down",
+             "output": "head", "token_embd": "embd"}
+    return "; ".join(f"{label} {'/'.join(t[role])}" for role, label in short.items() if role in t)
+
+
+def sweep_section(d: dict) -> list[str]:
+    """bench/sweep.py: shapes × llama.cpp's quantizations, ours against llama.cpp per cell, and the summary."""
+    m, st, s = d["machine"], d["settings"], d["summary"]
+    forms = d["our_forms"]
+    load = " / ".join(f"{x:.2f}" for x in m["load_avg_at_start"])
+    if m.get("load_avg_at_end"):
+        load += ", at end " + " / ".join(f"{x:.2f}" for x in m["load_avg_at_end"])
+    out = ["## Shapes × quantizations vs llama.cpp (`bench/sweep.py`)", "",
+           f"Command: `{d['command']}` ({d['date']}, commit {d['git'].get('commit', '?')[:10]}"
+           f"{' + local changes' if d['git'].get('dirty') else ''}). Machine: {m.get('cpu_model', m['cpu'])}, "
+           f"{m['cores']} cores, {st['threads']} threads per engine, load average (1 / 5 / 15 min) at start {load}. "
+           f"llama.cpp: {d['llama_cpp']}. {st['decoding'][:1].upper() + st['decoding'][1:]}, {st['prompt']}-token "
+           f"prompt, {st['decode']} tokens; best of {st['rounds']} alternating round(s), every run a fresh process. "
+           "Files: the embedded model as shipped, the others written in F16 with random weights and quantized by "
+           "llama.cpp itself (UD-Q4_K_XL: llama.cpp's Q4_K_M with the overrides "
+           + ", ".join(f"`{k}` {v}" for k, v in d["ud_q4_k_xl_overrides"].items()) + "). × = ours / llama.cpp; "
+           "the form columns are our decode forced to each ISA form over llama.cpp's; path: our decode step on the "
+           "default backend (one call, or op by op and why). Forms this CPU lacks, not run: "
+           + (", ".join(d["our_forms_unavailable_on_this_cpu"]) or "none") + ".", "",
+           "| shape | layers | vocab | source |", "|---|---|---|---|"]
+    for name, sh in d["shapes"].items():
+        layers = f"{sh['n_layer']}" + (f" of {sh['layers_reduced_from']}" if sh.get("layers_reduced_from") else "")
+        out.append(f"| {name} | {layers} | {sh['n_vocab']:,} | {sh['source']} |")
+    out += ["", "| cell | MiB | types | path | llama.cpp decode tok/s | ours decode tok/s | × decode | "
+            + " | ".join(f"× {f}" for f in forms) + " | llama.cpp prefill tok/s | ours prefill tok/s | × prefill |",
+            "|---|---|---|---|---|---|---|" + "---|" * len(forms) + "---|---|---|"]
+    failed = []
+    for key, c in d["cells"].items():
+        if "error" in c:
+            failed.append(f"{key}: {c['error'].strip().splitlines()[-1] if c['error'].strip() else '?'}")
+            continue
+        runs, q = c["runs"], c["ours_over_llama_cpp"]
+        by_form = {r["backend"]: n for n, r in runs.items() if n != "llama_cpp"}
+        path = c["step_path"].get(runs["ours"]["backend"], "?")
+        path = "fused step" if path.startswith("one native call") else path
+        cols = [f"{q[by_form[f]]['decode']:.2f}" if f in by_form else "–" for f in forms]
+        ll, us = runs["llama_cpp"], runs["ours"]
+        out.append(f"| {key} | {c['bytes'] / 2**20:.0f} | {_sweep_types(c['types'])} | {path} | "
+                   f"{ll['decode_tok_s']:.1f} | {us['decode_tok_s']:.1f} ({us['backend']}) | "
+                   f"{q['ours']['decode']:.2f} | "
+                   + " | ".join(cols) + f" | {ll['prefill_tok_s']:.0f} | {us['prefill_tok_s']:.0f} | "
+                   f"{q['ours']['prefill']:.2f} |")
+    out.append("")
+    if s.get("median_cell"):
+        forms_line = (f"; AVX2 forms' decode over the AVX512 forms': median {s['avx2_over_avx512_median']:.2f}, least "
+                      f"{s['avx2_over_avx512_min']:.2f} (target ≥ 0.85)" if s.get("avx2_over_avx512_median") else "")
+        out += [f"Summary over {s['measured']} cells: median decode ratio ×{s['median_decode']:.2f} (median cell "
+                f"{s['median_cell']}; target ≥ 1.3), median prefill ratio ×{s['median_prefill']:.2f}; cells ≥ 1.0× "
+                f"llama.cpp: {s['decode_at_least_1']} in decode, {s['prefill_at_least_1']} in prefill, "
+                f"{s['both_at_least_1']} in both (target: all); slowest decode cell {s['worst_decode_cell']}"
+                f"{forms_line}.", ""]
+    if failed:
+        out += ["Cells that failed: " + "; ".join(failed) + ".", ""]
+    return out
+
+
 def _fuzz_gguf(d: dict) -> list[str]:
     out = ["## Damaged GGUF files (`bench/fuzz_gguf.py`)", "",
            f"Seeded mutations (`tests/gguf_mutate.py`, seed {d['seed']}) through the open path of `inspect`/`load` "
@@ -524,7 +588,7 @@ def main() -> None:
                      ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
-                     ("mtp_speedup_p0", _mtp_speedup)):
+                     ("mtp_speedup_p0", _mtp_speedup), ("sweep", sweep_section), ("sweep_9b", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

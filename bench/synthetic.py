@@ -80,7 +80,15 @@ TINY = Shape(n_layer=4, n_embd=256, n_vocab=512, n_head=2, n_head_kv=1, head_dim
 # of the token, visits about √(πV/2) distinct tokens before it cycles: ~80 here, ~28 with 512) and hidden 512 (at 256,
 # eh_proj's rows hold one Q4_K super-block of the identity each, whose scale rounds the noise away)
 TINY_MTP = replace(TINY, n_embd=512, n_vocab=4096)
-SHAPES = {"mid": MID, "qwen36-35b": QWEN36_35B, "qwen35-9b": QWEN35_9B, "tiny": TINY, "tiny-mtp": TINY_MTP}
+# The sweep's (bench/sweep.py) small MoE with a GPT-2-size vocabulary: the output head's 50,259 rows outweigh the layers
+VOCAB50K = replace(TINY, n_vocab=50259, n_expert=16, n_expert_used=4)
+# Qwen3.5-0.8B and 2B (dense): 24 layers, 8 query / 2 KV heads of 256, 16 GDN heads of 128 for QK and V, FFN 3584 /
+# 6144, the 248,320-token vocabulary (bench/sweep.py's SHAPE_SOURCES says where these numbers come from)
+QWEN35_08B = replace(QWEN35_9B, n_layer=24, n_embd=1024, n_head=8, n_head_kv=2, ssm_n_group=16, ssm_dt_rank=16,
+                     n_ff=3584)
+QWEN35_2B = replace(QWEN35_08B, n_embd=2048, n_ff=6144)
+SHAPES = {"mid": MID, "qwen36-35b": QWEN36_35B, "qwen35-9b": QWEN35_9B, "tiny": TINY, "tiny-mtp": TINY_MTP,
+          "vocab50k": VOCAB50K, "qwen35-0.8b": QWEN35_08B, "qwen35-2b": QWEN35_2B}
 
 _Q8_0_IN_UD = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_qkv.", "attn_gate.", "ssm_alpha.", "ssm_beta.",
                "ssm_out.", "_shexp.", "eh_proj.")
