@@ -6,10 +6,11 @@ One product per weight shape of the mid-size benchmark model (bench/synthetic.py
 down projections and LM head), of the embedded model (Q8_0) and of a Q8_0 attention projection of a real
 model's width, and row count M (1 = a decode step, 2–8 = verify passes, 64 = a prefill chunk), the paths
 alternating round by round (best round counts). "native" is the weight bound to the default backend
-(`ops.default_backend()`, as the engine runs it: on AVX512-VNNI, Q4_K, Q6_K and Q8_0 packed 16 rows interleaved);
-"stored" (where the default backend packs) is the same product in the stored block order (the `native-avx512`
-backend); "torch" is the `torch` backend (dequantize-then-float for K-quants, the torch integer path for Q8_0 rows
-of ≤ 512 values and dequantize-then-float for wider ones). Each path is `ops.linear` on the weight bound to it.
+(`ops.default_backend()`, as the engine runs it: on AVX512-VNNI and on AVX2, Q4_K, Q6_K and Q8_0 packed 16 rows
+interleaved); "stored" (where the default backend packs) is the same product in the stored block order (the default
+backend with weights left mapped, `copies=False`); "torch" is the `torch` backend (dequantize-then-float for
+K-quants, the torch integer path for Q8_0 rows of ≤ 512 values and dequantize-then-float for wider ones). Each path
+is `ops.linear` on the weight bound to it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,7 +56,7 @@ def main() -> None:
     default = ops.default_backend()
     backends = {"native": default, "torch": ops.TORCH}
     if default.packs:
-        backends["stored"] = ops.backend_named("native-avx512")
+        backends["stored"] = replace(default, copies=False)
     rows_out = []
     for qt, n_out, k, what in SHAPES:
         w = QTensor(random_blocks((n_out, k), qt, rng, 1 / np.sqrt(k)), qt, (n_out, k))
@@ -70,7 +72,7 @@ def main() -> None:
             row = {"type": qt.name, "out": n_out, "in": k, "what": what, "m": m,
                    "native_ms": t["native"] * 1e3, "torch_ms": t["torch"] * 1e3,
                    "speedup": t["torch"] / t["native"], "native_gb_s": w.nbytes / t["native"] / 1e9}
-            if "stored" in t:  # packed for VNNI (native) against the stored block order
+            if "stored" in t:  # packed (native) against the stored block order
                 row.update(stored_order_ms=t["stored"] * 1e3, packed_speedup=t["stored"] / t["native"])
             rows_out.append(row)
             print(json.dumps(rows_out[-1]))

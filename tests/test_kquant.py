@@ -1,5 +1,5 @@
 """Native Q4_K / Q6_K / Q8_0 products (engine/native, through engine.ops) in every instruction-set form the
-machine runs: packed for VNNI, stored order on AVX512 and on AVX2, portable C."""
+machine runs: packed for VNNI and for AVX2, stored order on AVX512 (and wherever weights stay mapped), portable C."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -147,16 +147,17 @@ def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> 
 
 @pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_packed_weights_are_the_stored_ones_reordered(qt: T) -> None:
-    """The packed products agree with the stored-order ones to float32 rounding (the same integers, the float sums
-    grouped differently); packing leaves a weight in the process's own memory alone."""
+    """The packed products agree with the stored-order ones of the same form to float32 rounding (the same integers,
+    the float sums grouped differently); packing leaves a weight in the process's own memory alone."""
     from engine.storage.pages import release_pages
 
-    if not native.cpu_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI: there is no packed form to compare")
+    b = ops.default_backend()
+    if not b.packs:
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2: there is no packed form to compare")
     w = _weight(qt, 96, 2048, seed=6)
     x = _x(3, 2048, seed=7)
-    stored = ops.linear(x, _bind(w, ops.backend_named("native-avx512")))
-    lin = _bind(w, ops.backend_named("native-avx512vnni"))
+    stored = ops.linear(x, _bind(w, replace(b, copies=False)))
+    lin = _bind(w, b)
     packed = ops.linear(x.clone(), lin)
     assert lin.packed is not None
     torch.testing.assert_close(packed, stored, rtol=1e-5, atol=1e-5 * stored.abs().max().item())
@@ -188,13 +189,35 @@ def test_q8_0_avx2_product_has_the_vnni_bits() -> None:
     assert torch.equal(ops.linear(x.clone(), _bind(w, ops.backend_named("native-avx2"))), vnni)
 
 
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_avx2_packed_products_have_the_vnni_bits(qt: T) -> None:
+    """The AVX2 packed products (maddubs over each 64-byte vector's two 8-row halves) give the VNNI packed products'
+    bits: for one activation row, a verify pass's few and more than the products' tile of 4, on two threads, and for
+    routed-expert pairs (the same exact integers per lane, the same float work after them)."""
+    if not native.cpu_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI to compare the AVX2 packed form with")
+    forms = [ops.backend_named(n) for n in ("native-avx512vnni", "native-avx2")]
+    w = _weight(qt, 48, 1024, seed=13)
+    x = _x(9, 1024, seed=14)
+    lins = [_bind(w, replace(b, threads=2)) for b in forms]
+    for m in (1, 3, 9):
+        vnni, avx2 = (ops.linear(x[:m].clone(), lin) for lin in lins)
+        assert torch.equal(avx2, vnni), m
+    assert all(lin.packed is not None for lin in lins)
+    experts = QTensor(random_blocks((3, 32, 512), qt, np.random.default_rng(15), 1 / 16), qt, (3, 32, 512))
+    xrow, starts = torch.tensor([4, 0, 2, 1, 3]), torch.tensor([0, 1, 3, 5])
+    vnni, avx2 = (pairs_product(x[:5, :512].clone(), _bind(experts, b), xrow, torch.tensor([2, 0, 1]), starts)
+                  for b in forms)
+    assert torch.equal(avx2, vnni)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_packing_chunk_by_chunk_gives_the_whole_packing(qt: T) -> None:
     """NativeLinear.pack packs a few 16-row groups at a time (and drops each chunk's file pages): chunks of one group,
     of a few, and the whole matrix at once give the same bytes; an expert stack's groups too."""
-    if not native.cpu_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI: nothing is packed")
-    b = ops.backend_named("native-avx512vnni")
+    b = ops.default_backend()
+    if not b.packs:
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2: nothing is packed")
     for shape in ((80, 512), (3, 32, 512)):
         blocks = random_blocks(shape, qt, np.random.default_rng(12), 1 / 16)
         packs = []

@@ -19,7 +19,7 @@
 enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
 /* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, GROUP rows interleaved (not ggml types: ours, for the VNNI
- * products) */
+ * and AVX2 packed products) */
 enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
 #define GROUP 16
 
@@ -329,9 +329,9 @@ void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),
- * prefetching `ahead` as it goes */
+ * prefetching `ahead` as it goes, in the best form isa allows (VNNI, else AVX2: the same bits) */
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead);
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa);
 #endif
 
 #endif

@@ -279,6 +279,194 @@ static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float
     for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
 }
 
+/* ---- the same products in AVX2 (native-avx2) -------------------------------------------------------------
+ *
+ * Each 64-byte vector is read as two 32-byte halves, rows 0-7 and rows 8-15, one after the other within a block.
+ * maddubs sums pairs of unsigned values times signed quants into int16 and madd widens them, by one or by a scale
+ * in both int16 halves of a lane: the exact int32 lanes dpbusd makes, no sum near int16's range (Q4_K: 8 pairs of
+ * at most 2·15·127; Q6_K: 2 pairs of at most 2·63·127; Q8_0 the stored AVX2 product's |w| and x·sign(w), one pair
+ * of at most 2·128·127, the activation quants being within ±127). The float work after the integers is the VNNI
+ * form's, lane by lane: the same bits. */
+
+/* pshufb patterns taking bytes a and b of each 32-bit lane to its two int16 halves (zero-extended): (j, j) for
+ * j < 4 (a sub-block's scale), (0, 1) and (2, 3) (pairs of mins). Loaded from a table: built in registers from a
+ * loop index they cost more than the products. */
+#define SPREAD_LANE(a, b) a, -128, b, -128, 4 + a, -128, 4 + b, -128, 8 + a, -128, 8 + b, -128, 12 + a, -128, 12 + b, -128
+#define SPREAD(a, b) {SPREAD_LANE(a, b), SPREAD_LANE(a, b)}
+static const int8_t spread16[6][32] __attribute__((aligned(32))) = {SPREAD(0, 0), SPREAD(1, 1), SPREAD(2, 2),
+                                                                    SPREAD(3, 3), SPREAD(0, 1), SPREAD(2, 3)};
+#define SPREAD16(i) _mm256_load_si256((const __m256i *)spread16[i])
+
+/* Σ over 8 activation quants x of the value vectors v[0], v[1] (4 values of each of 8 rows per vector): int16 pairs */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i dot8_x8(const __m256i *v, const int8_t *x) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(*(const int32_t *)x)),
+                            _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(*(const int32_t *)(x + 4))));
+}
+
+/* the T rows' sums of a group, rows 0-7 and 8-15, to o[i · ldo + l] */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void store_x16_avx2(__m256 acc[][2], float *o, int64_t ldo, const int T) {
+    for (int i = 0; i < T; i++) {
+        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
+        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
+    }
+}
+
+/* q4_k_x16 in AVX2: half h (rows 8h … 8h+7) of each group block in turn */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f),
+                  m03 = _mm256_set1_epi32(0x03030303), ones = _mm256_set1_epi16(1);
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GROUP * 144;
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h)),
+                          u2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+            const __m256i sc[2] = {_mm256_and_si256(u0, m3f),
+                                   _mm256_or_si256(_mm256_and_si256(u2, m0f),
+                                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m03), 4))};
+            __m256i isum[X16_TILE];
+            for (int i = 0; i < T; i++) isum[i] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+                if (h == 0) ahead_step(ah, GROUP * 144 / 8);
+                const uint8_t *qv = blk + 256 + 256 * j + 32 * h;
+                __m256i v[8];
+                for (int p = 0; p < 4; p++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p));
+                    v[p] = _mm256_and_si256(q, m4);
+                    v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                }
+                const __m256i scj = _mm256_shuffle_epi8(sc[j / 4], SPREAD16(j % 4));
+                for (int i = 0; i < T; i++) {
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * j;
+                    const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(dot8_x8(v, x), dot8_x8(v + 2, x + 8)),
+                                                         _mm256_add_epi16(dot8_x8(v + 4, x + 16), dot8_x8(v + 6, x + 24)));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16, scj));
+                }
+            }
+            /* the mins as int16 pairs (mn0, mn1) … (mn6, mn7) per lane, against each row's sums of 32 quants as int16
+             * pairs (s0, s1) … (s6, s7) broadcast */
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i mn03 = _mm256_and_si256(u1, m3f);
+            const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
+                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
+            const __m256i mn[4] = {_mm256_shuffle_epi8(mn03, SPREAD16(4)), _mm256_shuffle_epi8(mn03, SPREAD16(5)),
+                                   _mm256_shuffle_epi8(mn47, SPREAD16(4)), _mm256_shuffle_epi8(mn47, SPREAD16(5))};
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const __m256i s32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16)), ones);
+                const __m256i s16 = _mm256_packs_epi32(s32, s32);  /* dwords 0, 1 of each 128-bit lane: s0…s3 | s4…s7 */
+                __m256i msum = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++)
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn[k], _mm256_permutevar8x32_epi32(
+                                                                       s16, _mm256_set1_epi32(k % 2 + 4 * (k / 2)))));
+                const __m256 dx = _mm256_set1_ps(rows[i].d[b]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, dx), acc[i][h]);
+                acc[i][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
+/* q6_k_x16 in AVX2 */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * Q6K_GROUP_BYTES;
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            __m256i isum[X16_TILE], ssum[X16_TILE];
+            for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {
+                if (h == 0) ahead_step(ah, Q6K_GROUP_BYTES / 8);
+                const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1) + 32 * h,
+                              *scb8 = lo + 768 - 224 * (u & 1) + 8 * h;
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)hb),
+                              h1 = _mm256_loadu_si256((const __m256i *)(hb + 64));
+                __m256i v[8];
+                for (int p = 0; p < 4; p++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
+                    v[p] = _mm256_and_si256(q, m4);
+                    v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                }
+                /* value group g's high bits: vector g % 2, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
+                v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30));
+                v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30));
+                v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30));
+                v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30));
+                v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h0, m30));
+                v[5] = _mm256_or_si256(v[5], _mm256_and_si256(h1, m30));
+                v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30));
+                v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30));
+                /* the 8 rows' scales of the two sub-blocks as int16 pairs: (a, a), (b, b) and (a, b) per lane */
+                const __m128i a8 = _mm_loadl_epi64((const __m128i *)scb8),
+                              b8 = _mm_loadl_epi64((const __m128i *)(scb8 + GROUP));
+                const __m256i sca = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a8, a8)),
+                              scb = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b8, b8)),
+                              scp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a8, b8));
+                for (int i = 0; i < T; i++) {
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * u;
+                    const __m256i da = _mm256_add_epi32(_mm256_madd_epi16(dot8_x8(v, x), sca),
+                                                        _mm256_madd_epi16(dot8_x8(v + 2, x + 8), sca));
+                    const __m256i db = _mm256_add_epi32(_mm256_madd_epi16(dot8_x8(v + 4, x + 16), scb),
+                                                        _mm256_madd_epi16(dot8_x8(v + 6, x + 24), scb));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(da, db));
+                    ssum[i] = _mm256_add_epi32(ssum[i], _mm256_madd_epi16(
+                        scp, _mm256_set1_epi32(*(const int32_t *)(rows[i].bs + b * 16 + 2 * u))));
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 3328 + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const __m256i p = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(ssum[i], 5));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
+                                            acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
+/* q8_0_x16 in AVX2: the quants back to signed (w = v − 128), Σ w·x as the stored AVX2 product takes it */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q8_0_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) {
+    const uint8_t *qv = g + 2 * GROUP * nb;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        ahead_step(ah, 512 + 2 * GROUP);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            __m256i w[8], aw[8];
+            for (int v = 0; v < 8; v++) {
+                w[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qv + 512 * b + 64 * v + 32 * h)), flip);
+                aw[v] = _mm256_abs_epi8(w[v]);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 2 * GROUP * b + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * 32;
+                __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int v = 0; v < 8; v++) {
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(x + 4 * v)), w[v]);
+                    s[v & 1] = _mm256_add_epi32(s[v & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], xs), ones));
+                }
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])), acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
 #define X16_CASES(FN)                                                                                             \
     switch (tn) {                                                                                                 \
     case 1: FN(g, nb, rows, o, ldo, 1, ahead); break;                                                             \
@@ -287,29 +475,39 @@ static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float
     default: FN(g, nb, rows, o, ldo, 4, ahead); break;                                                            \
     }
 
-/* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL). */
-__attribute__((target(VNNI_TARGET)))
-void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
-                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead) {
-    const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK_K);
-    Row rows[X16_TILE];
-    for (int64_t rc = r0; rc < r1; rc += GROUP) {
-        const uint8_t *g = w + rc * row_bytes;
-        for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {
-            const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;
-            for (int64_t i = 0; i < tn; i++) {
-                const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;
-                rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL};
-            }
-            float *o = out + t0 * ldo + rc;
-            if (qtype == T_Q4_K_PACKED) {
-                X16_CASES(q4_k_x16)
-            } else if (qtype == T_Q8_0_PACKED) {
-                X16_CASES(q8_0_x16)
-            } else {
-                X16_CASES(q6_k_x16)
-            }
-        }
+/* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL), in one
+ * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avx2). */
+#define X16_DRIVER(NAME, TARGET, SUFFIX)                                                                          \
+    __attribute__((target(TARGET))) static void NAME(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0,   \
+                                                     int64_t r1, const Acts *a, const int64_t *xrow, int64_t m,     \
+                                                     float *out, int64_t ldo, Ahead *ahead) {                     \
+        const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK_K);                                           \
+        Row rows[X16_TILE];                                                                                       \
+        for (int64_t rc = r0; rc < r1; rc += GROUP) {                                                             \
+            const uint8_t *g = w + rc * row_bytes;                                                                \
+            for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {                                                        \
+                const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;                                         \
+                for (int64_t i = 0; i < tn; i++) {                                                                \
+                    const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;                                              \
+                    rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL};       \
+                }                                                                                                 \
+                float *o = out + t0 * ldo + rc;                                                                   \
+                if (qtype == T_Q4_K_PACKED) {                                                                     \
+                    X16_CASES(q4_k##SUFFIX)                                                                       \
+                } else if (qtype == T_Q8_0_PACKED) {                                                              \
+                    X16_CASES(q8_0##SUFFIX)                                                                       \
+                } else {                                                                                          \
+                    X16_CASES(q6_k##SUFFIX)                                                                       \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
     }
+X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16)
+X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2)
+
+void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
+                    const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa) {
+    if (isa_runs(isa, ISA_VNNI)) rows_times_x16_vnni(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
+    else if (isa_runs(isa, ISA_AVX2)) rows_times_x16_avx2(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
 }
 #endif

@@ -1,11 +1,12 @@
 """Which kernels run: a Backend is chosen once, when a model is built, and stored with each weight and layer.
 
 Native backends run engine/native's kernels in one instruction-set form each:
-  - ``native-avx512vnni``: quantized weights packed 16 rows interleaved for dpbusd (where a matrix is made of
-    whole 16-row groups; the others read their stored blocks), AVX512 float kernels;
+  - ``native-avx512vnni``: Q4_K, Q6_K and Q8_0 weights packed 16 rows interleaved for dpbusd (where a matrix is
+    made of whole 16-row groups; the others read their stored blocks), AVX512 float kernels;
   - ``native-avx512``: the stored block order as mapped, AVX512 kernels (Q8_0 with VNNI where the CPU has it);
-  - ``native-avx2``: the stored block order, AVX2 (+FMA, F16C) products; the float kernels' loops built for AVX2
-    (what most desktop CPUs run);
+  - ``native-avx2``: AVX2 (+FMA, F16C) products, Q4_K, Q6_K and Q8_0 packed as for VNNI (maddubs over each
+    vector's two 8-row halves: the VNNI form's bits), the others in the stored block order; the float kernels'
+    loops built for AVX2 (what most desktop CPUs run);
   - ``native-portable``: the portable C loops.
 The ``triton`` backend runs quantized products on CUDA in engine.ops.triton_q's kernels over the stored blocks
 (everything else in torch ops on the device); a native backend used for a layer on a CUDA device becomes it (`on`)
@@ -32,6 +33,7 @@ from engine.ops import native
 NATIVE_ISAS = ("avx512vnni", "avx512", "avx2", "portable")
 # the level each asks the native library for (kernels.h ISA_*): a kernel runs its best form at or below it
 ISA_LEVEL = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+PACKED_ISAS = ("avx512vnni", "avx2")  # the forms with packed products (engine/native/packed_x16.c)
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,9 @@ class Backend:
 
     @property
     def packs(self) -> bool:
-        """Quantized weights interleaved 16 rows at a time for the VNNI products."""
-        return self.isa == "avx512vnni" and self.copies
+        """Q4_K, Q6_K and Q8_0 weights interleaved 16 rows at a time for the packed products (VNNI and AVX2 forms;
+        AVX512 without VNNI runs its stored-order products)."""
+        return self.isa in PACKED_ISAS and self.copies
 
     def on(self, device: torch.device | str) -> Backend:
         """The backend for weights and layers on `device`: native kernels run on the CPU only, Triton's on CUDA

@@ -90,7 +90,7 @@ class NativeLinear(Linear):
         self.packed: torch.Tensor | None = None
 
     def pack(self, chunk_bytes: int = PACK_CHUNK_BYTES) -> None:
-        """Interleave the weight's blocks 16 rows at a time for the VNNI products (the same bytes in number, Q6_K with
+        """Interleave the weight's blocks 16 rows at a time for the packed products (the same bytes in number, Q6_K with
         1 % of padding), for the products to read instead of the stored ones. Only matrices of whole groups (rows
         per matrix, per expert in a stack, a multiple of 16) are packed. Where the stored bytes are a view of the
         model file their resident pages are dropped (engine.storage.pages.release_pages) as each chunk of about
