@@ -354,7 +354,7 @@ def sweep_section(d: dict) -> list[str]:
     load = " / ".join(f"{x:.2f}" for x in m["load_avg_at_start"])
     if m.get("load_avg_at_end"):
         load += ", at end " + " / ".join(f"{x:.2f}" for x in m["load_avg_at_end"])
-    out = ["## Shapes × quantizations vs llama.cpp (`bench/sweep.py`)", "",
+    out = [f"## Shapes × quantizations vs llama.cpp: {', '.join(d['shapes'])} (`bench/sweep.py`)", "",
            f"Command: `{d['command']}` ({d['date']}, commit {d['git'].get('commit', '?')[:10]}"
            f"{' + local changes' if d['git'].get('dirty') else ''}). Machine: {m.get('cpu_model', m['cpu'])}, "
            f"{m['cores']} cores, {st['threads']} threads per engine, load average (1 / 5 / 15 min) at start {load}. "
@@ -393,7 +393,7 @@ def sweep_section(d: dict) -> list[str]:
     if s.get("median_cell"):
         forms_line = (f"; AVX2 forms' decode over the AVX512 forms': median {s['avx2_over_avx512_median']:.2f}, least "
                       f"{s['avx2_over_avx512_min']:.2f} (target ≥ 0.85)" if s.get("avx2_over_avx512_median") else "")
-        out += [f"Summary over {s['measured']} cells: median decode ratio ×{s['median_decode']:.2f} (median cell "
+        out += [f"Summary over {s['measured']} cell(s): median decode ratio ×{s['median_decode']:.2f} (median cell "
                 f"{s['median_cell']}; target ≥ 1.3), median prefill ratio ×{s['median_prefill']:.2f}; cells ≥ 1.0× "
                 f"llama.cpp: {s['decode_at_least_1']} in decode, {s['prefill_at_least_1']} in prefill, "
                 f"{s['both_at_least_1']} in both (target: all); slowest decode cell {s['worst_decode_cell']}"
