@@ -313,7 +313,7 @@ static inline void store_x16_avx2(__m256 acc[][2], float *o, int64_t ldo, const 
     }
 }
 
-/* q4_k_x16 in AVX2: half h (rows 8h … 8h+7) of each group block in turn */
+/* q4_k_x16 in AVX2: per sub-block, each vector's two halves against the same broadcast quants */
 __attribute__((target(AVX2_TARGET), always_inline))
 static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
                                  Ahead *ah) {
@@ -323,34 +323,47 @@ static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = g + b * GROUP * 144;
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-            const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h)),
-                          u2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
-            const __m256i sc[2] = {_mm256_and_si256(u0, m3f),
-                                   _mm256_or_si256(_mm256_and_si256(u2, m0f),
-                                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m03), 4))};
-            __m256i isum[X16_TILE];
-            for (int i = 0; i < T; i++) isum[i] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
-                if (h == 0) ahead_step(ah, GROUP * 144 / 8);
-                const uint8_t *qv = blk + 256 + 256 * j + 32 * h;
-                __m256i v[8];
-                for (int p = 0; p < 4; p++) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p));
-                    v[p] = _mm256_and_si256(q, m4);
-                    v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        __m256i isum[X16_TILE][2];
+        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+        /* not unrolled: unrolled, the compiler unpacked all 8 sub-blocks ahead and spilled them */
+        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+            ahead_step(ah, GROUP * 144 / 8);
+            const uint8_t *qv = blk + 256 + 256 * j;
+            __m256i s16[X16_TILE][2];
+            for (int i = 0; i < T; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p + 32 * h));
+                    lo[h] = _mm256_and_si256(q, m4);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 }
-                const __m256i scj = _mm256_shuffle_epi8(sc[j / 4], SPREAD16(j % 4));
                 for (int i = 0; i < T; i++) {
-                    const int8_t *x = rows[i].q + b * QK_K + 32 * j;
-                    const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(dot8_x8(v, x), dot8_x8(v + 2, x + 8)),
-                                                         _mm256_add_epi16(dot8_x8(v + 4, x + 16), dot8_x8(v + 6, x + 24)));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16, scj));
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * j + 4 * p;
+                    const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x),
+                                  xh = _mm256_set1_epi32(*(const int32_t *)(x + 16));
+                    for (int h = 0; h < 2; h++)
+                        s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                                                 _mm256_maddubs_epi16(hi[h], xh)));
                 }
             }
-            /* the mins as int16 pairs (mn0, mn1) … (mn6, mn7) per lane, against each row's sums of 32 quants as int16
-             * pairs (s0, s1) … (s6, s7) broadcast */
-            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int h = 0; h < 2; h++) {
+                /* sub-block j's scale of each row, in both int16 halves of its lane */
+                const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+                const __m256i sc = j < 4 ? _mm256_and_si256(u0, m3f)
+                                         : _mm256_or_si256(_mm256_and_si256(_mm256_loadu_si256(
+                                                               (const __m256i *)(blk + 192 + 32 * h)), m0f),
+                                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6),
+                                                                                              m03), 4));
+                const __m256i scj = _mm256_shuffle_epi8(sc, SPREAD16(j % 4));
+                for (int i = 0; i < T; i++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], scj));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            /* the mins as int16 pairs (mn0, mn1) … (mn6, mn7) per lane, against each row's sums of 32 quants as
+             * int16 pairs (s0, s1) … (s6, s7) broadcast */
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)),
+                          u2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
             const __m256i mn03 = _mm256_and_si256(u1, m3f);
             const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
                                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
@@ -366,7 +379,7 @@ static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
                     msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn[k], _mm256_permutevar8x32_epi32(
                                                                        s16, _mm256_set1_epi32(k % 2 + 4 * (k / 2)))));
                 const __m256 dx = _mm256_set1_ps(rows[i].d[b]);
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, dx), acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, dx), acc[i][h]);
                 acc[i][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[i][h]);
             }
         }
@@ -374,10 +387,85 @@ static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     store_x16_avx2(acc, o, ldo, T);
 }
 
-/* q6_k_x16 in AVX2 */
+/* q6_k_x16 in AVX2 for one activation row (a decode step): per 32 values, each vector's two halves against the same
+ * broadcast quants (more rows keep their sums in registers better one half at a time, as q6_k_x16_avx2 goes) */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q6_k_x16_avx2_row(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * Q6K_GROUP_BYTES;
+        __m256i isum[X16_TILE][2], ssum[X16_TILE][2];
+        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = ssum[i][0] = ssum[i][1] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {
+            ahead_step(ah, Q6K_GROUP_BYTES / 8);
+            const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1), *scb8 = lo + 768 - 224 * (u & 1);
+            __m256i sca[2], scb[2];
+            for (int h = 0; h < 2; h++) {
+                /* the 8 rows' scales of the two sub-blocks as int16 pairs (a, a), (b, b) per lane, and (a, b) for
+                 * Σ_j sc_j · bsum_j */
+                const __m128i a8 = _mm_loadl_epi64((const __m128i *)(scb8 + 8 * h)),
+                              b8 = _mm_loadl_epi64((const __m128i *)(scb8 + GROUP + 8 * h));
+                sca[h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a8, a8));
+                scb[h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b8, b8));
+                const __m256i scp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a8, b8));
+                for (int i = 0; i < T; i++)
+                    ssum[i][h] = _mm256_add_epi32(ssum[i][h], _mm256_madd_epi16(
+                        scp, _mm256_set1_epi32(*(const int32_t *)(rows[i].bs + b * 16 + 2 * u))));
+            }
+            /* vectors p = 2pp, 2pp+1: low nibbles values 4p + e (sub-block a), high nibbles 16 + 4p + e (b); the
+             * high bits of value group g in vector g % 2 of hb, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
+            for (int pp = 0; pp < 2; pp++) {
+                __m256i v[2][4];
+                for (int h = 0; h < 2; h++)
+                    for (int e = 0; e < 2; e++) {
+                        const __m256i q = _mm256_loadu_si256((const __m256i *)(lo + 64 * (2 * pp + e) + 32 * h)),
+                                      hh = _mm256_loadu_si256((const __m256i *)(hb + 64 * e + 32 * h));
+                        v[h][e] = _mm256_or_si256(_mm256_and_si256(q, m4),
+                                                  _mm256_and_si256(pp ? _mm256_slli_epi16(hh, 2) : _mm256_slli_epi16(hh, 4),
+                                                                   m30));
+                        v[h][2 + e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                                      _mm256_and_si256(pp ? _mm256_srli_epi16(hh, 2) : hh, m30));
+                    }
+                for (int i = 0; i < T; i++) {
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * u + 8 * pp;
+                    const __m256i x0 = _mm256_set1_epi32(*(const int32_t *)x),
+                                  x1 = _mm256_set1_epi32(*(const int32_t *)(x + 4)),
+                                  x2 = _mm256_set1_epi32(*(const int32_t *)(x + 16)),
+                                  x3 = _mm256_set1_epi32(*(const int32_t *)(x + 20));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i da = _mm256_add_epi16(_mm256_maddubs_epi16(v[h][0], x0),
+                                                            _mm256_maddubs_epi16(v[h][1], x1)),
+                                      db = _mm256_add_epi16(_mm256_maddubs_epi16(v[h][2], x2),
+                                                            _mm256_maddubs_epi16(v[h][3], x3));
+                        isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_add_epi32(_mm256_madd_epi16(da, sca[h]),
+                                                                                   _mm256_madd_epi16(db, scb[h])));
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 3328 + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const __m256i p = _mm256_sub_epi32(isum[i][h], _mm256_slli_epi32(ssum[i][h], 5));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
+                                            acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
+/* q6_k_x16 in AVX2: half h (rows 8h … 8h+7) of each group block in turn */
 __attribute__((target(AVX2_TARGET), always_inline))
 static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
                                  Ahead *ah) {
+    if (T == 1) {
+        q6_k_x16_avx2_row(g, nb, rows, o, ldo, 1, ah);
+        return;
+    }
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[X16_TILE][2];
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -386,7 +474,7 @@ static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
             __m256i isum[X16_TILE], ssum[X16_TILE];
             for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {
+            _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {
                 if (h == 0) ahead_step(ah, Q6K_GROUP_BYTES / 8);
                 const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1) + 32 * h,
                               *scb8 = lo + 768 - 224 * (u & 1) + 8 * h;
