@@ -77,7 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pcfg = PlacementConfig(args.device, args.gpu_layers, args.cpu_moe, args.expert_cache, miss_policy=args.miss_policy)
     info["placement"] = plan_placement(ModelSizes.from_model(mf, min(args.ctx, hp.n_ctx_train)), pcfg,
                                        free_device_bytes(args.device)).as_dict()
-    cov = _coverage(mf)
+    cov, info["decode_path"] = _bound(mf)
     info["products"] = cov.as_dict()
     info["notices"] = [n for n in (cov.notice(),) if n is not None]
     if args.tensors:
@@ -89,15 +89,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _coverage(mf):  # type: ignore[no-untyped-def]
-    """Which weights would miss a native product: the model bound on the CPU to the default backend, as `load`
-    binds it (weights stay views of the file; nothing is dequantized but the small vectors)."""
+def _bound(mf):  # type: ignore[no-untyped-def]
+    """Which weights would miss a native product, and how a decode step would run: the model bound on the CPU to
+    the default backend, as `load` binds it (weights stay views of the file; nothing is dequantized but the small
+    vectors)."""
     from engine import ops
     from engine.models.build import load_model
     from engine.ops.coverage import product_coverage
 
     backend = ops.default_backend()
-    return product_coverage(load_model(mf, n_ctx=16, backend=backend), backend.name)
+    runner = load_model(mf, n_ctx=16, backend=backend)
+    return product_coverage(runner, backend.name), runner.step_path()
 
 
 def _inspect_lines(info: dict[str, Any]) -> list[str]:
@@ -131,6 +133,7 @@ def _inspect_lines(info: dict[str, Any]) -> list[str]:
     line(f"  products      {info['products']['backend']}: " + (
         "every quantized weight has a native product" if not fallback else "no native product for " + ", ".join(
             f"{f['type']} ({f['tensors']} tensors, {f['share']:.0%} of weights: dequantized)" for f in fallback)))
+    line(f"  decode step   {info['decode_path']}")
     for t in info.get("tensors", []):
         line(f"    {t['name']:<40} {t['type']:<7} {str(tuple(t['shape'])):<22} {_size(t['bytes'])}")
     return out

@@ -84,7 +84,8 @@ class HeadRunner:
     def __init__(self, head: MTPHead, graphs: StepGraphs | None):
         self.head, self.hp, self.device, self.graphs = head, head.hp, head.device, graphs
         self.trunk_device = head.model.device  # where the trunk's hidden rows are
-        self.fused = ops.fuse_layer(head.layer.spec(), head.layer.backend)
+        fused = ops.fuse_layer(head.layer.spec(), head.layer.backend)
+        self.fused = fused if isinstance(fused, ops.FusedLayer) else None
 
     def new_cache(self, n_ctx: int) -> Cache:
         return self.head.new_cache(n_ctx)
@@ -117,7 +118,9 @@ class Runner:
         if step_graphs not in GRAPH_MODES:
             raise ValueError(f"step_graphs must be one of {', '.join(GRAPH_MODES)}, not {step_graphs!r}")
         self.model, self.hp = model, model.hp
-        self.fused = [ops.fuse_layer(layer.spec(), layer.backend) for layer in model.layers]
+        bound = [ops.fuse_layer(layer.spec(), layer.backend) for layer in model.layers]
+        self.fused = [b if isinstance(b, ops.FusedLayer) else None for b in bound]
+        self.unfused = {layer.il: b for layer, b in zip(model.layers, bound) if isinstance(b, str)}  # il → why
         self.step = self._fuse_step()
         ops.link_layers(self.fused, model.output)
         self.graphs, head_graphs = self._graphs(step_graphs)
@@ -133,6 +136,21 @@ class Runner:
         return ops.fuse_step(self.fused, [layer.il for layer in m.layers],
                              [layer.routing_counter() for layer in m.layers], m.output_norm, m.hp.rms_eps, m.output,
                              m.tok_embd)
+
+    def step_path(self) -> str:
+        """How a decode step or a verify pass runs, and where it is op by op, why (`inspect`, the benchmarks)."""
+        if self.graphs is not None:
+            return "CUDA step graphs"
+        if self.step is not None:
+            return "one native call (fused step)"
+        m = self.model
+        if self.unfused:
+            il, why = next(iter(self.unfused.items()))
+            more = f" (and {len(self.unfused) - 1} more layers)" if len(self.unfused) > 1 else ""
+            return f"op by op: layer {il}{more}: {why}"
+        if any(layer.device.type != "cpu" for layer in m.layers) or m.device.type != "cpu":
+            return "op by op: layers or the head are on an accelerator without step graphs"
+        return "op by op: an op observer is attached, or the output norm is not a float32 CPU tensor"
 
     def _graphs(self, mode: str) -> tuple[StepGraphs | None, StepGraphs | None]:
         """The trunk's and the head's step graphs as `mode` says: "auto" where the trunk is wholly on a CUDA device

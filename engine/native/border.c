@@ -21,6 +21,8 @@ static const BorderEntry BORDER[] = {
     STRUCT(ExpertStack), FIELD(ExpertStack, w), FIELD(ExpertStack, expert_bytes), FIELD(ExpertStack, n_rows),
     FIELD(ExpertStack, k), FIELD(ExpertStack, code), FIELD(ExpertStack, threads),
 
+    STRUCT(Parts), FIELD(Parts, part), FIELD(Parts, n),
+
     STRUCT(GdnW), FIELD_AS(GdnW, in, "in_"), FIELD(GdnW, out), FIELD(GdnW, taps), FIELD(GdnW, A), FIELD(GdnW, dt_bias),
     FIELD(GdnW, norm), FIELD(GdnW, c), FIELD(GdnW, kk), FIELD(GdnW, hk), FIELD(GdnW, hv), FIELD(GdnW, dk),
     FIELD(GdnW, dv),
@@ -29,7 +31,7 @@ static const BorderEntry BORDER[] = {
     FIELD(AttnW, h), FIELD(AttnW, h_kv), FIELD(AttnW, dk), FIELD(AttnW, dv), FIELD(AttnW, n_rot), FIELD(AttnW, scale),
 
     STRUCT(FfnW), FIELD(FfnW, router), FIELD(FfnW, shared_inp), FIELD(FfnW, sg), FIELD(FfnW, su), FIELD(FfnW, sd),
-    FIELD(FfnW, gate), FIELD(FfnW, up), FIELD(FfnW, down), FIELD(FfnW, k_used), FIELD(FfnW, n_expert),
+    FIELD(FfnW, gate), FIELD(FfnW, up), FIELD(FfnW, down), FIELD(FfnW, gu), FIELD(FfnW, k_used), FIELD(FfnW, n_expert),
     FIELD(FfnW, dense), FIELD(FfnW, pad),
 
     /* the mirror flattens LayerW's Ahead into next_p, next_end, next_credit */
@@ -53,7 +55,7 @@ static const BorderEntry BORDER[] = {
 
     NUMBER(RC_NO_MEMORY), NUMBER(RC_EXPERT_ID), NUMBER(RC_MAX_EXPERTS), NUMBER(RC_MAX_DV), NUMBER(RC_ROW_ID),
     NUMBER(RC_ROW_TYPE),
-    NUMBER(MAX_EXPERTS), NUMBER(MAX_DV), NUMBER(GROUP),
+    NUMBER(MAX_EXPERTS), NUMBER(MAX_DV), NUMBER(MAX_PARTS), NUMBER(GROUP),
     NUMBER(T_Q8_0_PACKED), NUMBER(T_Q4_K_PACKED), NUMBER(T_Q6_K_PACKED),
     NUMBER(CPU_AVX512), NUMBER(CPU_VNNI), NUMBER(CPU_AVX2),
     NUMBER(TRACE_NORM), NUMBER(TRACE_ACT_QUANT), NUMBER(TRACE_PROJECTION), NUMBER(TRACE_GDN_INPUTS),

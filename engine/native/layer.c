@@ -50,6 +50,31 @@ static int project(ExpertStack p, const float *x, int64_t m, float *out, int thr
     return rc;
 }
 
+/* out [m, Σ rows] = x [m, k] through the parts side by side; consecutive parts of one type share their activation
+ * rows (act_rows depends on the type only) */
+static int project_parts(const Parts *ps, const float *x, int64_t m, float *out, int threads, int isa) {
+    if (ps->n == 1) return project(ps->part[0], x, m, out, threads, isa);
+    int64_t ld = 0;
+    for (int64_t i = 0; i < ps->n; i++) ld += ps->part[i].n_rows;
+    QRows r = {0};
+    int rc = 0, made = -1;
+    for (int64_t i = 0, col = 0; i < ps->n && rc == 0; col += ps->part[i].n_rows, i++) {
+        const ExpertStack *p = &ps->part[i];
+        if (made < 0 || ps->part[made].code != p->code) {
+            if (made >= 0) act_rows_free(&r), r = (QRows){0};
+            made = (int)i;
+            rc = act_rows(p, x, m, isa, &r);
+            trace_mark(TRACE_ACT_QUANT, 0);
+            if (rc) break;
+        }
+        quant_matmul(p->code, p->w, p->expert_bytes / p->n_rows, p->n_rows, r.q, r.d, r.bs, r.s, r.perm, p->k, m,
+                     out + col, ld, threads_for_projection(m * p->n_rows * p->k, threads), isa);
+        trace_mark(TRACE_PROJECTION, p->expert_bytes);
+    }
+    act_rows_free(&r);
+    return rc;
+}
+
 /* stack p's bytes, for pool_prefetch */
 static Ahead bytes_of(const ExpertStack *p) {
     return (Ahead){(const char *)p->w, (const char *)p->w + p->expert_bytes, 0};
@@ -74,7 +99,7 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     float *q = p->q ? p->q : z + n * zw, *k = p->k ? p->k : z + n * zw + n * qk;
     float *v = p->v ? p->v : z + n * zw + 2 * n * qk, *beta = p->beta ? p->beta : z + 2 * n * zw + 2 * n * qk;
     float *decay = p->decay ? p->decay : z + 2 * n * zw + 2 * n * qk + n * hv;
-    if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    if (project_parts(&w->in, a, n, proj, p->threads, p->isa)) goto done;
     /* the recurrence reads the state next: the workers fetch it while this thread makes the recurrence's inputs */
     const Ahead state = {(const char *)p->s_in, (const char *)(p->s_in + hv * dk * dv), 0};
     pool_prefetch(p->threads, &state, 1);
@@ -115,7 +140,7 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
     int rc = RC_NO_MEMORY;
     if (!proj || !s) goto done;
     float *q = s, *k = q + n * h * dk, *o = k + n * hkv * dk;
-    if (project(w->in, a, n, proj, p->threads, p->isa)) goto done;
+    if (project_parts(&w->in, a, n, proj, p->threads, p->isa)) goto done;
     const Ahead out = bytes_of(&w->out);  /* the workers fetch the output projection meanwhile */
     pool_prefetch(p->threads, &out, 1);
     for (int64_t t = 0; t < n; t++)
@@ -151,7 +176,7 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
         const int64_t ff = w->sd.k;
         float *gu = malloc((size_t)(n * 2 * ff) * sizeof(float)), *hbuf = malloc((size_t)(n * ff) * sizeof(float));
         int rc = RC_NO_MEMORY;
-        if (gu && hbuf && project(w->su, f, n, gu, p->threads, p->isa) == 0) {
+        if (gu && hbuf && project_parts(&w->gu, f, n, gu, p->threads, p->isa) == 0) {
             for (int64_t t = 0; t < n; t++) {
                 memcpy(hbuf + t * ff, gu + t * 2 * ff, (size_t)ff * sizeof(float));
                 silu_mul(hbuf + t * ff, gu + t * 2 * ff + ff, ff);

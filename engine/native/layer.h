@@ -6,17 +6,25 @@
 
 #include "kernels.h"
 
-/* The layer's weights, made once per layer (engine/ops/layer.py). Input projections are stacks of one (the parts
- * the op-by-op path multiplies by in one stacked product, in its row order). */
+/* A projection made of up to MAX_PARTS matrices over the same input, whose outputs sit side by side in that order:
+ * the stacked product where the op-by-op path stacks them (one part), else each matrix in its own type (a mix such
+ * as llama.cpp's Q4_K_M gives a layer's q, k and v, or its GDN inputs, different types). */
+#define MAX_PARTS 4
 typedef struct {
-    ExpertStack in;  /* [C ; H_v·d_v (z) ; H_v (β) ; H_v (α)] × d */
+    ExpertStack part[MAX_PARTS];  /* each a stack of one */
+    int64_t n;
+} Parts;
+
+/* The layer's weights, made once per layer (engine/ops/layer.py). */
+typedef struct {
+    Parts in;  /* [C ; H_v·d_v (z) ; H_v (β) ; H_v (α)] × d */
     ExpertStack out;  /* d × H_v·d_v */
     const float *taps, *A, *dt_bias, *norm;  /* conv taps [K, C], ssm_a and dt bias [H_v], output norm [d_v] */
     int64_t c, kk, hk, hv, dk, dv;
 } GdnW;
 
 typedef struct {
-    ExpertStack in;  /* [H·2D (per head: query rows, gate rows) ; H_kv·D (k) ; H_kv·D_v (v)] × d */
+    Parts in;  /* [H·2D (per head: query rows, gate rows) ; H_kv·D (k) ; H_kv·D_v (v)] × d */
     ExpertStack out;  /* d × H·D_v */
     const float *q_norm, *k_norm;  /* [D] */
     int64_t h, h_kv, dk, dv, n_rot;
@@ -25,9 +33,10 @@ typedef struct {
 
 typedef struct {
     /* MoE (dense == 0): router [E, d] float32, shared expert gate input [d] (NULL: none) and its one-expert stacks
-     * sg, su, sd, the routed stacks. Dense FFN (dense == 1): su is the stacked [gate ; up] projection, sd down. */
+     * sg, su, sd, the routed stacks. Dense FFN (dense == 1): gu is the [gate ; up] projection, sd down. */
     const float *router, *shared_inp;
     ExpertStack sg, su, sd, gate, up, down;
+    Parts gu;
     int64_t k_used, n_expert;
     int32_t dense, pad;
 } FfnW;

@@ -349,13 +349,24 @@ def _keep_captured(st: GDNState, window: torch.Tensor, n: int, start: torch.Tens
     capture.ssm[il] = state_replay(start, live, ins, backend)
 
 
-def _stack(lin: Linear | None, keep: list) -> native.ExpertStack | None:
-    """One matrix as a stack of one expert, for layer.c's products (None unless its product is native)."""
-    if not isinstance(lin, NativeLinear):
-        return None
+def _stack(lin: Linear, keep: list) -> native.ExpertStack:
+    """A native matrix as a stack of one expert, for layer.c's products."""
+    assert isinstance(lin, NativeLinear)
     raw, code = lin.kernel_bytes()
     keep.append(raw)
     return native.expert_stack(code, raw, 1, lin.n_rows, lin.n_cols, 1)
+
+
+def _parts(lins: tuple[Linear, ...], keep: list) -> native.Parts:
+    """Native matrices over one input as layer.c's Parts: their stacked product where the op-by-op path stacks
+    them, else each in its own type (a mix gives a layer's projections different types)."""
+    stacked = stack_of(lins)
+    stacks = [_stack(lin, keep) for lin in ((stacked,) if stacked is not None else lins)]
+    p = native.Parts()
+    for i, s in enumerate(stacks):
+        p.part[i] = s
+    p.n = len(stacks)
+    return p
 
 
 def _vec(t: torch.Tensor, keep: list) -> int:
@@ -364,57 +375,69 @@ def _vec(t: torch.Tensor, keep: list) -> int:
     return c.data_ptr()
 
 
-def fuse_layer(spec: LayerSpec, backend: Backend) -> FusedLayer | None:
-    """The layer bound to layer.c, or None where some piece of it does not run natively."""
+def fuse_layer(spec: LayerSpec, backend: Backend) -> FusedLayer | str:
+    """The layer bound to layer.c, or why it runs op by op (the piece that does not run natively)."""
     if not backend.native or not native.available():
-        return None
+        return f"the {backend.name} backend has no native layer"
     m, f = spec.mixer, spec.ffn
     small = [spec.attn_norm, spec.post_norm] + ([m.a, m.dt_bias, m.taps, m.norm] if isinstance(m, GDNSpec)
                                                 else [m.q_norm, m.k_norm])
     if not _floats(*small):
-        return None
+        return "a norm or GDN vector is not a float32 CPU tensor"
     keep: list = []
     w = native.LayerW()
     w.attn_norm, w.post_norm, w.d, w.eps = _vec(spec.attn_norm, keep), _vec(spec.post_norm, keep), \
         spec.attn_norm.numel(), spec.eps
     if isinstance(m, GDNSpec):
-        ins = _stack(stack_of((m.qkv, m.gate, m.beta, m.alpha)), keep)
-        out = _stack(m.out, keep)
-        if ins is None or out is None or m.hv % m.hk:
-            return None
+        named = {"GDN qkv": m.qkv, "GDN gate": m.gate, "GDN beta": m.beta, "GDN alpha": m.alpha, "GDN out": m.out}
+        if (why := _not_native(named)) is not None:
+            return why
+        if m.hv % m.hk:
+            return f"GDN value heads ({m.hv}) are not a multiple of its key heads ({m.hk})"
+        ins, out = _parts((m.qkv, m.gate, m.beta, m.alpha), keep), _stack(m.out, keep)
         kk, c = m.taps.shape
         w.attention = 0
         w.gdn = native.GdnW(ins, out, _vec(m.taps, keep), _vec(m.a, keep), _vec(m.dt_bias, keep),
                             _vec(m.norm, keep), c, kk, m.hk, m.hv, m.dk, m.dv)
-        mixer_bytes = sum(lin.nbytes for lin in (m.qkv, m.gate, m.beta, m.alpha, m.out))
     else:
-        ins = _stack(stack_of((m.q, m.k, m.v)), keep)
-        out = _stack(m.o, keep)
-        if ins is None or out is None or m.h % m.h_kv or m.dk != m.dv:
-            return None
+        named = {"attention q": m.q, "attention k": m.k, "attention v": m.v, "attention output": m.o}
+        if (why := _not_native(named)) is not None:
+            return why
+        if m.h % m.h_kv or m.dk != m.dv:
+            return f"attention heads {m.h} over {m.h_kv} KV heads, key width {m.dk}, value width {m.dv}"
+        ins, out = _parts((m.q, m.k, m.v), keep), _stack(m.o, keep)
         w.attention = 1
         w.attn = native.AttnW(ins, out, _vec(m.q_norm, keep), _vec(m.k_norm, keep), m.h, m.h_kv, m.dk, m.dv,
                               m.n_rot, m.scale)
-        mixer_bytes = sum(lin.nbytes for lin in (m.q, m.k, m.v, m.o))
+    mixer_bytes = sum(lin.nbytes for lin in named.values())
     if isinstance(f, MoESpec):
         one = f.experts.one_call(f.router, f.shared)
         if one is None:
-            return None
+            return f"the MoE layer ({f.experts.kind} experts) has no one-call native form"
         keep.append(one)
         empty = native.ExpertStack()
         sg, su, sd = one.shared if one.shared else (empty, empty, empty)
         w.ffn = native.FfnW(one.router.data_ptr(), one.shared_inp.data_ptr() if one.shared_inp is not None else None,
-                            sg, su, sd, *one.stacks, f.k_used, f.experts.n_expert, 0, 0)
+                            sg, su, sd, *one.stacks, native.Parts(), f.k_used, f.experts.n_expert, 0, 0)
         ffn_bytes = one.nbytes
     else:
-        gu, down = _stack(stack_of((f.gate, f.up)), keep), _stack(f.down, keep)
-        if gu is None or down is None:
-            return None
+        if (why := _not_native({"FFN gate": f.gate, "FFN up": f.up, "FFN down": f.down})) is not None:
+            return why
+        gu, down = _parts((f.gate, f.up), keep), _stack(f.down, keep)
         empty = native.ExpertStack()
-        w.ffn = native.FfnW(None, None, empty, gu, down, empty, empty, empty, 0, 0, 1, 0)
+        w.ffn = native.FfnW(None, None, empty, empty, down, empty, empty, empty, gu, 0, 0, 1, 0)
         ffn_bytes = f.gate.nbytes + f.up.nbytes + f.down.nbytes
     return FusedLayer(w, keep, backend, spec, mixer_bytes + ffn_bytes)
 
+
+def _not_native(named: dict[str, Linear]) -> str | None:
+    """The first of the named matrices whose product is not native, and its type; None where all are."""
+    for name, lin in named.items():
+        if not isinstance(lin, NativeLinear):
+            qtype = getattr(lin.weight, "qtype", None)
+            kind = qtype.name if qtype is not None else str(lin.weight.dtype).removeprefix("torch.")
+            return f"{name} ({kind}) runs a {lin.kind} product, not a native one"
+    return None
 
 
 def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> None:
@@ -429,7 +452,7 @@ def link_layers(layers: list[FusedLayer | None], head: Linear | None) -> None:
         cur.w.next_p = cur.w.next_end = None
         t: torch.Tensor | None = None
         if nxt is not None:
-            s = nxt.w.attn.in_ if nxt.w.attention else nxt.w.gdn.in_
+            s = (nxt.w.attn.in_ if nxt.w.attention else nxt.w.gdn.in_).part[0]  # the first, and largest, part
             cur.w.next_p, cur.w.next_end = s.w, s.w + s.expert_bytes
         elif isinstance(head, NativeLinear):
             head.pack()

@@ -30,19 +30,33 @@ _STACK = ctypes.POINTER(ExpertStack)
 
 # engine/native/layer.h's structures: a decoder layer's weights (LayerW, made once), one pass's operands, and what a step
 # does before and after its layers
+MAX_PARTS = 4  # layer.h's MAX_PARTS: check_mirror refuses a library whose Parts has another size
+
+
+class Parts(ctypes.Structure):
+    """layer.h's Parts: one projection as up to MAX_PARTS matrices side by side, each in its own type."""
+
+    _fields_ = [("part", ExpertStack * MAX_PARTS), ("n", _I)]
+
+    @property
+    def expert_bytes(self) -> int:
+        """The parts' weight bytes (an ExpertStack's of one expert)."""
+        return sum(self.part[i].expert_bytes for i in range(self.n))
+
+
 class GdnW(ctypes.Structure):
-    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("taps", _P), ("A", _P), ("dt_bias", _P), ("norm", _P),
+    _fields_ = [("in_", Parts), ("out", ExpertStack), ("taps", _P), ("A", _P), ("dt_bias", _P), ("norm", _P),
                 ("c", _I), ("kk", _I), ("hk", _I), ("hv", _I), ("dk", _I), ("dv", _I)]
 
 
 class AttnW(ctypes.Structure):
-    _fields_ = [("in_", ExpertStack), ("out", ExpertStack), ("q_norm", _P), ("k_norm", _P), ("h", _I), ("h_kv", _I),
+    _fields_ = [("in_", Parts), ("out", ExpertStack), ("q_norm", _P), ("k_norm", _P), ("h", _I), ("h_kv", _I),
                 ("dk", _I), ("dv", _I), ("n_rot", _I), ("scale", ctypes.c_float)]
 
 
 class FfnW(ctypes.Structure):
     _fields_ = [("router", _P), ("shared_inp", _P), ("sg", ExpertStack), ("su", ExpertStack), ("sd", ExpertStack),
-                ("gate", ExpertStack), ("up", ExpertStack), ("down", ExpertStack), ("k_used", _I), ("n_expert", _I),
+                ("gate", ExpertStack), ("up", ExpertStack), ("down", ExpertStack), ("gu", Parts), ("k_used", _I), ("n_expert", _I),
                 ("dense", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
@@ -71,7 +85,7 @@ class StepOut(ctypes.Structure):
     _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", _STACK), ("h", _P), ("logits", _P)]
 
 
-MIRRORS = (ExpertStack, GdnW, AttnW, FfnW, LayerW, LayerPass, StepIn, StepOut)  # checked against the library at load
+MIRRORS = (ExpertStack, Parts, GdnW, AttnW, FfnW, LayerW, LayerPass, StepIn, StepOut)  # checked against the library at load
 
 
 class LayoutError(RuntimeError):
