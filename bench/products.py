@@ -1,13 +1,20 @@
 """Native products per weight type and instruction-set form: weight GB/s of one product.
 
     python bench/products.py [--out 4096 --in 4096] [--rows 1 4] [--threads 1] [--rounds 5] [--types Q5_K Q4_K]
-                             [--json bench/results/products.json]
+                             [--bandwidth] [--json bench/results/products.json]
+
+The output head of a 248k vocabulary (issue 44's target: its product alone at ≥ 70 % of the read bandwidth):
+
+    python bench/products.py --out 248320 --in 1024 --rows 1 4 --threads 2 --rounds 5 --types Q6_K Q8_0 \
+                             --bandwidth --json bench/results/head_product.json
 
 Every type with a native product (engine.ops.native.PRODUCT_TYPES), one weight of --out × --in random valid blocks
 (engine.storage.quantize.random_blocks), times M activation rows (1 = a decode step, 4 = a verify pass), in every
 native backend this machine runs (`ops.available_backends()`: the AVX512 forms of the types without one run their
 AVX2 form). Figures are the weight's stored bytes over the best round's mean time; the backends alternate round by
 round, so a burst of other load cannot spoil one form's every sample. Without --json nothing is written.
+With --bandwidth the machine's read bandwidth (bench/step_profile.ReadBandwidth: torch.sum over 1 GiB with the same
+threads) is measured in every round too, and each figure is also given as a share of the best of those.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from gguf import GGMLQuantizationType as QT
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.step_profile import ReadBandwidth  # noqa: E402
 from bench.timing import mean_seconds  # noqa: E402
 from engine import ops  # noqa: E402
 from engine.ops import native  # noqa: E402
@@ -35,7 +43,7 @@ from engine.storage.quantize import random_blocks  # noqa: E402
 
 
 def measure(qt: QT, n_out: int, k: int, rows: list[int], backends: list[ops.Backend], rounds: int,
-            threads: int) -> list[dict[str, object]]:
+            threads: int, bandwidth: ReadBandwidth | None = None) -> list[dict[str, object]]:
     """One row per (M, backend): the product's best mean milliseconds and weight GB/s."""
     w = QTensor(torch.from_numpy(random_blocks((n_out, k), qt, np.random.default_rng(0), 1 / np.sqrt(k))), qt,
                 (n_out, k))
@@ -45,12 +53,17 @@ def measure(qt: QT, n_out: int, k: int, rows: list[int], backends: list[ops.Back
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         reps = max(1, min(100, int(2e8 // max(w.nbytes, 1))))
         best = {name: float("inf") for name in lins}
+        read_gb_s = 0.0
         for _ in range(rounds):
             for name, lin in lins.items():
                 best[name] = min(best[name], mean_seconds(lambda lin=lin: ops.linear(x.clone(), lin), reps))
+            if bandwidth is not None:
+                read_gb_s = max(read_gb_s, bandwidth(threads)["best_gb_s"])
         for name, t in best.items():
             out.append({"type": qt.name, "out": n_out, "in": k, "m": m, "backend": name, "threads": threads,
                         "ms": t * 1e3, "gb_s": w.nbytes / t / 1e9})
+            if bandwidth is not None:
+                out[-1].update(read_gb_s=read_gb_s, share_of_read=w.nbytes / t / 1e9 / read_gb_s)
             print(json.dumps(out[-1]))
     return out
 
@@ -63,19 +76,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--types", nargs="+", default=[t.name for t in native.PRODUCT_TYPES])
+    ap.add_argument("--bandwidth", action="store_true", help="measure the read bandwidth each round too")
     ap.add_argument("--json", default=None, help="write the figures here (bench/results/products.json)")
     args = ap.parse_args()
     if not native.available():
         raise SystemExit("the native library is not built (pip install -e .)")
     torch.set_num_threads(args.threads)
     backends = [replace(b, threads=args.threads) for b in ops.available_backends() if b.native]
+    load_at_start = os.getloadavg()[0]
+    bandwidth = ReadBandwidth(1024, 3) if args.bandwidth else None
     figures = [row for name in args.types
-               for row in measure(QT[name], args.n_out, args.k, args.rows, backends, args.rounds, args.threads)]
+               for row in measure(QT[name], args.n_out, args.k, args.rows, backends, args.rounds, args.threads,
+                                  bandwidth)]
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "load_avg_at_start": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
+            "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "products": figures,
         }, indent=2) + "\n")
 
