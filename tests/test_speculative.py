@@ -325,8 +325,9 @@ def test_auto_keeps_a_remembered_decode_cost_over_a_cold_first_step() -> None:
     later on."""
     from engine.speculative import AutoMemory, DepthController, SpecStats
 
-    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.016 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.005)
-    mem.accepted_at[0], mem.tried_at[0] = 30.0, 40.0  # drafts match 3 times in 4: no depth pays
+    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.016 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.005,
+                     verify_timings={n: 20.0 for n in range(2, 10)})  # timed often: the prior weighs little
+    mem.accepted_at[0], mem.tried_at[0] = 25.0, 40.0  # drafts match 5 times in 8: no depth pays
     c = DepthController(None, SpecStats(), memory=mem)
     c.observe_decode(0.050)  # cold
     assert c.t_decode == 0.010 and c.choose(100) == 0
@@ -336,6 +337,22 @@ def test_auto_keeps_a_remembered_decode_cost_over_a_cold_first_step() -> None:
     for _ in range(12):
         c.observe_decode(0.040)  # a lasting slowdown does come through
     assert c.t_decode > 0.035
+
+
+def test_auto_replaces_a_reply_s_cold_first_draft_time() -> None:
+    """A reply's first draft pass runs cold (twice the later ones on the mid-size MoE, which kept auto plain for
+    dozens of steps): it stands in only until the next draft is timed, then the times are averaged."""
+    from engine.speculative import DepthController, PassCosts, SpecStats
+
+    c = DepthController(None, SpecStats(), costs=PassCosts(draft=0.2))
+    c.observe_decode(0.010)
+    c.observe_decode(0.010)
+    c.observe_probe(1.0, 0.008)  # cold
+    assert c.t_draft == 0.008
+    c.observe_probe(1.0, 0.002)
+    assert c.t_draft == 0.002  # replaced, not averaged
+    c.observe_probe(1.0, 0.004)
+    assert c.t_draft == pytest.approx(0.0024)  # then averaged
 
 
 def test_auto_drafting_runs_a_plain_step_now_and_then_to_keep_its_yardstick_current() -> None:
@@ -358,13 +375,15 @@ def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> No
     """Drafts that match on a model too small to gain from them: no shadow probes (they would learn nothing), and
     the real depth-1 steps that re-measure the costs come after 32, 64, 128, then 256 plain steps while each
     confirms plain decoding; one that finds drafting worth it resets the interval."""
-    from engine.speculative import AutoMemory, DepthController, SpecStats
+    from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+
+    small = PassCosts(0.34, 16, 4, 0.34)  # the prior of a small MoE (the embedded model's shape)
 
     mem = AutoMemory(t_decode=0.010, t_verify={n: 0.020 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.004)
     mem.accepted_at[0], mem.tried_at[0] = 36.0, 40.0  # they match 9 times in 10
     gaps, since = [], 0
     for _reply in range(40):
-        c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+        c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=small)
         for _ in range(24):
             since += 1
             assert not c.probe_now(100)
@@ -374,7 +393,7 @@ def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> No
                 c.observe_verify(2, 0.020, 1, 0.004)  # the same costs again: plain still wins
         c.remember()
     assert gaps == [32, 64, 128, 256, 256], gaps
-    c = DepthController(None, SpecStats(), probe_every=32, memory=mem)
+    c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=small)
     c._remeasure = True
     c.observe_verify(2, 0.008, 1, 0.002)  # now a verify is cheap: drafting pays
     assert c.choose(100) == 1 and mem.remeasures_plain == 5 and c._stays == 0

@@ -107,6 +107,7 @@ class AutoMemory:
 
     t_decode: float | None = None
     t_verify: dict[int, float] = field(default_factory=dict)
+    verify_timings: dict[int, float] = field(default_factory=dict)  # the timings behind each t_verify (halved)
     t_draft: float | None = None
     accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
@@ -144,6 +145,7 @@ class DepthController:
     CUT_EXPLORE = 4  # every 4th speculative step of auto drafts its whole chain (chain_p_min)
     CUT_EVIDENCE = 4  # drafts below the cut seen before their acceptance decides whether to cut
     YARDSTICK_TOLERANCE = 0.1  # a plain step taken while drafting within this share of the decode cost: unchanged
+    PRIOR_WEIGHT = 1.0  # the prior's verify cost counts as this many timings (_verify_cost)
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
                  reproducible: bool = False, memory: AutoMemory | None = None, costs: PassCosts = PassCosts()):
@@ -175,6 +177,8 @@ class DepthController:
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
         self._compared = max(self.memory.compared, int(self.memory.tried_at[0])) if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
+        # the timings behind each t_verify (what _verify_cost weighs against the prior), the memory's halved
+        self._timings = {n: c / 2 for n, c in self.memory.verify_timings.items()} if self.memory is not None else {}
         self._once: set[int] = set()  # verify sizes timed once in this reply, not remembered: maybe a cold first pass
         self._drafting = 0  # steps in a row at depth ≥ 1 (every yardstick_interval()-th runs plain, re-measuring it)
         self._kept = self.memory.yardsticks_kept if self.memory is not None else 0
@@ -186,6 +190,8 @@ class DepthController:
         self._alpha: list[float] = []
         self._decodes = 0
         self._cold = False  # t_decode is a reply's cold first step
+        self._drafts = 0
+        self._draft_cold = False  # t_draft is a reply's cold first draft pass
         self._chains = 0  # speculative steps of auto
         self._cut = 0.0  # this step's break-even cut
         self._explore_cut = False  # this step drafts its whole chain (chain_p_min)
@@ -200,7 +206,8 @@ class DepthController:
             return
         m = self.memory
         m.t_decode, m.t_draft = self.t_decode, self.t_draft
-        m.t_verify = {n: self._verify_cost(n) for n in self.t_verify}
+        m.t_verify = dict(self.t_verify)
+        m.verify_timings = dict(self._timings)
         acc, tried = self._evidence()
         m.accepted_at, m.tried_at = acc, tried
         m.since_probe = self._since_probe
@@ -246,9 +253,10 @@ class DepthController:
         else:
             self._once.discard(n)
         self.t_verify[n] = seconds if replace else self._ema(self.t_verify.get(n), seconds)
+        self._timings[n] = 1.0 if replace else self._timings.get(n, 0.0) + 1.0
         self._costs += 1
         if n_drafts:
-            self.t_draft = self._ema(self.t_draft, draft_seconds / n_drafts)
+            self._observe_draft(draft_seconds / n_drafts)
         if self._remeasure and self.t_decode is not None and self.t_draft is not None:
             # one that confirms plain decoding spaces the next out (each costs the head's catch-up over the plain
             # steps since the last and a verify): drafts that match on a model too small to gain from them
@@ -358,10 +366,23 @@ class DepthController:
         self._probe_tried += 1
         self._misses = self._misses + 1 if accepted < 0.5 else 0
         if not self.reproducible:
-            self.t_draft = self._ema(self.t_draft, draft_seconds)
+            self._observe_draft(draft_seconds)
         elif self.t_draft is None:
             self.t_draft = self.costs.draft
         self._costs += 1
+
+    def _observe_draft(self, seconds: float) -> None:
+        """A draft pass's time. A reply's first runs cold (the head's weights not in the caches: twice the later
+        ones on the mid-size MoE): like the first decode step it stands in only where nothing is known, and the
+        next replaces it."""
+        self._drafts += 1
+        if self._drafts == 1:
+            if self.t_draft is None:
+                self.t_draft, self._draft_cold = seconds, True
+        elif self._draft_cold:
+            self.t_draft, self._draft_cold = seconds, False
+        else:
+            self.t_draft = self._ema(self.t_draft, seconds)
 
     def _best_depth(self, room: int) -> tuple[int, float]:
         """The draft depth ≥ 1 with the most expected tokens per second, and that rate. Kept until a cost or the
@@ -403,13 +424,16 @@ class DepthController:
         return acc, tried
 
     def _verify_cost(self, n: int) -> float:
-        """A verify of n rows: as timed (a size timed once, at most what the prior says: a cold first pass must not
-        keep auto from timing it again), else extrapolated."""
+        """A verify of n rows: as timed, weighed against the prior as PRIOR_WEIGHT timings (on a shared host one
+        pass can take twice another of the same size: the first few timings must not decide alone, and a cold first
+        pass must not keep auto from timing the size again); else extrapolated."""
         if n not in self.t_verify:
             return self._extrapolate(n)
-        if n in self._once and self.t_decode is not None:
-            return min(self.t_verify[n], self.t_decode * self.costs.verify(n))
-        return self.t_verify[n]
+        c = self._timings.get(n, 1.0)  # a remembered cost of unknown count: one timing
+        if self.t_decode is None or self.reproducible:
+            return self.t_verify[n]
+        prior = self.t_decode * self.costs.verify(n)
+        return (self.PRIOR_WEIGHT * prior + c * self.t_verify[n]) / (self.PRIOR_WEIGHT + c)
 
     def _extrapolate(self, n: int) -> float:
         """Verify cost for an unmeasured size: the decode step plus the extra cost of the measured size nearest it
