@@ -1,10 +1,10 @@
-/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI: repacking the stored
- * blocks, and the products over the packed groups. */
+/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI and AVX2: repacking the
+ * stored blocks, and the products over the packed groups in both forms (the same bits). */
 #include <omp.h>
 #include "kernels.h"
 
 #if defined(__x86_64__)
-/* ---- packed: 16 rows interleaved, for AVX512-VNNI ----------------------------------------------------
+/* ---- packed: 16 rows interleaved, for AVX512-VNNI (and AVX2, below) -----------------------------------
  *
  * A packed weight (repack_x16) is made of groups of 16 rows (a row chunk of ROW_CHUNK = 16 rows; an expert's
  * matrix is whole groups), each group its rows' bytes (Q6_K: and a little padding): for each block index b the
@@ -104,8 +104,8 @@ static void repack_q8_0_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
         }
 }
 
-/* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (the native-avx512vnni backend: only where
- * the VNNI products run); dst holds packed_x16_bytes(qtype) per row and block. */
+/* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (the native-avx512vnni and
+ * native-avx2 backends); dst holds packed_x16_bytes(qtype) per row and block. */
 int64_t packed_x16_bytes(int qtype) { return qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
 
 void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
@@ -281,7 +281,8 @@ static inline void q8_0_x16(const uint8_t *g, int64_t nb, const Row *rows, float
 
 /* ---- the same products in AVX2 (native-avx2) -------------------------------------------------------------
  *
- * Each 64-byte vector is read as two 32-byte halves, rows 0-7 and rows 8-15, one after the other within a block.
+ * Each 64-byte vector is read as two 32-byte halves, rows 0-7 and rows 8-15: both against the same broadcast quants
+ * where the registers allow it, else one half after the other within a block.
  * maddubs sums pairs of unsigned values times signed quants into int16 and madd widens them, by one or by a scale
  * in both int16 halves of a lane: the exact int32 lanes dpbusd makes, no sum near int16's range (Q4_K: 8 pairs of
  * at most 2·15·127; Q6_K: 2 pairs of at most 2·63·127; Q8_0 the stored AVX2 product's |w| and x·sign(w), one pair
