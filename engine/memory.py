@@ -2,8 +2,8 @@
 
 The weights are a read-only mapping of the file: the kernel can drop their pages and read them again, so a model
 larger than RAM still opens and decodes from the page cache (as llama.cpp's mmap does). Derived forms of a weight
-(the VNNI products' packed copies, the stacked small projections of `ops.linear_many`) are anonymous memory,
-which cannot be dropped: they are made only when the weights and the sequence state fit in what is available
+(the packed products' copies, VNNI and AVX2, and the stacked small projections of `ops.linear_many`) are anonymous
+memory, which cannot be dropped: they are made only when the weights and the sequence state fit in what is available
 with room to spare. Otherwise the weights stay mapped and the engine says so.
 """
 from __future__ import annotations

@@ -267,7 +267,8 @@ def cpu_avx512() -> bool:
 
 
 def cpu_vnni() -> bool:
-    """AVX512-VNNI: the packed (16 rows interleaved) products and the stored-order Q8_0 product's dpbusd form."""
+    """AVX512-VNNI: the packed (16 rows interleaved) products' dpbusd form (AVX2 packs too, with maddubs/madd) and
+    the stored-order Q8_0 product's dpbusd form."""
     return LIB is not None and bool(LIB.cpu_features() & _CPU_VNNI)
 
 
