@@ -590,7 +590,8 @@ def main() -> None:
                      ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
-                     ("mtp_speedup_p0", _mtp_speedup), ("sweep", sweep_section), ("sweep_9b", sweep_section)):
+                     ("mtp_speedup_p0", _mtp_speedup), ("sweep", sweep_section), ("sweep_9b", sweep_section),
+                     ("sweep_08b", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

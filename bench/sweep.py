@@ -13,10 +13,12 @@ cells are measured, so the 35B-A3B shape's ~30 GB is the most on disk at once):
 
     python bench/sweep.py --prune --out bench/results/sweep_full.json
 
-and a slice of it, e.g. bench/results/sweep_9b.json:
+and slices of it, bench/results/sweep_9b.json and sweep_08b.json:
 
     python bench/sweep.py --shapes qwen35-9b --quants Q4_K_M --rounds 2 --prompt 64 --decode 32 \
         --out bench/results/sweep_9b.json
+    python bench/sweep.py --shapes qwen35-0.8b --quants Q4_K_M --rounds 2 --prompt 64 --decode 32 \
+        --out bench/results/sweep_08b.json
 
 Shapes (SWEEP_SHAPES): the embedded model as shipped (already quantized; its float weights are not in the repository,
 so it is one "as-is" cell); bench/synthetic.py's VOCAB50K (hidden 256, a GPT-2-size vocabulary of 50,259 rows in
