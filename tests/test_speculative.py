@@ -478,5 +478,6 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     assert sp.verify_steps == 0 and sp.plain_steps == 79 and not any(flags), sp
     assert sp.time_s.draft > 0  # the probes ran
     # and the head ran for the probes alone, not at every step: on the EARLY_PROBES plain steps after the two that
-    # measure decoding (one early miss must not decide), then no more: four misses in a row put the next 256 away
-    assert drafts == [1] * DepthController.EARLY_PROBES
+    # measure decoding (one early miss must not decide), then every THIN_GAP-th until THIN_EVIDENCE drafts were
+    # compared, then no more: misses in a row put the next 256 away
+    assert drafts == [1] * DepthController.THIN_EVIDENCE

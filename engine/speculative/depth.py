@@ -142,6 +142,9 @@ class DepthController:
     # Shadow probes on every plain step until this many drafts at depth 1 were compared: one early miss (or hit) must
     # not decide a reply (a first miss kept auto plain for ~100 steps of a head that agrees 9 times in 10).
     EARLY_PROBES = 4
+    DEEPER_EVERY, DEEPER_EVIDENCE = 4, 8  # every 4th drafting step one deeper, while that depth has < 8 tries
+    VERIFY_SPIKE = 1.5  # a verify timed above 1.5x its expected cost (another tenant took the core) counts as 1.5x
+    THIN_EVIDENCE, THIN_GAP = 16, 4  # below 16 compared drafts, a shadow probe every 4th plain step (_probe_gap)
     CUT_EXPLORE = 4  # every 4th speculative step of auto drafts its whole chain (chain_p_min)
     CUT_EVIDENCE = 4  # drafts below the cut seen before their acceptance decides whether to cut
     YARDSTICK_TOLERANCE = 0.1  # a plain step taken while drafting within this share of the decode cost: unchanged
@@ -252,6 +255,8 @@ class DepthController:
             self._once.add(n)
         else:
             self._once.discard(n)
+        if not replace and self.t_decode is not None:  # one slow pass counts at most VERIFY_SPIKE × what was expected
+            seconds = min(seconds, self.VERIFY_SPIKE * self._verify_cost(n))
         self.t_verify[n] = seconds if replace else self._ema(self.t_verify.get(n), seconds)
         self._timings[n] = 1.0 if replace else self._timings.get(n, 0.0) + 1.0
         self._costs += 1
@@ -291,6 +296,11 @@ class DepthController:
                 self._drafting = 0
                 self._yardstick = True
                 return 0
+            if best_k < min(MAX_DRAFT, room) and self._drafting % self.DEEPER_EVERY == 0 and \
+                    self._evidence()[1][best_k] < self.DEEPER_EVIDENCE and self._deeper_could_pay(best_k, rate):
+                # one draft deeper than the best: its acceptance is known only from a few tries (a single early
+                # rejection at depth 2 of a head right 9 times in 10 kept auto at depth 1 for a whole reply)
+                return best_k + 1
         return best_k
 
     @property
@@ -343,7 +353,8 @@ class DepthController:
         first = self.t_draft is None or self._compared_total() < self.EARLY_PROBES
         # while drafts do match, only the costs keep auto plain: choose() re-measures those with a real depth-1
         # step (spaced out while they confirm it), and a probe here would cost a head pass to learn nothing
-        if first or self._since_probe >= self.probe_interval() and self._alphas()[0] < 0.5:
+        thin = self._compared_total() < self.THIN_EVIDENCE  # (and while the evidence is thin, whatever it says)
+        if first or self._since_probe >= self._probe_gap() and (self._alphas()[0] < 0.5 or thin):
             self._since_probe = 0
             return True
         return False
@@ -355,6 +366,12 @@ class DepthController:
         """Drafting steps between plain ones: `probe_every`, doubled (up to 8×) for each plain step in a row that found
         decoding's cost as it was — each costs the gain of one speculative step, so a steady one is checked less."""
         return self.probe_every << min(self._kept, self.MAX_PROBE_BACKOFF)
+
+    def _probe_gap(self) -> int:
+        """Plain steps before the next shadow probe: every THIN_GAP-th while fewer than THIN_EVIDENCE drafts were
+        compared (two early misses of a head right 9 times in 10 made the estimate 0.45, and the doubled interval
+        then kept auto plain for a whole 128-token reply), else probe_interval()."""
+        return self.THIN_GAP if self._compared_total() < self.THIN_EVIDENCE else self.probe_interval()
 
     def probe_interval(self) -> int:
         """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""
@@ -401,6 +418,16 @@ class DepthController:
                 best_k, best = k, rate
         self._best_key, self._best = key, (best_k, best)
         return self._best
+
+    def _deeper_could_pay(self, k: int, rate: float) -> bool:
+        """Whether depth k + 1 would beat `rate` (depth k's) were its draft always accepted: else trying it teaches
+        nothing worth its cost (a model whose verify rows are dear)."""
+        alpha, expect, prod = self._alphas(), 1.0, 1.0
+        for j in range(k):
+            prod *= alpha[j]
+            expect += prod
+        cost = self._verify_cost(k + 2) + (k + 1) * self.t_draft  # type: ignore[operator]
+        return (expect + prod) / cost > rate
 
     def _alphas(self) -> list[float]:
         """Acceptance by depth, each smoothed towards the depth before it (depth 1 towards 1/2) with the weight of
