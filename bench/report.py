@@ -437,15 +437,17 @@ def _products(d: dict) -> list[str]:
     rows = sorted({r["m"] for r in d["products"]})
     out = ["## Native products per weight type (`bench/products.py`)", "",
            f"`{d['command']}` ({d['date']}, {d['cpu']}): weight GB/s of one [{d['products'][0]['out']} × "
-           f"{d['products'][0]['in']}] product per type, one thread, best of the rounds.", "",
+           f"{d['products'][0]['in']}] product per type, {d['products'][0]['threads']} thread(s), best of the rounds"
+           + ("; in brackets, the share of the read bandwidth measured in the same rounds." if "share_of_read" in
+              d["products"][0] else "."), "",
            "| type | " + " | ".join(f"{f} {m} row{'s' if m > 1 else ''}" for f in forms for m in rows) + " |",
            "|---|" + "---|" * (len(forms) * len(rows))]
     by: dict[str, dict] = {}
     for r in d["products"]:
-        by.setdefault(r["type"], {})[(r["backend"], r["m"])] = r["gb_s"]
+        share = f" ({r['share_of_read']:.2f})" if "share_of_read" in r else ""
+        by.setdefault(r["type"], {})[(r["backend"], r["m"])] = f"{r['gb_s']:.2f}{share}"
     for t, v in by.items():
-        out.append(f"| {t} | " + " | ".join(f"{v[(f, m)]:.2f}" if (f, m) in v else "–" for f in forms for m in rows)
-                   + " |")
+        out.append(f"| {t} | " + " | ".join(v.get((f, m), "–") for f in forms for m in rows) + " |")
     return out + [""]
 
 
@@ -590,7 +592,9 @@ def main() -> None:
                      ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
-                     ("mtp_speedup_p0", _mtp_speedup), ("sweep", sweep_section), ("sweep_9b", sweep_section),
+                     ("mtp_speedup_p0", _mtp_speedup), ("mtp_speedup_auto", _mtp_speedup),
+                     ("mtp_speedup_p09", _mtp_speedup), ("head_product", _products), ("sweep", sweep_section),
+                     ("sweep_9b", sweep_section),
                      ("sweep_08b", sweep_section)):
         d = _load(name)
         if d is not None:
