@@ -361,8 +361,7 @@ class DepthController:
         first = self.t_draft is None or self._compared_total() < self.EARLY_PROBES
         # while drafts do match, only the costs keep auto plain: choose() re-measures those with a real depth-1
         # step (spaced out while they confirm it), and a probe here would cost a head pass to learn nothing
-        thin = self._compared_total() < self.THIN_EVIDENCE  # (and while the evidence is thin, whatever it says)
-        if first or self._since_probe >= self._probe_gap() and (self._alphas()[0] < 0.5 or thin):
+        if first or self._since_probe >= self._probe_gap() and (self._alphas()[0] < 0.5 or self._thin()):
             self._since_probe = 0
             return True
         return False
@@ -375,11 +374,18 @@ class DepthController:
         decoding's cost as it was — each costs the gain of one speculative step, so a steady one is checked less."""
         return self.probe_every << min(self._kept, self.MAX_PROBE_BACKOFF)
 
+    def _thin(self) -> bool:
+        """Whether depth 1's evidence is thin (fewer than THIN_EVIDENCE drafts compared) where drafts always right
+        would pay: on a model whose draft costs a decode step, as the embedded one's, a probe costs more than it
+        could ever teach."""
+        return self.t_draft is not None and self.t_decode is not None and \
+            self._compared_total() < self.THIN_EVIDENCE and self._deeper_could_pay(0, 1.0 / self.t_decode)
+
     def _probe_gap(self) -> int:
-        """Plain steps before the next shadow probe: every THIN_GAP-th while fewer than THIN_EVIDENCE drafts were
-        compared (two early misses of a head right 9 times in 10 made the estimate 0.45, and the doubled interval
-        then kept auto plain for a whole 128-token reply), else probe_interval()."""
-        return self.THIN_GAP if self._compared_total() < self.THIN_EVIDENCE else self.probe_interval()
+        """Plain steps before the next shadow probe: every THIN_GAP-th while the evidence is thin (two early misses
+        of a head right 9 times in 10 made the estimate 0.45, and the doubled interval then kept auto plain for a
+        whole 128-token reply; probed whatever the estimate), else probe_interval()."""
+        return self.THIN_GAP if self._thin() else self.probe_interval()
 
     def probe_interval(self) -> int:
         """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""
