@@ -132,7 +132,10 @@ class DepthController:
     acceptance can recover at the cost of one head pass, or — when drafts do match and only the costs say no — take
     one real step at depth 1 whose verify time replaces the old one (doubled up to 8× likewise while those steps
     keep confirming plain decoding). While drafting wins, every `probe_every`-th step runs plain, so the decode cost
-    it is weighed against stays current (doubled up to 8× while those steps find it unchanged).
+    it is weighed against stays current (doubled up to 8× while those steps find it unchanged). Where evidence is
+    thin it explores: shadow probes every THIN_GAP plain steps until THIN_EVIDENCE drafts were compared, one draft
+    deeper than the best now and then while that depth has few tries, and drafting wins a near tie (TIE_SLACK) —
+    each only where a draft always right could pay.
     """
 
     FIRST_DECODES = 2  # plain steps measured before the first draft (the first one alone runs cold)
