@@ -595,7 +595,7 @@ def main() -> None:
                      ("mtp_speedup_p0", _mtp_speedup), ("mtp_speedup_auto", _mtp_speedup),
                      ("mtp_speedup_p09", _mtp_speedup), ("head_product", _products), ("sweep", sweep_section),
                      ("sweep_9b", sweep_section),
-                     ("sweep_08b", sweep_section)):
+                     ("sweep_08b", sweep_section), ("sweep_more", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
