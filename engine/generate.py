@@ -112,7 +112,9 @@ class Engine:
             self.notices.append(fallback)
         self._seq: list[int] = []  # tokens whose effect is in `cache`
         self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
-        self._pass_costs = PassCosts.of_model(self.hp, {n: t.n_bytes for n, t in mf.tensors.items()})
+        self._pass_costs = PassCosts.of_model(
+            self.hp, {n: t.n_bytes for n, t in mf.tensors.items()},
+            ops.draft_read_bytes(self.runner.mtp.head.head) if self.runner.mtp is not None else None)
         self._last_logits: torch.Tensor | None = None
         self._lock = threading.Lock()  # held by the running generation (see the module docstring)
         self._owner: int | None = None  # thread ident of the lock's holder

@@ -16,7 +16,7 @@ from bench.synthetic import SHAPES, TINY_MTP, noise_for, set_mtp_noise, write_sy
 from engine.events import EngineConfig
 from engine.generate import load
 from engine.sampling import SamplingConfig
-from tests.generation import collect
+from tests.generation import plain_then_mtp
 
 ROOT = Path(__file__).resolve().parent.parent
 LOW, HIGH = 0.6, 0.95
@@ -50,10 +50,7 @@ def test_greedy_output_identical_with_mtp(measured: dict[float, tuple[Path, dict
     eng.tokenizer.eog_ids = frozenset()
     kw = dict(max_tokens=64, sampling=SamplingConfig(temperature=0.0, top_k=1))
     for prompt in random_prompts(2):
-        eng.reset()
-        plain = collect(eng, prompt, mtp=False, **kw)[0]
-        eng.reset()
-        toks, accepted, final, _ = collect(eng, prompt, mtp=True, draft=draft, **kw)
+        plain, toks, accepted, final = plain_then_mtp(eng, prompt, draft, **kw)
         assert toks == plain
         if draft is not None:  # the drafts were used, not only tried (auto may decode plainly where drafts cost more)
             assert final.speculative.accepted > 0 and any(accepted)

@@ -88,11 +88,14 @@ class MTPHead:
         return x
 
     def finish(self, x: torch.Tensor, logit_rows: str, cb: Hook = _noop) -> ForwardResult:
-        """After the block: shared_head_norm (the next chained h) and the LM head's rows `logit_rows`."""
+        """After the block: shared_head_norm (the next chained h) and the LM head's rows `logit_rows` ("last", "all",
+        "none", or "draft": the last row's draft logits)."""
         out = ops.rms_norm(x, self.head_norm, self.hp.rms_eps, self.layer.backend)
         cb("mtp_result_norm", self.il, out)
         logits = None
-        if logit_rows != "none":
+        if logit_rows == "draft":  # the last row's, for drafting: exact where they decide the draft (ops.draft_logits)
+            logits = ops.draft_logits(out[-1:].to(self.head.device), self.head)
+        elif logit_rows != "none":
             rows = out if logit_rows == "all" else out[-1:]
             logits = ops.linear(rows.to(self.head.device), self.head)
         return ForwardResult(out, logits, None)

@@ -86,6 +86,7 @@ class HeadRunner:
         self.trunk_device = head.model.device  # where the trunk's hidden rows are
         fused = ops.fuse_layer(head.layer.spec(), head.layer.backend)
         self.fused = fused if isinstance(fused, ops.FusedLayer) else None
+        ops.prepare_draft_logits(head.head)  # the head's sketch, made with the model (1 s for a 248k vocabulary)
 
     def new_cache(self, n_ctx: int) -> Cache:
         return self.head.new_cache(n_ctx)

@@ -16,7 +16,7 @@
 #define QK8_0 32  /* values per Q8_0 block */
 #define M_TILE 64
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
-enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
 /* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, GROUP rows interleaved (not ggml types: ours, for the VNNI
  * and AVX2 packed products) */
@@ -138,6 +138,17 @@ void gdn_inputs(const float *window, const float *taps, int64_t n, int64_t c, in
 int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos,
                      int64_t n_head, int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int isa);
 void rope_neox(float *x, int64_t n, int64_t h, int64_t d, int64_t n_rot, const float *cos_t, const float *sin_t);
+
+/* sketch.c: a 2-bit sketch of a wide matrix (values per block of codes and one scale) and its product with a float
+ * row, for the draft pass's logits */
+#define SKETCH_BLOCK 128
+/* kquant.c: rows ids[0..n) of a Q4_K, Q5_K, Q6_K or Q8_0 matrix as float32 rows of k values */
+int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
+                 int64_t k, float *out);
+int sketch_make(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *codes, float *scales,
+                int threads);
+int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, float *out,
+                  int threads, int isa);
 
 /* pool.c: fn(ctx, i) for i in [0, n_items) on up to n_threads threads (the caller's included), each item once;
  * returns when all are done. The caller works too and never waits for a thread that has not started an item. */

@@ -157,6 +157,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "trace_enable": ([_C], None),
     "trace_read": ([_P], _C),
     "pool_after_call": ([_I, _I, _I, _I], _I),
+    "sketch_make": ([_C, _P, _I, _I, _I, _P, _P, _C], _C),
+    "sketch_scores": ([_P, _P, _I, _I, _P, _P, _C, _C], _C),
     "border_table": ([_P], _I),
 }
 
@@ -201,6 +203,7 @@ PRODUCT_TYPES = Q8_K_PRODUCTS + BLOCK32_PRODUCTS
 MAX_EXPERTS = _number("MAX_EXPERTS")  # the most experts the native router (moe_route, moe_layer) takes
 MAX_DV = _number("MAX_DV")  # the widest GDN value head gdn_recurrence takes
 GROUP = _number("GROUP")  # rows interleaved in a packed weight
+SKETCH_BLOCK = _number("SKETCH_BLOCK")  # values per block of a head sketch (sketch.c)
 PACKED_CODE = {t: _number(f"T_{t.name}_PACKED") for t in (QT.Q8_0, QT.Q4_K, QT.Q6_K)}  # kernels.h's T_*_PACKED
 _CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = _number("CPU_AVX512"), _number("CPU_VNNI"), _number("CPU_AVX2")  # cpu_features()
 
@@ -472,6 +475,27 @@ def dequant_rows(raw: torch.Tensor, qtype: int, ids: torch.Tensor, n_cols: int) 
     rc = LIB.dequant_rows(qtype, raw.data_ptr(), raw.shape[1], raw.shape[0], ids.data_ptr(),  # type: ignore[union-attr]
                           ids.numel(), n_cols, out.data_ptr())
     _check(rc, f"rows of a type {qtype} matrix of {raw.shape[0]} rows")
+    return out
+
+
+def sketch_make(w: torch.Tensor, qtype: int, n_cols: int, codes: torch.Tensor, scales: torch.Tensor,
+                threads: int) -> None:
+    """The 2-bit sketch (sketch.c) of the matrix w: float32 rows [n, n_cols] (qtype 0) or uint8 [n, row bytes] of
+    stored blocks of a type in DEQUANT_ROW_TYPES (contiguous), into codes uint8 [n, n_cols/4] and scales float32
+    [n, n_cols/SKETCH_BLOCK]."""
+    n = w.shape[0]
+    rc = LIB.sketch_make(qtype, w.data_ptr(), w[0].numel() * w.element_size(), n, n_cols,  # type: ignore[union-attr]
+                         codes.data_ptr(), scales.data_ptr(), threads)
+    _check(rc, f"the sketch of a type {qtype} matrix of {n} rows")
+
+
+def sketch_scores(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, threads: int, isa: int) -> torch.Tensor:
+    """Every sketch row times the float row x [k] (contiguous): float32 [n]."""
+    n, k = codes.shape[0], x.numel()
+    out = torch.empty(n)
+    rc = LIB.sketch_scores(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), out.data_ptr(),  # type: ignore[union-attr]
+                           threads, isa)
+    _check(rc, f"a head sketch of {n} rows")
     return out
 
 

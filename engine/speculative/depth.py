@@ -31,18 +31,19 @@ class PassCosts:
         return 1.0 + self.routed_share * (distinct - 1.0) + ROW_COMPUTE * (n - 1)
 
     @classmethod
-    def of_model(cls, hp: HParams, tensor_bytes: Mapping[str, int]) -> "PassCosts":
+    def of_model(cls, hp: HParams, tensor_bytes: Mapping[str, int], draft_head: int | None = None) -> "PassCosts":
         """From a file's tensor sizes: the bytes a decode step reads (the trunk's layers, a routed expert stack at
-        k/E, the output head) and a draft pass (the MTP block likewise, and the head it shares)."""
+        k/E, the output head) and a draft pass (the MTP block likewise, and the head's bytes a draft reads:
+        `draft_head`, ops.draft_read_bytes, where known, else the whole head it uses)."""
         used = hp.n_expert_used / hp.n_expert if hp.n_expert else 1.0
         head = tensor_bytes.get("output.weight") or tensor_bytes.get("token_embd.weight", 0)  # tied: the embeddings
-        draft_head = head
+        own_head = head
         step = routed = draft = 0.0
         for name, n in tensor_bytes.items():
             if not name.startswith("blk.") or "nextn.embed_tokens" in name:  # a lookup reads one row
                 continue
             if "nextn.shared_head_head" in name:  # the block's own head, where it has one
-                draft_head = n
+                own_head = n
                 continue
             read = n * used if "_exps." in name else n
             if int(name.split(".")[1]) < hp.n_layer:
@@ -53,7 +54,8 @@ class PassCosts:
         step += head
         if step <= 0:
             return cls()
-        return cls(routed / step, hp.n_expert, hp.n_expert_used, (draft + draft_head) / step)
+        return cls(routed / step, hp.n_expert, hp.n_expert_used,
+                   (draft + (own_head if draft_head is None else draft_head)) / step)
 
 
 @dataclass

@@ -81,7 +81,8 @@ class MTPDrafter:
         toks = self.pending_tokens + [x]
         hid = torch.stack(self.pending_hidden + [self.last_hidden])
         self.pending_tokens, self.pending_hidden = [], []
-        res = self.head.forward(toks, hid, self.cache)  # the rows the last verify kept, and the first draft row
+        # the rows the last verify kept, and the first draft row; draft logits: exact on the head's likely tokens
+        res = self.head.forward(toks, hid, self.cache, logit_rows="draft")
         self._committed = self.cache.pos
         hist = list(history)
         try:
@@ -108,7 +109,7 @@ class MTPDrafter:
                 if matcher is not None:
                     matcher.ahead(tok)
                 if i + 1 < depth and self.cache.pos < self.cache.n_ctx and not (matcher is not None and matcher.done):
-                    res = self.head.forward([tok], res.hidden[-1:], self.cache)
+                    res = self.head.forward([tok], res.hidden[-1:], self.cache, logit_rows="draft")
                 else:
                     break
         finally:

@@ -1,0 +1,191 @@
+/* A 2-bit sketch of a wide matrix (the output head) and its product with one float row: the draft pass's estimate of
+ * every logit, read at about a third of a Q6_K head's bytes (engine/ops/draft_head.py rescores the best candidates
+ * with the real head).
+ *
+ * A block of SKETCH_BLOCK values keeps 32 bytes of codes c ∈ 0..3 (byte j holds values j, j+32, j+64, j+96 in its
+ * bit pairs 0-1, 2-3, 4-5, 6-7) and one float scale s: value ≈ (2c − 3)·s, a uniform 4-level quantizer with step
+ * 2s = 0.996 × the block's RMS (the best uniform step for Gaussian values). The product quantizes the row to int8
+ * (one scale) and sums each block's (2c − 3)·x exactly in 8 integer lanes (lane i: the values 4i…4i+3 of each
+ * 32), then floats in a fixed order, so every form gives the portable form's bits. */
+#include <stdlib.h>
+#include "kernels.h"
+
+#define SKETCH_ROWS 64  /* rows per pool item */
+
+typedef struct {
+    int qtype;
+    const uint8_t *w;
+    int64_t row_bytes, n, k;
+    uint8_t *codes;
+    float *scales;
+    int rc;
+} MakeJob;
+
+static void make_item(void *ctx, int64_t item) {
+    MakeJob *j = ctx;
+    const int64_t nb = j->k / SKETCH_BLOCK, r0 = item * SKETCH_ROWS;
+    const int64_t r1 = r0 + SKETCH_ROWS < j->n ? r0 + SKETCH_ROWS : j->n;
+    const float *rows = (const float *)(j->w + r0 * j->row_bytes);
+    float *buf = NULL;
+    if (j->qtype != T_F32) {  /* stored blocks: this item's rows dequantized first */
+        int64_t ids[SKETCH_ROWS];
+        for (int64_t r = r0; r < r1; r++) ids[r - r0] = r;
+        buf = malloc((size_t)(r1 - r0) * (size_t)j->k * sizeof(float));
+        const int rc = buf ? dequant_rows(j->qtype, j->w, j->row_bytes, j->n, ids, r1 - r0, j->k, buf) : RC_NO_MEMORY;
+        if (rc) {
+            j->rc = rc;  /* every failing item writes the same code */
+            free(buf);
+            return;
+        }
+        rows = buf;
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = rows + (r - r0) * j->k + b * SKETCH_BLOCK;
+            float ss8[8] = {0}, ss = 0.f;  /* eight partial sums: a loop the compiler vectorizes */
+            for (int i = 0; i < SKETCH_BLOCK; i++) ss8[i % 8] += v[i] * v[i];
+            for (int i = 0; i < 8; i++) ss += ss8[i];
+            const float step = 0.996f * sqrtf(ss / SKETCH_BLOCK), inv = step > 0.f ? 1.f / step : 0.f;
+            uint8_t q[SKETCH_BLOCK], *c = j->codes + (r * nb + b) * (SKETCH_BLOCK / 4);
+            for (int i = 0; i < SKETCH_BLOCK; i++) {  /* floor(v/step) + 2 by truncation: |v/step| < 12 in a block */
+                const int t = (int)(v[i] * inv + 1026.f) - 1024;
+                q[i] = (uint8_t)(t < 0 ? 0 : t > 3 ? 3 : t);
+            }
+            for (int i = 0; i < SKETCH_BLOCK / 4; i++)
+                c[i] = (uint8_t)(q[i] | q[32 + i] << 2 | q[64 + i] << 4 | q[96 + i] << 6);
+            j->scales[r * nb + b] = 0.5f * step;
+        }
+    }
+    free(buf);
+}
+
+/* The sketch of a matrix of n rows of k values (k a multiple of SKETCH_BLOCK; rows row_bytes apart): float32 rows
+ * (qtype T_F32) or stored blocks of a type dequant_rows reads, dequantized a pool item's rows at a time. Writes codes
+ * [n, k/4] and scales [n, k/SKETCH_BLOCK]; returns 0, RC_ROW_TYPE (a type dequant_rows does not read) or
+ * RC_NO_MEMORY. */
+int sketch_make(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *codes, float *scales,
+                int threads) {
+    MakeJob j = {qtype, w, row_bytes, n, k, codes, scales, 0};
+    pool_run(threads, (n + SKETCH_ROWS - 1) / SKETCH_ROWS, make_item, &j);
+    return j.rc;
+}
+
+typedef struct {
+    const uint8_t *codes;
+    const float *scales;
+    int64_t n, k;
+    const int8_t *xq;
+    const int32_t *xs3;  /* per block and lane: 3 × the lane's sum of quants */
+    float xd;
+    float *out;
+    int isa;
+} ScoreJob;
+
+static float hsum8_portable(const float *a) {  /* hsum8's order */
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+static void score_rows_portable(const ScoreJob *j, int64_t r0, int64_t r1) {
+    const int64_t nb = j->k / SKETCH_BLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *c = j->codes + (r * nb + b) * (SKETCH_BLOCK / 4);
+            const int8_t *x = j->xq + b * SKETCH_BLOCK;
+            int32_t p[8] = {0};
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < 32; i++) p[i / 4] += ((c[i] >> (2 * s)) & 3) * x[32 * s + i];
+            const float sc = j->scales[r * nb + b];
+            for (int i = 0; i < 8; i++) acc[i] = acc[i] + (float)(2 * p[i] - j->xs3[b * 8 + i]) * sc;
+        }
+        j->out[r] = hsum8_portable(acc) * j->xd;
+    }
+}
+
+#if defined(__x86_64__)
+/* A block's 8 integer lanes, Σ (2c − 3)·x. AVX2: its four 32-value parts, each byte's code pair by shift and mask,
+ * summed by maddubs and madd. */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i block_avx2(const uint8_t *c, const int8_t *x, const int32_t *xs3) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)c), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i p = _mm256_setzero_si256();
+    for (int s = 0; s < 4; s++) {
+        const __m256i cs = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
+        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(cs, _mm256_loadu_si256((const __m256i *)(x + 32 * s))), ones));
+    }
+    return _mm256_sub_epi32(_mm256_slli_epi32(p, 1), _mm256_loadu_si256((const __m256i *)xs3));
+}
+
+/* VNNI: two 32-value parts per 512-bit dpbusd (the codes twice, shifted per half), the halves' lanes then added: the
+ * same integer lanes */
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline __m256i block_vnni(const uint8_t *c, const int8_t *x, const int32_t *xs3) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)c)), m3 = _mm512_set1_epi8(3);
+    const __m512i sh01 = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh23 = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srlv_epi64(v, sh01), m3),
+                                    _mm512_loadu_si512(x));
+    p = _mm512_dpbusd_epi32(p, _mm512_and_si512(_mm512_srlv_epi64(v, sh23), m3), _mm512_loadu_si512(x + 64));
+    const __m256i p8 = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
+    return _mm256_sub_epi32(_mm256_slli_epi32(p8, 1), _mm256_loadu_si256((const __m256i *)xs3));
+}
+
+/* Rows [r0, r1) one at a time, each block's lanes scaled and added in the portable order (rows interleaved four at a
+ * time ran at half the speed: four streams of codes per thread) */
+#define SCORE_ROWS(name, isa_target, block)                                                                     \
+    __attribute__((target(isa_target))) static void name(const ScoreJob *j, int64_t r0, int64_t r1) {          \
+        const int64_t nb = j->k / SKETCH_BLOCK;                                                                 \
+        for (int64_t r = r0; r < r1; r++) {                                                                     \
+            __m256 acc = _mm256_setzero_ps();                                                                   \
+            for (int64_t b = 0; b < nb; b++) {                                                                  \
+                const __m256i p = block(j->codes + (r * nb + b) * (SKETCH_BLOCK / 4), j->xq + b * SKETCH_BLOCK, \
+                                        j->xs3 + b * 8);                                                        \
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(j->scales[r * nb + b]))); \
+            }                                                                                                   \
+            j->out[r] = hsum8(acc) * j->xd;                                                                     \
+        }                                                                                                       \
+    }
+SCORE_ROWS(score_rows_avx2, AVX2_TARGET, block_avx2)
+SCORE_ROWS(score_rows_vnni, VNNI_TARGET, block_vnni)
+#endif
+
+static void score_item(void *ctx, int64_t item) {
+    const ScoreJob *j = ctx;
+    const int64_t r0 = item * SKETCH_ROWS, r1 = r0 + SKETCH_ROWS < j->n ? r0 + SKETCH_ROWS : j->n;
+#if defined(__x86_64__)
+    if (isa_runs(j->isa, ISA_VNNI)) {
+        score_rows_vnni(j, r0, r1);
+        return;
+    }
+    if (isa_runs(j->isa, ISA_AVX2)) {
+        score_rows_avx2(j, r0, r1);
+        return;
+    }
+#endif
+    score_rows_portable(j, r0, r1);
+}
+
+/* out[r] = the sketch's row r · x for r in [0, n) (x: k floats). Returns 0, or RC_NO_MEMORY. */
+int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, float *out,
+                  int threads, int isa) {
+    const int64_t nb = k / SKETCH_BLOCK;
+    int8_t *xq = malloc((size_t)k);
+    int32_t *xs3 = calloc((size_t)nb * 8, sizeof(int32_t));
+    if (!xq || !xs3) {
+        free(xq);
+        free(xs3);
+        return RC_NO_MEMORY;
+    }
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float iscale = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = 0; i < k; i++) {
+        xq[i] = (int8_t)lrintf(x[i] * iscale);
+        xs3[(i / SKETCH_BLOCK) * 8 + (i % 32) / 4] += 3 * xq[i];
+    }
+    ScoreJob j = {codes, scales, n, k, xq, xs3, amax / 127.f, out, isa};
+    cpu_features();
+    pool_run(threads, (n + SKETCH_ROWS - 1) / SKETCH_ROWS, score_item, &j);
+    free(xq);
+    free(xs3);
+    return 0;
+}

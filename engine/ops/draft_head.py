@@ -1,0 +1,108 @@
+"""A draft pass's logits: every row of the output head estimated from a 2-bit sketch, the best candidates exact.
+
+A draft only proposes; the verify decides what is kept. So a draft's logits need to be right only where they decide
+the draft: its top tokens. The head's product was half of a draft's cost on the mid MoE fixture and most of it with
+Qwen3.5/3.6's 248k vocabulary (a 0.8 GB Q6_K head on the 9B). The sketch (engine/native/sketch.c: ~2.25 bits a
+value, a third of a Q6_K head's bytes) scores every row; the rows of the CANDIDATES best scores (with their packed
+groups of 16) are multiplied by the real head and replace their estimates. A greedy draft is therefore the real
+head's argmax whenever that row is among the candidates (on random Gaussian heads, where logits crowd the most, the
+true best row ranked at most 54th of 32k rows and 167th of 248k in the sketch's scores over 60 rows each; see
+`candidates`), and a sampled draft draws from the q it reports, which the verify corrects by p/q as for any draft. Estimates elsewhere keep a softmax's tail (a draft's
+confidence) close to the full head's.
+
+Only for native products on the CPU over heads of SKETCH_MIN_BYTES or more, one row at a time, where the backend
+allows derived copies of weights (the sketch is one: 0.3 GB for a 248k × 4096 head); anything else is the head's own
+product. The sketch is made when the model loads (or on first use), from the stored rows a chunk at a time (their file pages dropped
+again, as packing does), and kept with the head's Linear.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.ops import indices, native
+from engine.ops.activations import quantize
+from engine.ops.linear import Linear, NativeLinear, linear
+from engine.storage.pages import release_pages
+
+# Heads smaller than this run whole: the sketch and the candidates' product cost a few calls, which a small head's
+# whole product does not exceed.
+SKETCH_MIN_BYTES = 8 << 20
+SKETCH_CHUNK_ROWS = 4096  # head rows dequantized and sketched at a time while the sketch is made
+
+
+def candidates(n_rows: int) -> int:
+    """How many of the sketch's best rows the real head rescores: 96 of 32k rows, 306 of 248k."""
+    return min(n_rows, 64 + n_rows // 1024)
+
+
+@dataclass(frozen=True)
+class HeadSketch:
+    codes: torch.Tensor  # uint8 [rows, k/4]
+    scales: torch.Tensor  # float32 [rows, k/SKETCH_BLOCK]
+
+
+def sketch_of(head: Linear) -> HeadSketch | None:
+    """The head's sketch (made on first use and kept with it), or None where drafts use the head's own product."""
+    if "sketch" in head.forms or not isinstance(head, NativeLinear):
+        return head.forms.get("sketch")  # type: ignore[return-value]
+    w = head.weight
+    if not head.backend.copies or head.nbytes < SKETCH_MIN_BYTES or len(w.shape) != 2 or w.n_cols % native.SKETCH_BLOCK or w.device.type != "cpu":
+        return None
+    head.kernel_bytes()  # packed now if it ever is: then the stored rows' pages are dropped again once read here
+    n, k = w.n_rows, w.n_cols
+    codes = torch.empty(n, k // 4, dtype=torch.uint8)
+    scales = torch.empty(n, k // native.SKETCH_BLOCK)
+    threads = head.backend.n_threads(n * k)
+    raw = w.raw.reshape(n, -1)
+    for r0 in range(0, n, SKETCH_CHUNK_ROWS):  # a chunk at a time: the stored rows' pages dropped again once read
+        r1 = min(n, r0 + SKETCH_CHUNK_ROWS)
+        if int(w.qtype) in native.DEQUANT_ROW_TYPES:
+            native.sketch_make(raw[r0:r1].contiguous(), int(w.qtype), k, codes[r0:r1], scales[r0:r1], threads)
+        else:
+            rows = w.dequantize(slice(r0, r1), device=torch.device("cpu")).float().contiguous()
+            native.sketch_make(rows, 0, k, codes[r0:r1], scales[r0:r1], threads)
+        if head.packed is not None:
+            release_pages(raw[r0:r1])
+    sketch = HeadSketch(codes, scales)
+    head.forms["sketch"] = sketch  # type: ignore[assignment]
+    return sketch
+
+
+def draft_read_bytes(head: Linear) -> int:
+    """The head's bytes a draft reads: its sketch and the candidates' rows where it has a sketch, else all of it."""
+    sketch = sketch_of(head)
+    if sketch is None:
+        return head.nbytes
+    rescored = candidates(head.n_rows) * (native.GROUP if isinstance(head, NativeLinear) and head.packed is not None
+                                          else 1)
+    return sketch.codes.nbytes + sketch.scales.nbytes + head.nbytes * rescored // head.n_rows
+
+
+def prepare_draft_logits(head: Linear) -> None:
+    """Make the head's sketch now, where it has one, rather than on the first draft."""
+    sketch_of(head)
+
+
+def draft_logits(x: torch.Tensor, head: Linear) -> torch.Tensor:
+    """Logits of the one row x [1, k] for drafting: exact on the sketch's best candidates, estimated elsewhere (the
+    head's own product where it has no sketch)."""
+    sketch = sketch_of(head) if x.shape[0] == 1 else None
+    if sketch is None:
+        return linear(x, head)
+    assert isinstance(head, NativeLinear)
+    b, w = head.backend, head.weight
+    n, k = w.n_rows, w.n_cols
+    xf = x.reshape(-1).float().contiguous()
+    scores = native.sketch_scores(sketch.codes, sketch.scales, xf, b.n_threads(n * k // 8), b.level)
+    raw, code = head.kernel_bytes()
+    unit = native.GROUP if head.packed is not None else 1  # packed rows are multiplied 16 at a time
+    groups = torch.unique(torch.topk(scores, candidates(n)).indices // unit)
+    xr = quantize(xf.unsqueeze(0), head.fmt, on_native=True, level=b.level)
+    exact = torch.empty(groups.numel(), unit)
+    native.matmul_pairs(code, raw, n // unit, unit, xr.q, xr.d, xr.bsums, xr.s, head.perm(xr, code), k,
+                        indices.zeros(groups.numel(), xf.device), groups,
+                        indices.arange(groups.numel() + 1, xf.device), exact, b.n_threads(exact.numel() * k), b.level)
+    scores.view(-1, unit).index_copy_(0, groups, exact)
+    return scores.unsqueeze(0)

@@ -1,0 +1,93 @@
+"""Draft logits from the head's 2-bit sketch (engine/ops/draft_head.py, engine/native/sketch.c): every form of the
+sketch's product gives the portable form's bits, the logits decide a draft as the real head does (its argmax, and
+its exact values on the candidates), small heads and memory-tight backends keep the head's own product, and greedy
+output with MTP drafting through a sketch is the output without MTP."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from bench.mtp_agreement import random_prompts
+from bench.synthetic import TINY_MTP, noise_for, write_synthetic
+from engine import ops
+from engine.events import EngineConfig
+from engine.generate import load
+from engine.ops import draft_head, native
+from engine.sampling import SamplingConfig
+from engine.storage.qtensor import QTensor
+from engine.storage.quantize import random_blocks
+from tests.conftest import backend_params
+from tests.generation import plain_then_mtp
+
+NATIVE = backend_params(native_only=True)
+WIDE = (32768, 1024)  # a 32k-row Q6_K head: 27.5 MB, over SKETCH_MIN_BYTES
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert native.available(), "the native library was not built (pip install -e . builds it)"
+
+
+@pytest.fixture(scope="module")
+def wide_head() -> QTensor:
+    """Random valid Q6_K blocks: rows of random values, whose logits crowd at the top as a trained head's do not."""
+    raw = random_blocks(WIDE, T.Q6_K, np.random.default_rng(3), 1 / np.sqrt(WIDE[1]))
+    return QTensor(torch.from_numpy(raw), T.Q6_K, WIDE)
+
+
+def _rows(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, WIDE[1], generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_every_form_of_the_sketch_product_gives_the_portable_bits(wide_head: QTensor, backend: ops.Backend) -> None:
+    sketch = draft_head.sketch_of(ops.bind(wide_head, backend))
+    assert sketch is not None
+    for x in _rows(3, 1):
+        x[:128] = 0.0  # a block of zeros beside ordinary ones
+        portable = native.sketch_scores(sketch.codes, sketch.scales, x, 1, ops.backend_named("native-portable").level)
+        assert torch.equal(native.sketch_scores(sketch.codes, sketch.scales, x, 2, backend.level), portable)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_draft_logits_decide_a_draft_as_the_head_does(wide_head: QTensor, backend: ops.Backend) -> None:
+    """The real head's argmax, and its bits on the candidates' rows; estimates elsewhere that track the logits."""
+    head = ops.bind(wide_head, backend)
+    for x in _rows(24, 2):
+        full = ops.linear(x.unsqueeze(0), head)[0]
+        draft = ops.draft_logits(x.unsqueeze(0), head)[0]
+        best = int(full.argmax())
+        assert int(draft.argmax()) == best
+        assert torch.equal(draft[best], full[best])
+        assert torch.corrcoef(torch.stack([draft, full]))[0, 1] > 0.9  # the tail a draft's confidence sums
+    assert ops.draft_read_bytes(head) < 0.45 * head.nbytes
+
+
+def test_small_heads_multi_row_passes_and_no_copies_use_the_heads_own_product(wide_head: QTensor) -> None:
+    native_backend = next(b for b in ops.available_backends() if b.native)
+    small = QTensor(wide_head.raw[:1024], T.Q6_K, (1024, WIDE[1]))
+    x = _rows(2, 4)
+    for head, rows in ((ops.bind(small, native_backend), x[:1]),  # below SKETCH_MIN_BYTES
+                       (ops.bind(wide_head, native_backend), x),  # two rows: a verify's, not a draft's
+                       (ops.bind(wide_head, replace(native_backend, copies=False)), x[:1])):  # no derived copies
+        assert torch.equal(ops.draft_logits(rows, head), ops.linear(rows, head))
+    assert ops.draft_read_bytes(ops.bind(small, native_backend)) == small.nbytes
+
+
+def test_greedy_output_with_drafts_from_a_sketch_is_plain_greedy_output(tmp_path: Path) -> None:
+    shape = replace(TINY_MTP, n_vocab=32768)  # a head over SKETCH_MIN_BYTES
+    path = write_synthetic(tmp_path / "wide.gguf", shape, agreement=noise_for("tiny-mtp", 0.95))
+    eng = load(path, EngineConfig(n_ctx=160, n_threads=2))
+    head = eng.runner.mtp.head.head
+    assert ops.draft_read_bytes(head) < head.nbytes / 2, "the drafts here do not read a sketch"
+    eng.tokenizer.eog_ids = frozenset()
+    kw = dict(max_tokens=48, sampling=SamplingConfig(temperature=0.0, top_k=1))
+    for prompt in random_prompts(2):
+        plain, toks, _, final = plain_then_mtp(eng, prompt, 3, **kw)
+        assert toks == plain
+        assert final.speculative.acceptance > 0.5, final.speculative  # the drafts are the head's, mostly right
