@@ -344,7 +344,7 @@ def test_auto_replaces_a_reply_s_cold_first_draft_time() -> None:
     dozens of steps): it stands in only until the next draft is timed, then the times are averaged."""
     from engine.speculative import DepthController, PassCosts, SpecStats
 
-    c = DepthController(None, SpecStats(), costs=PassCosts(draft=0.2))
+    c = DepthController(None, SpecStats(), costs=PassCosts(draft=1.0))
     c.observe_decode(0.010)
     c.observe_decode(0.010)
     c.observe_probe(1.0, 0.008)  # cold
@@ -353,6 +353,30 @@ def test_auto_replaces_a_reply_s_cold_first_draft_time() -> None:
     assert c.t_draft == 0.002  # replaced, not averaged
     c.observe_probe(1.0, 0.004)
     assert c.t_draft == pytest.approx(0.0024)  # then averaged
+
+
+def test_a_cold_first_draft_counts_no_dearer_than_the_model_s_bytes_say() -> None:
+    """A first draft pass 11 times dearer than its bytes (the 35B-A3B shape: 2 decode steps against 0.18) that also
+    missed kept auto plain for a whole reply: no draft could pay at that cost, so none came to correct it. It stands
+    in at the bytes' estimate, the probes go on, and drafts that match bring drafting back."""
+    from engine.speculative import DepthController, PassCosts, SpecStats
+
+    c = DepthController(None, SpecStats(), costs=PassCosts(routed_share=0.23, n_expert=256, n_used=8, draft=0.18))
+    for _ in range(c.FIRST_DECODES):
+        c.observe_decode(0.100)
+    c.observe_probe(0.0, 0.200)  # cold, and a miss
+    assert c.t_draft == pytest.approx(0.018)
+    ks = []
+    for _ in range(40):
+        k = c.choose(100)
+        ks.append(k)
+        if k == 0:
+            c.observe_decode(0.100)
+            if c.probe_now(100):
+                c.observe_probe(1.0, 0.018)
+        else:
+            break
+    assert ks[-1] >= 1, ks  # drafting again within 40 steps
 
 
 def test_auto_drafting_runs_a_plain_step_now_and_then_to_keep_its_yardstick_current() -> None:
