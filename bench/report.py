@@ -593,7 +593,7 @@ def main() -> None:
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
                      ("mtp_speedup_p0", _mtp_speedup), ("mtp_speedup_auto", _mtp_speedup),
-                     ("mtp_speedup_p09", _mtp_speedup), ("mtp_speedup_35b", _mtp_speedup), ("head_product", _products), ("sweep", sweep_section),
+                     ("mtp_speedup_p09", _mtp_speedup), ("mtp_speedup_35b", _mtp_speedup), ("mtp_speedup_35b_auto", _mtp_speedup), ("head_product", _products), ("sweep", sweep_section),
                      ("sweep_9b", sweep_section),
                      ("sweep_08b", sweep_section), ("sweep_more", sweep_section)):
         d = _load(name)
