@@ -111,7 +111,8 @@ static inline __m256i block_avx2(const uint8_t *c, const int8_t *x, const int32_
     __m256i p = _mm256_setzero_si256();
     for (int s = 0; s < 4; s++) {
         const __m256i cs = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
-        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(cs, _mm256_loadu_si256((const __m256i *)(x + 32 * s))), ones));
+        const __m256i xs = _mm256_loadu_si256((const __m256i *)(x + 32 * s));
+        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(cs, xs), ones));
     }
     return _mm256_sub_epi32(_mm256_slli_epi32(p, 1), _mm256_loadu_si256((const __m256i *)xs3));
 }

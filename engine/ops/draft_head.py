@@ -3,17 +3,17 @@
 A draft only proposes; the verify decides what is kept. So a draft's logits need to be right only where they decide
 the draft: its top tokens. The head's product was half of a draft's cost on the mid MoE fixture and most of it with
 Qwen3.5/3.6's 248k vocabulary (a 0.8 GB Q6_K head on the 9B). The sketch (engine/native/sketch.c: ~2.25 bits a
-value, a third of a Q6_K head's bytes) scores every row; the rows of the CANDIDATES best scores (with their packed
+value, a third of a Q6_K head's bytes) scores every row; the rows of the `candidates` best scores (with their packed
 groups of 16) are multiplied by the real head and replace their estimates. A greedy draft is therefore the real
 head's argmax whenever that row is among the candidates (on random Gaussian heads, where logits crowd the most, the
-true best row ranked at most 54th of 32k rows and 167th of 248k in the sketch's scores over 60 rows each; see
-`candidates`), and a sampled draft draws from the q it reports, which the verify corrects by p/q as for any draft. Estimates elsewhere keep a softmax's tail (a draft's
-confidence) close to the full head's.
+true best row ranked at most 54th of 32k rows and 167th of 248k in the sketch's order, over 60 rows each), and a
+sampled draft draws from the q it reports, which the verify corrects by p/q as for any draft. Estimates elsewhere
+keep a softmax's tail (a draft's confidence) close to the full head's.
 
 Only for native products on the CPU over heads of SKETCH_MIN_BYTES or more, one row at a time, where the backend
 allows derived copies of weights (the sketch is one: 0.3 GB for a 248k × 4096 head); anything else is the head's own
-product. The sketch is made when the model loads (or on first use), from the stored rows a chunk at a time (their file pages dropped
-again, as packing does), and kept with the head's Linear.
+product. The sketch is made when the model loads (or on first use) from the stored rows, a chunk at a time (their
+file pages dropped again, as packing does), and kept with the head's Linear.
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def sketch_of(head: Linear) -> HeadSketch | None:
     if "sketch" in head.forms or not isinstance(head, NativeLinear):
         return head.forms.get("sketch")  # type: ignore[return-value]
     w = head.weight
-    if not head.backend.copies or head.nbytes < SKETCH_MIN_BYTES or len(w.shape) != 2 or w.n_cols % native.SKETCH_BLOCK or w.device.type != "cpu":
+    if (not head.backend.copies or head.nbytes < SKETCH_MIN_BYTES or len(w.shape) != 2
+            or w.n_cols % native.SKETCH_BLOCK or w.device.type != "cpu"):
         return None
     head.kernel_bytes()  # packed now if it ever is: then the stored rows' pages are dropped again once read here
     n, k = w.n_rows, w.n_cols
