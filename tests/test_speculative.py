@@ -351,8 +351,10 @@ def test_auto_replaces_a_reply_s_cold_first_draft_time() -> None:
     assert c.t_draft == 0.008
     c.observe_probe(1.0, 0.002)
     assert c.t_draft == 0.002  # replaced, not averaged
-    c.observe_probe(1.0, 0.004)
-    assert c.t_draft == pytest.approx(0.0024)  # then averaged
+    c.observe_probe(1.0, 0.0028)
+    assert c.t_draft == pytest.approx(0.00216)  # then averaged
+    c.observe_probe(1.0, 0.050)  # a page fault: counts as SPIKE × the estimate
+    assert c.t_draft == pytest.approx(0.8 * 0.00216 + 0.2 * 1.5 * 0.00216)
 
 
 def test_a_cold_first_draft_counts_no_dearer_than_the_model_s_bytes_say() -> None:

@@ -150,7 +150,8 @@ class DepthController:
     TIE_SLACK = 0.05  # choose() drafts at a rate within 5 % below plain decoding's while depth 2 is little tried
     # (and a deeper chain could beat plain decoding)
     DEEPER_EVERY, DEEPER_EVIDENCE = 4, 8  # every 4th drafting step one deeper, while that depth has < 8 tries
-    VERIFY_SPIKE = 1.5  # a verify timed above 1.5x its expected cost (another tenant took the core) counts as 1.5x
+    # a verify or draft pass timed above 1.5x its expected cost (another tenant took the core, a page fault) counts as 1.5x
+    SPIKE = 1.5
     THIN_EVIDENCE, THIN_GAP = 16, 4  # below 16 compared drafts, a shadow probe every 4th plain step (_probe_gap)
     CUT_EXPLORE = 4  # every 4th speculative step of auto drafts its whole chain (chain_p_min)
     CUT_EVIDENCE = 4  # drafts below the cut seen before their acceptance decides whether to cut
@@ -262,8 +263,8 @@ class DepthController:
             self._once.add(n)
         else:
             self._once.discard(n)
-        if not replace and self.t_decode is not None:  # one slow pass counts at most VERIFY_SPIKE × what was expected
-            seconds = min(seconds, self.VERIFY_SPIKE * self._verify_cost(n))
+        if not replace and self.t_decode is not None:  # one slow pass counts at most SPIKE × what was expected
+            seconds = min(seconds, self.SPIKE * self._verify_cost(n))
         self.t_verify[n] = seconds if replace else self._ema(self.t_verify.get(n), seconds)
         self._timings[n] = 1.0 if replace else self._timings.get(n, 0.0) + 1.0
         self._costs += 1
@@ -410,18 +411,20 @@ class DepthController:
     def _observe_draft(self, seconds: float) -> None:
         """A draft pass's time. A reply's first runs cold (the head's weights not in the caches: twice the later
         ones on the mid-size MoE): like the first decode step it stands in only where nothing is known, no dearer
-        than the model's bytes say a draft is, and the next replaces it. (On the Qwen3.6-35B-A3B shape a first draft
-        took 2 decode steps against 0.18 by its bytes, missed, and kept auto plain for the rest of the reply: no draft
-        could pay at that cost, so none came to replace it.)"""
+        than the model's bytes say a draft is, and the next replaces it; after that a slow one counts at most SPIKE ×
+        the estimate. (On the Qwen3.6-35B-A3B shape, a 22 GB file on a 23 GB host, a first draft took 2 decode steps
+        against 0.18 by its bytes, and the next few 0.66 while the MTP block's experts faulted in: taken whole, they
+        kept auto plain for the reply, as no draft could pay at that cost, while drafts at a fixed depth settled at
+        0.21.)"""
         self._drafts += 1
         if self._drafts == 1:
             if self.t_draft is None:
                 prior = self.costs.draft * self.t_decode if self.t_decode is not None else seconds
                 self.t_draft, self._draft_cold = min(seconds, prior), True
         elif self._draft_cold:
-            self.t_draft, self._draft_cold = seconds, False
+            self.t_draft, self._draft_cold = min(seconds, self.SPIKE * self.t_draft), False  # type: ignore[operator]
         else:
-            self.t_draft = self._ema(self.t_draft, seconds)
+            self.t_draft = self._ema(self.t_draft, min(seconds, self.SPIKE * self.t_draft))  # type: ignore[operator]
 
     def _best_depth(self, room: int) -> tuple[int, float]:
         """The draft depth ≥ 1 with the most expected tokens per second, and that rate. Kept until a cost or the
