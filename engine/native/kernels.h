@@ -150,6 +150,10 @@ int sketch_make(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, float *out,
                   int threads, int isa);
 
+/* token_mask.c: a logit row under a constrained decoding's token mask (a bit per id, 32 a word) */
+int64_t masked_argmax(const float *x, const uint32_t *bits, int64_t n, int isa);
+void mask_row(float *x, const uint32_t *bits, int64_t n_bits, int64_t n, int isa);
+
 /* pool.c: fn(ctx, i) for i in [0, n_items) on up to n_threads threads (the caller's included), each item once;
  * returns when all are done. The caller works too and never waits for a thread that has not started an item. */
 typedef void (*pool_fn)(void *ctx, int64_t item);
@@ -334,9 +338,21 @@ static inline __m256i dot8(const __m256i *v, const __m256i *s, const int8_t *x, 
     return _mm256_add_epi32(p0, p1);
 }
 
+/* Σ over a block's four 64-value vectors of scale·value·quant (maddubs, then madd by the 16-bit scales s[j]) with
+ * the quants x 64j …: exact int32 lanes (the AVX512 K-quant products) */
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *x) {
+    const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x)), s[0]);
+    const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], _mm512_loadu_si512(x + 64)), s[1]);
+    const __m512i p2 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]);
+    const __m512i p3 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]);
+    return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
+}
+
 /* kquant_more.c: a Q5_K / Q3_K / Q2_K / IQ4_XS weight row's nb blocks times the tile's activation rows into their
- * 8-lane float sums (AVX2) */
+ * 8-lane (AVX2) or 16-lane (AVX512) float sums */
 void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc);
+void rows_k_more_avx512(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc);
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),

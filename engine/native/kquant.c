@@ -92,16 +92,6 @@ static inline void q6_k_values(const uint8_t *blk, __m512i *v) {
     }
 }
 
-/* Σ over a row's four 64-value vectors of scale·value·quant, int32 lanes */
-__attribute__((target(AVX512_TARGET)))
-static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *x) {
-    const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x)), s[0]);
-    const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[1], _mm512_loadu_si512(x + 64)), s[1]);
-    const __m512i p2 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]);
-    const __m512i p3 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]);
-    return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
-}
-
 /* Per block: the exact Σ scale·value·quant of each activation row (row_sum), then the float step as ggml computes
  * it: p · d·d_x, less the mins' term Σ min·bsum (integers, each min twice: one per sum of 16) · dmin·d_x. Q4_K takes
  * the quants in its nibble order (q8_k_to_q4_k_order). */
@@ -222,7 +212,8 @@ static void rows_times_avx512(int qtype, const uint8_t *w, int64_t row_bytes, in
                 const char *ahead = (const char *)w + r * row_bytes + PREFETCH_BYTES;
                 for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 if (qtype == T_Q4_K) rows_q4_k(w + r * row_bytes, nb, rows, tn, acc);
-                else rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
+                else if (qtype == T_Q6_K) rows_q6_k(w + r * row_bytes, nb, rows, tn, acc);
+                else rows_k_more_avx512(qtype, w + r * row_bytes, nb, rows, tn, acc);
             }
             const __mmask16 keep = (__mmask16)((1u << rn) - 1);
             for (int64_t i = 0; i < tn; i++)
@@ -408,7 +399,7 @@ int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows,
 /* Weight rows [r0, r1) of one matrix (rows of row_bytes) times activation rows xrow[0..m) (0..m when
  * xrow is NULL) into out[i * ldo + r]. The float accumulation for (r, xrow[i]) does not depend on m or i.
  * The one dispatch by weight type: Q8_0 (q8_0.c), the other 32-value types (legacy.c), F16/BF16 (half.c), packed
- * weights (packed_x16.c), the K-quants here (Q4_K and Q6_K with AVX512 forms; the others run their AVX2 form there).
+ * weights (packed_x16.c), the K-quants here (Q4_K and Q6_K; Q5_K, Q3_K, Q2_K and IQ4_XS in kquant_more.c).
  * An unknown type leaves out untouched: native.PRODUCT_TYPES lists what binds. */
 static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                        const int8_t *xperm, const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa,
@@ -439,7 +430,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
     const KType *kt = k_type(qtype);
     if (!kt) return;
 #if defined(__x86_64__)
-    if ((qtype == T_Q4_K || qtype == T_Q6_K) && isa_runs(isa, ISA_AVX512)) {
+    if (isa_runs(isa, ISA_AVX512)) {
         rows_times_avx512(qtype, w, row_bytes, r0, r1, a, xperm, xrow, m, out, ldo);
         return;
     }

@@ -4,14 +4,15 @@
  * term Σ min·bsum · dmin·d_x, as Q4_K).
  *
  * Each type has a portable unpacking into kquant.c's Block (unsigned values; a signed type stores v + offset and
- * takes offset · Σ scale·bsum off the integer sum: Q3_K's q + 4, IQ4_XS's table value + 128) and an AVX2 form that
+ * takes offset · Σ scale·bsum off the integer sum: Q3_K's q + 4, IQ4_XS's table value + 128), an AVX2 form that
  * decodes a block into eight 32-value vectors and their 16-bit scales once, then multiplies every activation row of
- * the tile by it. maddubs takes unsigned values × signed quants into pairs of at most 2·31·127 (IQ4_XS: |value| ×
+ * the tile by it, and an AVX512 form that does the same with four 64-value vectors in the values' natural order (a
+ * vector joins two 32-byte halves, so the activations need no reordering, unlike Q4_K's AVX512 form). maddubs takes unsigned values × signed quants into pairs of at most 2·31·127 (IQ4_XS: |value| ×
  * quant·sign(value), at most 2·127·127), so nothing saturates; madd by the scales gives exact int32 lanes.
  *
- * Bits: the integer sums are exact in both forms; the float steps per block are the same as Q4_K's (AVX2: fused
- * multiply-adds into 8 lanes summed across at the end of the weight row; portable: one float per output), so each
- * form is batch-invariant and the two differ by float rounding only.
+ * Bits: the integer sums are exact in every form; the float steps per block are the same as Q4_K's (AVX2: fused
+ * multiply-adds into 8 lanes, AVX512 into 16, summed across at the end of the weight row; portable: one float per
+ * output), so each form is batch-invariant and they differ by float rounding only.
  */
 #include "kernels.h"
 
@@ -110,6 +111,19 @@ void unpack_iq4_xs(const uint8_t *b, Block *o) {
 /* ---- AVX2 --------------------------------------------------------------------------------------- */
 #if defined(__x86_64__)
 
+/* q3_k_scales in registers, as 16-bit lanes: low nibbles of bytes 0-7 (scales 0-7) then their high nibbles (8-15),
+ * with bits 2·(j/4), 2·(j/4) + 1 of byte 8 + j%4 as bits 4-5, less 32 */
+__attribute__((target("avx2"), always_inline))
+static inline __m256i q3_k_scales16(const uint8_t *blk) {
+    uint32_t u[3];
+    memcpy(u, blk + 96, 12);
+    const __m128i x = _mm_setr_epi32((int)u[0], (int)u[1], 0, 0);
+    const __m128i lo = _mm_and_si128(_mm_unpacklo_epi64(x, _mm_srli_epi16(x, 4)), _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)u[2]), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+}
+
 /* The 16-bit scales for blocks of 16 sub-blocks of 16 values: vector 4n + t (values 128n + 32t …) holds sub-blocks
  * 8n + 2t (low 128 bits) and 8n + 2t + 1 (high); sc16 holds the 16 scales. */
 __attribute__((target(AVX2_TARGET), always_inline))
@@ -148,15 +162,7 @@ static inline void decode_block(const int qtype, const uint8_t *blk, KDec *o) {
         for (int j = 0; j < 8; j++) o->s[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
     } else if (qtype == T_Q3_K) {  /* hmask[32], qs[64], 12 scale bytes, d: values stored q + 4 */
         o->d = fp16_f16c(blk + 108);
-        /* q3_k_scales in registers: low nibbles of bytes 0-7 (scales 0-7) then their high nibbles (8-15), with bits
-         * 2·(j/4), 2·(j/4) + 1 of byte 8 + j%4 as bits 4-5 */
-        uint32_t u[3];
-        memcpy(u, blk + 96, 12);
-        const __m128i x = _mm_setr_epi32((int)u[0], (int)u[1], 0, 0);
-        const __m128i lo = _mm_and_si128(_mm_unpacklo_epi64(x, _mm_srli_epi16(x, 4)), _mm_set1_epi8(0x0F));
-        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)u[2]), _mm_setr_epi32(0, 2, 4, 6)),
-                                         _mm_set1_epi8(3));
-        o->w16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+        o->w16 = q3_k_scales16(blk);
         __m256i h = _mm256_loadu_si256((const __m256i *)blk);
         for (int n = 0; n < 2; n++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * n));
@@ -226,35 +232,150 @@ static inline __m256 block_times_row(const int qtype, const KDec *k, const Row *
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * k->d), acc);
 }
 
-/* A weight row's blocks, each decoded once, times the tile's rows; a decode step's one row keeps its sum in a
- * register (the same operations, so the same bits as in a tile) */
-__attribute__((target(AVX2_TARGET), always_inline))
-static inline void rows_type(const int qtype, const int bytes, const uint8_t *row, int64_t nb, const Row *rows,
-                             int64_t tn, __m256 *acc) {
-    KDec k;
-    if (tn == 1) {
-        __m256 a0 = acc[0];
-        for (int64_t b = 0; b < nb; b++) {
-            decode_block(qtype, row + b * bytes, &k);
-            a0 = block_times_row(qtype, &k, rows, b, a0);
+/* ---- AVX512 ------------------------------------------------------------------------------------- */
+
+/* Two 32-byte halves as one 64-byte vector */
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+/* The bits n of each byte of x, as bytes (n < 8: a 16-bit shift moves no bit into a byte's bit 0 from its neighbour) */
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline __m256i bits_at(__m256i x, int n) { return _mm256_srl_epi16(x, _mm_cvtsi32_si128(n)); }
+
+/* A block decoded for the AVX512 products: vector j holds values 64j … 64j + 63 (IQ4_XS: |value|, the negative ones
+ * in neg), s[j] the 16-bit scale of each pair of them, w16 the weights of the 16 activation sums as in KDec */
+typedef struct {
+    __m512i v[4], s[4];
+    __mmask64 neg[4];
+    __m256i w16;
+    float d, dmin;
+} KDec512;
+
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline void decode_block512(const int qtype, const uint8_t *blk, KDec512 *o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    /* 16-bit lane i of 32 (values 2i, 2i + 1 of a vector) takes scale i / 8 of the four sub-blocks of 16 it spans */
+    const __m512i per16 = _mm512_setr_epi32(0, 0, 0, 0, 0x00010001, 0x00010001, 0x00010001, 0x00010001,
+                                            0x00020002, 0x00020002, 0x00020002, 0x00020002,
+                                            0x00030003, 0x00030003, 0x00030003, 0x00030003);
+    if (qtype == T_Q5_K) {  /* vector c: the low then the high nibbles of qs[32c …], fifth bits 2c, 2c + 1 of qh */
+        o->d = fp16_f16c(blk), o->dmin = fp16_f16c(blk + 2);
+        const __m128i sm = q4_k_scales(blk);
+        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
+        o->w16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * c));
+            const __m512i nib = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), m4);
+            const __m512i hb = _mm512_and_si512(join(bits_at(h, 2 * c), bits_at(h, 2 * c + 1)), one);
+            o->v[c] = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
+            o->s[c] = _mm512_permutexvar_epi16(join(_mm256_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1))), sc);
         }
-        acc[0] = a0;
-        return;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        decode_block(qtype, row + b * bytes, &k);
-        for (int64_t i = 0; i < tn; i++) acc[i] = block_times_row(qtype, &k, rows + i, b, acc[i]);
+    } else if (qtype == T_Q3_K || qtype == T_Q2_K) {  /* vector 2n + t: bits 4t, 4t + 2 of qs[32n …] (values 128n + 64t …) */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)blk);
+        __m256i sc16;
+        if (qtype == T_Q3_K) {  /* third bits 4n + 2t (+ 1) of hmask; values q + 4 */
+            o->d = fp16_f16c(blk + 108);
+            o->w16 = sc16 = q3_k_scales16(blk);
+        } else {  /* scales[16] (scale | min << 4), qs[64], d, dmin */
+            o->d = fp16_f16c(blk + 80), o->dmin = fp16_f16c(blk + 82);
+            const __m128i sm = _mm_loadu_si128((const __m128i *)blk), lo4 = _mm_set1_epi8(0x0F);
+            o->w16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), lo4));
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(sm, lo4));
+        }
+        const int qs = qtype == T_Q3_K ? 32 : 16;
+        for (int n = 0; n < 2; n++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + qs + 32 * n));
+            for (int t = 0; t < 2; t++) {
+                const int j = 4 * n + 2 * t;
+                __m512i v = _mm512_and_si512(join(bits_at(q, 4 * t), bits_at(q, 4 * t + 2)), m3);
+                if (qtype == T_Q3_K)
+                    v = _mm512_or_si512(v, _mm512_slli_epi16(
+                        _mm512_and_si512(join(bits_at(h, 4 * n + 2 * t), bits_at(h, 4 * n + 2 * t + 1)), one), 2));
+                o->v[j / 2] = v;
+                o->s[j / 2] = _mm512_permutexvar_epi16(_mm512_add_epi16(per16, _mm512_set1_epi16((short)(2 * j))),
+                                                       _mm512_castsi256_si512(sc16));
+            }
+        }
+    } else {  /* IQ4_XS: vector c: sub-blocks 2c, 2c + 1 (each the low then the high nibbles of its 16 bytes) */
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
+        o->d = fp16_f16c(blk);
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
+            const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+            const __m512i sg = _mm512_shuffle_epi8(table, join(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                                               _mm256_permute2x128_si256(lo, hi, 0x31)));
+            o->v[c] = _mm512_abs_epi8(sg);
+            o->neg[c] = _mm512_movepi8_mask(sg);
+            o->s[c] = join(_mm256_set1_epi16((short)iq4_xs_scale(blk, 2 * c)),
+                           _mm256_set1_epi16((short)iq4_xs_scale(blk, 2 * c + 1)));
+        }
     }
 }
 
-/* Q5_K, Q3_K, Q2_K or IQ4_XS: one copy of the loop per type, its decoding inlined */
-__attribute__((target(AVX2_TARGET)))
-void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc) {
-    switch (qtype) {
-    case T_Q5_K: rows_type(T_Q5_K, 176, row, nb, rows, tn, acc); break;
-    case T_Q3_K: rows_type(T_Q3_K, 110, row, nb, rows, tn, acc); break;
-    case T_Q2_K: rows_type(T_Q2_K, 84, row, nb, rows, tn, acc); break;
-    default: rows_type(T_IQ4_XS, 136, row, nb, rows, tn, acc); break;
+/* One activation row times a decoded block into its 16 float lanes: block_times_row's steps */
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline __m512 block_times_row512(const int qtype, const KDec512 *k, const Row *r, int64_t b, __m512 acc) {
+    const int8_t *x = r->q + b * QK_K;
+    const float dx = r->d[b];
+    __m512i p;
+    if (qtype == T_IQ4_XS) {  /* |value| × quant·sign(value) */
+        __m512i xs[4];
+        for (int j = 0; j < 4; j++) {
+            const __m512i q = _mm512_loadu_si512(x + 64 * j);
+            xs[j] = _mm512_mask_sub_epi8(q, k->neg[j], _mm512_setzero_si512(), q);
+        }
+        const __m512i p0 = _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(k->v[0], xs[0]), k->s[0]),
+                                            _mm512_madd_epi16(_mm512_maddubs_epi16(k->v[1], xs[1]), k->s[1]));
+        const __m512i p1 = _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(k->v[2], xs[2]), k->s[2]),
+                                            _mm512_madd_epi16(_mm512_maddubs_epi16(k->v[3], xs[3]), k->s[3]));
+        p = _mm512_add_epi32(p0, p1);
+    } else {
+        p = row_sum(k->v, k->s, x);
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(r->bs + b * 16));
+        if (qtype == T_Q3_K)  /* the values are q + 4 */
+            p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(bs, k->w16), 2)));
+        if (qtype == T_Q5_K || qtype == T_Q2_K) {
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, k->w16));
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * k->d), acc);
+            return _mm512_fmadd_ps(_mm512_zextps256_ps512(c), _mm512_set1_ps(-dx * k->dmin), f);
+        }
     }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * k->d), acc);
 }
+
+/* A weight row's blocks, each decoded once, times the tile's rows; a decode step's one row keeps its sum in a
+ * register (the same operations, so the same bits as in a tile). NAME(qtype, …): Q5_K, Q3_K, Q2_K or IQ4_XS, one
+ * copy of the loop per type, its decoding inlined; one driver per form. */
+#define K_MORE_ROWS(NAME, TARGET, DEC, DECODE, TIMES, VEC)                                                         \
+    __attribute__((target(TARGET), always_inline))                                                                \
+    static inline void NAME##_type(const int qtype, const int bytes, const uint8_t *row, int64_t nb,              \
+                                   const Row *rows, int64_t tn, VEC *acc) {                                        \
+        DEC k;                                                                                                     \
+        if (tn == 1) {                                                                                             \
+            VEC a0 = acc[0];                                                                                       \
+            for (int64_t b = 0; b < nb; b++) {                                                                     \
+                DECODE(qtype, row + b * bytes, &k);                                                                \
+                a0 = TIMES(qtype, &k, rows, b, a0);                                                                \
+            }                                                                                                      \
+            acc[0] = a0;                                                                                           \
+            return;                                                                                                \
+        }                                                                                                          \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            DECODE(qtype, row + b * bytes, &k);                                                                    \
+            for (int64_t i = 0; i < tn; i++) acc[i] = TIMES(qtype, &k, rows + i, b, acc[i]);                       \
+        }                                                                                                          \
+    }                                                                                                              \
+    __attribute__((target(TARGET)))                                                                               \
+    void NAME(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, VEC *acc) {                 \
+        switch (qtype) {                                                                                           \
+        case T_Q5_K: NAME##_type(T_Q5_K, 176, row, nb, rows, tn, acc); break;                                      \
+        case T_Q3_K: NAME##_type(T_Q3_K, 110, row, nb, rows, tn, acc); break;                                      \
+        case T_Q2_K: NAME##_type(T_Q2_K, 84, row, nb, rows, tn, acc); break;                                       \
+        default: NAME##_type(T_IQ4_XS, 136, row, nb, rows, tn, acc); break;                                        \
+        }                                                                                                          \
+    }
+K_MORE_ROWS(rows_k_more_avx2, AVX2_TARGET, KDec, decode_block, block_times_row, __m256)
+K_MORE_ROWS(rows_k_more_avx512, AVX512_TARGET, KDec512, decode_block512, block_times_row512, __m512)
 #endif

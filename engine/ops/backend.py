@@ -3,7 +3,9 @@
 Native backends run engine/native's kernels in one instruction-set form each:
   - ``native-avx512vnni``: Q4_K, Q6_K and Q8_0 weights packed 16 rows interleaved for dpbusd (where a matrix is
     made of whole 16-row groups; the others read their stored blocks), AVX512 float kernels;
-  - ``native-avx512``: the stored block order as mapped, AVX512 kernels (Q8_0 with VNNI where the CPU has it);
+  - ``native-avx512``: AVX512 kernels (Q8_0 with VNNI where the CPU has it); Q4_K, Q6_K and Q8_0 packed as for VNNI
+    and multiplied in the AVX2 packed form (on the Qwen3.5-9B shape 19.6 tok/s against 14.4 for its stored-order
+    AVX512 products: bench/results/sweep_9b.json);
   - ``native-avx2``: AVX2 (+FMA, F16C) products, Q4_K, Q6_K and Q8_0 packed as for VNNI (maddubs over each
     vector's two 8-row halves: the VNNI form's bits), the others in the stored block order; the float kernels'
     loops built for AVX2 (what most desktop CPUs run);
@@ -33,7 +35,7 @@ from engine.ops import native
 NATIVE_ISAS = ("avx512vnni", "avx512", "avx2", "portable")
 # the level each asks the native library for (kernels.h ISA_*): a kernel runs its best form at or below it
 ISA_LEVEL = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
-PACKED_ISAS = ("avx512vnni", "avx2")  # the forms with packed products (engine/native/packed_x16.c)
+PACKED_ISAS = ("avx512vnni", "avx512", "avx2")  # the forms with packed products (engine/native/packed_x16.c)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Backend:
     @property
     def packs(self) -> bool:
         """Q4_K, Q6_K and Q8_0 weights interleaved 16 rows at a time for the packed products (VNNI and AVX2 forms;
-        AVX512 without VNNI runs its stored-order products)."""
+        AVX512 without VNNI runs the AVX2 one)."""
         return self.isa in PACKED_ISAS and self.copies
 
     def on(self, device: torch.device | str) -> Backend:
