@@ -2,9 +2,9 @@
 
 The weights are a read-only mapping of the file: the kernel can drop their pages and read them again, so a model
 larger than RAM still opens and decodes from the page cache (as llama.cpp's mmap does). Derived forms of a weight
-(the packed products' copies, VNNI and AVX2, and the stacked small projections of `ops.linear_many`) are anonymous
-memory, which cannot be dropped: they are made only when the weights and the sequence state fit in what is available
-with room to spare. Otherwise the weights stay mapped and the engine says so.
+(the packed products' copies, VNNI and AVX2, the stacked small projections of `ops.linear_many`, the draft head's
+sketch) are anonymous memory, which cannot be dropped: they are made only when the weights, the sequence state and
+the copies that come on top of the weights (the sketch) fit in what is available with room to spare. Otherwise the weights stay mapped and the engine says so.
 """
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ def available_bytes() -> int:
 
 
 def plan_memory(name: str, weight_bytes: int, state_bytes: int, available: int, active_bytes: int,
-                packs: bool) -> MemoryPlan:
+                packs: bool, extra_bytes: int = 0) -> MemoryPlan:
     """The plan for a model whose weights (on the CPU) take `weight_bytes` of its file, with `state_bytes` of KV and
     recurrent state, given `available` bytes; `active_bytes`: the weight bytes one token reads; `packs`: whether
-    the backend would otherwise pack weights (what the user gives up is then named)."""
+    the backend would otherwise pack weights (what the user gives up is then named); `extra_bytes`: copies made on top
+    of the weights where copies are allowed (ops.sketch_bytes)."""
     need = weight_bytes + state_bytes
-    if need <= available * (1 - HEADROOM):
+    if need + extra_bytes <= available * (1 - HEADROOM):
         return MemoryPlan(True, None)
     gib = f"{weight_bytes / GIB:.1f} GiB of weights and {state_bytes / GIB:.1f} GiB of state"
     if need <= available:

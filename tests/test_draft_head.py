@@ -85,6 +85,9 @@ def test_greedy_output_with_drafts_from_a_sketch_is_plain_greedy_output(tmp_path
     eng = load(path, EngineConfig(n_ctx=160, n_threads=2))
     head = eng.runner.mtp.head.head
     assert ops.draft_read_bytes(head) < head.nbytes / 2, "the drafts here do not read a sketch"
+    sketch = draft_head.sketch_of(head)  # what engine.memory counted for it
+    assert sketch is not None and sketch.codes.nbytes + sketch.scales.nbytes == \
+        ops.sketch_bytes(head.n_rows, head.weight.n_cols, head.nbytes)
     eng.tokenizer.eog_ids = frozenset()
     kw = dict(max_tokens=48, sampling=SamplingConfig(temperature=0.0, top_k=1))
     for prompt in random_prompts(2):

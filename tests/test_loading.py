@@ -57,6 +57,19 @@ def test_memory_plan_regimes() -> None:
     assert "packed" not in plan_memory("m.gguf", 14 * GIB, GIB, 16 * GIB, GIB, False).notice  # type: ignore[operator]
     over = plan_memory("m.gguf", 20 * GIB, GIB, 16 * GIB, 2 * GIB, False)
     assert not over.copies and "page cache" in over.notice and "2.0 GiB" in over.notice  # type: ignore[operator]
+    # the draft head's sketch comes on top of the weights: counted where copies are decided
+    assert plan_memory("m.gguf", 12 * GIB, GIB, 16 * GIB, GIB, True).copies
+    with_sketch = plan_memory("m.gguf", 12 * GIB, GIB, 16 * GIB, GIB, True, extra_bytes=2 * GIB)
+    assert not with_sketch.copies and "stay mapped" in with_sketch.notice  # type: ignore[operator]
+
+
+def test_sketch_bytes_are_those_the_sketch_takes() -> None:
+    """A 248k × 4096 head (Qwen3.5's vocabulary) gets a sketch of ~0.3 GB; a small or odd-width head none."""
+    from engine import ops
+
+    assert ops.sketch_bytes(248320, 4096, 835 << 20) == 248320 * (1024 + 32 * 4)
+    assert ops.sketch_bytes(8192, 256, 2 << 20) == 0
+    assert ops.sketch_bytes(248320, 4100, 835 << 20) == 0
 
 
 def _stacked(eng) -> int:  # type: ignore[no-untyped-def]

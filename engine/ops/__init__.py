@@ -8,7 +8,7 @@ from engine.ops.activations import QuantRows, quantize, round_for
 from engine.ops.attention import Positions, attention, kv_write, rope_rows
 from engine.ops.backend import (TORCH, TRITON, Backend, Int8Layouts, OpEvent, available_backends, backend_named,
                                 default_backend)
-from engine.ops.draft_head import draft_logits, draft_read_bytes, prepare_draft_logits
+from engine.ops.draft_head import draft_logits, draft_read_bytes, prepare_draft_logits, sketch_bytes
 from engine.ops.delta_rule import delta_rule, delta_rule_chunked, gdn_inputs, pointwise, tiled
 from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
 from engine.ops.experts import Experts, MoEOut, Shared, bind_experts, moe_experts, moe_ffn, moe_route
@@ -22,7 +22,7 @@ __all__ = [
     "link_layers",
     "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "bind_experts", "default_backend", "delta_rule", "delta_rule_chunked",
-    "draft_logits", "draft_read_bytes", "prepare_draft_logits",
+    "draft_logits", "draft_read_bytes", "prepare_draft_logits", "sketch_bytes",
     "embedding", "gdn_inputs", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
     "rms_norm", "rope", "rope_rows", "round_for", "sigmoid_gate", "silu", "silu_mul", "swiglu", "tiled",
 ]

@@ -43,13 +43,21 @@ class HeadSketch:
     scales: torch.Tensor  # float32 [rows, k/SKETCH_BLOCK]
 
 
+def sketch_bytes(n_rows: int, n_cols: int, head_bytes: int) -> int:
+    """The memory the sketch of a head of n_rows × n_cols (head_bytes stored) takes; 0 for a head that runs whole
+    (small, or rows the sketch's blocks do not divide). engine.memory counts it with the weights."""
+    if head_bytes < SKETCH_MIN_BYTES or n_cols % native.SKETCH_BLOCK:
+        return 0
+    return n_rows * (n_cols // 4 + n_cols // native.SKETCH_BLOCK * 4)
+
+
 def sketch_of(head: Linear) -> HeadSketch | None:
     """The head's sketch (made on first use and kept with it), or None where drafts use the head's own product."""
     if "sketch" in head.forms or not isinstance(head, NativeLinear):
         return head.forms.get("sketch")  # type: ignore[return-value]
     w = head.weight
-    if (not head.backend.copies or head.nbytes < SKETCH_MIN_BYTES or len(w.shape) != 2
-            or w.n_cols % native.SKETCH_BLOCK or w.device.type != "cpu"):
+    if not head.backend.copies or len(w.shape) != 2 or w.device.type != "cpu" \
+            or not sketch_bytes(w.n_rows, w.n_cols, head.nbytes):
         return None
     head.kernel_bytes()  # packed now if it ever is: then the stored rows' pages are dropped again once read here
     n, k = w.n_rows, w.n_cols
