@@ -11,7 +11,8 @@ setup(ext_modules=[Extension(
              "engine/native/packed_x16.c", "engine/native/q8_0.c", "engine/native/gdn.c", "engine/native/group.c",
              "engine/native/attention.c", "engine/native/moe.c", "engine/native/pool.c",
              "engine/native/norm.c", "engine/native/layer.c", "engine/native/kquant_more.c", "engine/native/legacy.c",
-             "engine/native/half.c", "engine/native/iq_grid.c", "engine/native/trace.c", "engine/native/sketch.c", "engine/native/border.c"],
+             "engine/native/half.c", "engine/native/iq_grid.c", "engine/native/trace.c", "engine/native/sketch.c",
+             "engine/native/token_mask.c", "engine/native/border.c"],
     depends=["engine/native/kernels.h", "engine/native/layer.h", "engine/native/iq_tables.h"],
     # No FP contraction: the GDN kernel fuses one token's update with the next token's decay and relies on
     # every element seeing the same multiplies and adds, fused or not (FMA would round differently).

@@ -1,13 +1,15 @@
 """What constrained decoding (response_format json_schema, engine/constrain.py) costs in decode speed: the same
 prompts decoded free and under a nested schema, plain and with MTP, greedy and sampled, in alternating rounds.
 
-    python bench/constrain.py [--rounds 3] [--out bench/results/constrain.json]
+    python bench/constrain.py [--rounds 3] [--model PATH] [--cases plain/greedy,...] [--out bench/results/constrain.json]
 
-The embedded model on the CPU, 3 chat prompts through the chat template. Each constrained reply runs until its JSON is
+The embedded model (or --model) on the CPU, 3 chat prompts through the chat template. Each constrained reply runs until its JSON is
 complete; the free reply of the same case then decodes exactly as many tokens (EOS ignored), so both time the same
 length. Decode tok/s is decode tokens over decode seconds from the final Stats (TTFT excluded), summed over the
-prompts and rounds; with MTP the drafted and accepted drafts too. Beside it, the per-step pieces of the mask at a mid-reply state: llguidance's bitmask as a bool
-row (`allowed`), one token checked (`allows`, what greedy asks first) and a logit row masked.
+prompts and rounds; with MTP the drafted and accepted drafts too. Beside it, the per-step pieces of the mask:
+llguidance's bitmask (`bits`) at a mid-reply state (inside a string) and averaged over every token of the first prompt's
+constrained greedy reply, one token checked (`allows`, what greedy asks first), the greedy choice among the allowed
+ids (`masked_argmax`) and a logit row masked (`mask_logits`, what sampling and MTP's confidence read).
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from bench.timing import mean_seconds  # noqa: E402
 from engine.constrain import Constraint, Matcher  # noqa: E402
 from engine.events import GenerationConfig  # noqa: E402
 from engine.generate import load  # noqa: E402
-from engine.sampling import SamplingConfig, masked  # noqa: E402
+from engine import ops  # noqa: E402
+from engine.sampling import SamplingConfig  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -79,36 +82,56 @@ def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None) -> dict:  
 
 
 def mask_costs(eng) -> dict:  # type: ignore[no-untyped-def]
-    """Microseconds per call of the mask's pieces, the matcher inside the first person's object."""
-    m = Matcher(Constraint.json_schema(SCHEMA), eng.tokenizer)
+    """Microseconds per call of the mask's pieces, the matcher inside the first person's object; and the bitmask's
+    mean over a whole constrained reply (its cost moves with the grammar's state: a forced key, a number, a string)."""
+    schema = Constraint.json_schema(SCHEMA)
+    m = Matcher(schema, eng.tokenizer)
     for t in eng.tokenizer.encode('{"people": [{"name": "Adam", "age": 93, "colours": ["red"], "home": {"city": "',
                                   add_bos=False):
         m.consume(t)
-    row, allowed = torch.randn(eng.hp.n_vocab), m.allowed()
+    row, bits = torch.randn(eng.hp.n_vocab), m.bits()
     reps = 2000
-    return {"vocab": eng.hp.n_vocab, "allowed_us": round(mean_seconds(m.allowed, reps) * 1e6, 1),
+    eng.reset()
+    gen = GenerationConfig(max_tokens=512, stats_interval_s=3600.0, constraint=schema)
+    toks = [t for ev in eng.generate([{"role": "user", "content": PROMPTS[0]}], gen) for t in getattr(ev, "ids", ())]
+    walk, spent = Matcher(schema, eng.tokenizer), 0.0
+    for t in toks:
+        t0 = time.perf_counter()
+        walk.bits()
+        spent += time.perf_counter() - t0
+        walk.consume(t)
+    return {"vocab": eng.hp.n_vocab, "bits_us": round(mean_seconds(m.bits, reps) * 1e6, 1),
+            "bits_over_reply_us": round(spent / max(len(toks), 1) * 1e6, 1), "reply_tokens": len(toks),
             "allows_us": round(mean_seconds(lambda: m.allows(100), reps) * 1e6, 1),
-            "masked_row_us": round(mean_seconds(lambda: masked(row, allowed), reps) * 1e6, 1)}
+            "masked_argmax_us": round(mean_seconds(lambda: ops.masked_argmax(row, bits), reps) * 1e6, 1),
+            "mask_logits_us": round(mean_seconds(lambda: ops.mask_logits(row, bits), reps) * 1e6, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
+    ap.add_argument("--cases", default=",".join(f"{m}/{s}" for s in SAMPLINGS for m in MODES),
+                    help="which of mode/sampling to run (default: every one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "constrain.json"))
     args = ap.parse_args()
-    eng = load(None)
+    cases = set(args.cases.split(","))
+    eng = load(args.model)
     reply(eng, PROMPTS[0], GenerationConfig(max_tokens=16, stats_interval_s=3600.0))  # warm-up
     result: dict = {"command": "python bench/constrain.py " + " ".join(sys.argv[1:]),
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
                     "machine": machine_info(torch.get_num_threads()), "torch": torch.__version__,
+                    "model": Path(args.model).name if args.model else "embedded",
                     "schema": SCHEMA, "prompts": PROMPTS, "rounds": [], "summary": {}}
     t0 = time.perf_counter()
     totals: dict[str, dict[str, list[float]]] = {}
     for rnd in range(args.rounds):
         for s_name, sampling in SAMPLINGS.items():
             for m_name, (mtp, draft) in MODES.items():
-                r = case(eng, sampling, mtp, draft)
                 key = f"{m_name}/{s_name}"
+                if key not in cases:
+                    continue
+                r = case(eng, sampling, mtp, draft)
                 result["rounds"].append({"round": rnd, "case": key, **r})
                 for name, v in r.items():
                     acc = totals.setdefault(key, {}).setdefault(name, [0, 0.0])

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import llguidance
-import numpy as np
 import torch
 
 from engine.errors import EngineError, InvalidParameterError
@@ -94,15 +93,15 @@ class Matcher:
             raise InvalidParameterError(f"the JSON schema cannot be enforced: {self._m.get_error()[:300]}")
         self._eog = tokenizer.eog_ids
         self._ahead, self._ended = 0, False
-        self._bits = np.zeros((self.n_vocab + 31) // 32 * 4, dtype=np.uint8)  # llguidance's mask: a bit per id
+        self._bits = torch.zeros((self.n_vocab + 31) // 32, dtype=torch.int32)  # llguidance's mask: a bit per id
 
     def allows(self, token: int) -> bool:
         return self._m.validate_tokens([token]) == 1
 
-    def allowed(self) -> torch.Tensor:
-        """A bool per vocabulary id: may it come next."""
-        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return torch.from_numpy(np.unpackbits(self._bits, count=self.n_vocab, bitorder="little").view(np.bool_))
+    def bits(self) -> torch.Tensor:
+        """What may come next: a bit per vocabulary id, 32 ids an int32 word (engine.ops.token_mask reads it)."""
+        self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        return self._bits
 
     def consume(self, token: int) -> None:
         """An emitted token."""

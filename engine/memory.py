@@ -4,7 +4,8 @@ The weights are a read-only mapping of the file: the kernel can drop their pages
 larger than RAM still opens and decodes from the page cache (as llama.cpp's mmap does). Derived forms of a weight
 (the packed products' copies, VNNI and AVX2, the stacked small projections of `ops.linear_many`, the draft head's
 sketch) are anonymous memory, which cannot be dropped: they are made only when the weights, the sequence state and
-the copies that come on top of the weights (the sketch) fit in what is available with room to spare. Otherwise the weights stay mapped and the engine says so.
+the copies that come on top of the weights (the sketch) fit in what is available with room to spare. Otherwise the
+weights stay mapped and the engine says so.
 """
 from __future__ import annotations
 

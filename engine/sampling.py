@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import numpy as np
 import torch
 
-from engine.errors import NonFiniteLogitsError
+from engine import ops
+from engine.errors import EngineError, NonFiniteLogitsError
 
 NON_FINITE = "the model's logits are not finite (NaN or infinite)"
 
@@ -44,17 +44,7 @@ class Mask(Protocol):
 
     def allows(self, token: int) -> bool: ...
 
-    def allowed(self) -> torch.Tensor: ...  # a bool per vocabulary id
-
-
-def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The row with every token `allowed` does not allow at -inf (ids past the mask's vocabulary too)."""
-    keep = allowed.to(logits.device)
-    if keep.numel() < logits.numel():
-        keep = torch.nn.functional.pad(keep, (0, logits.numel() - keep.numel()))
-    if logits.is_cpu and logits.dtype == torch.float32 and not logits.requires_grad:  # numpy: far less dispatch
-        return torch.from_numpy(np.where(keep.numpy(), logits.numpy(), np.float32("-inf")))
-    return torch.where(keep, logits, float("-inf"))
+    def bits(self) -> torch.Tensor: ...  # a bit per vocabulary id, 32 an int32 word (engine.ops.token_mask)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: Sequence[int], cfg: SamplingConfig) -> torch.Tensor:
@@ -98,7 +88,7 @@ class Sampler:
 
     def penalized(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
         x = apply_repetition_penalty(logits, history, self.cfg)
-        return x if mask is None else masked(x, mask.allowed())
+        return x if mask is None else ops.mask_logits(x, mask.bits())
 
     def distribution(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
         return probs(self.penalized(logits, history, mask), self.cfg)
@@ -116,7 +106,12 @@ class Sampler:
         t = self.argmax(x)
         if mask is None or mask.allows(t):
             return t
-        return self.argmax(masked(x, mask.allowed()))
+        i = ops.masked_argmax(x, mask.bits())
+        if i < 0:
+            raise EngineError("the constraint allows no token")
+        if not math.isfinite(float(x[i])):
+            raise NonFiniteLogitsError(NON_FINITE)
+        return i
 
     @staticmethod
     def argmax(x: torch.Tensor) -> int:

@@ -16,6 +16,7 @@ from engine.ops.layer import (AttentionSpec, DenseSpec, FusedLayer, FusedStep, G
                               fuse_step, link_layers)
 from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many, swiglu
 from engine.ops.norms import l2_norm, rms_norm, rope
+from engine.ops.token_mask import mask_logits, masked_argmax
 
 __all__ = [
     "AttentionSpec", "DenseSpec", "FusedLayer", "FusedStep", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "fuse_step",
@@ -23,6 +24,6 @@ __all__ = [
     "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "bind_experts", "default_backend", "delta_rule", "delta_rule_chunked",
     "draft_logits", "draft_read_bytes", "prepare_draft_logits", "sketch_bytes",
-    "embedding", "gdn_inputs", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
+    "embedding", "gdn_inputs", "mask_logits", "masked_argmax", "kv_write", "l2_norm", "linear", "linear_many", "moe_experts", "moe_ffn", "moe_route", "pointwise", "quantize",
     "rms_norm", "rope", "rope_rows", "round_for", "sigmoid_gate", "silu", "silu_mul", "swiglu", "tiled",
 ]

@@ -159,6 +159,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "pool_after_call": ([_I, _I, _I, _I], _I),
     "sketch_make": ([_C, _P, _I, _I, _I, _P, _P, _C], _C),
     "sketch_scores": ([_P, _P, _I, _I, _P, _P, _C, _C], _C),
+    "masked_argmax": ([_P, _P, _I, _C], _I),
+    "mask_row": ([_P, _P, _I, _I, _C], None),
     "border_table": ([_P], _I),
 }
 
@@ -487,6 +489,18 @@ def sketch_make(w: torch.Tensor, qtype: int, n_cols: int, codes: torch.Tensor, s
     rc = LIB.sketch_make(qtype, w.data_ptr(), w[0].numel() * w.element_size(), n, n_cols,  # type: ignore[union-attr]
                          codes.data_ptr(), scales.data_ptr(), threads)
     _check(rc, f"the sketch of a type {qtype} matrix of {n} rows")
+
+
+def masked_argmax(x: torch.Tensor, bits: torch.Tensor, isa: int) -> int:
+    """The first maximum of the float32 row x (contiguous, CPU) over the ids the mask `bits` (int32 words, contiguous,
+    a bit per id) allows, the first NaN among them if any; -1 where it allows none."""
+    n = min(x.numel(), bits.numel() * 32)
+    return int(LIB.masked_argmax(x.data_ptr(), bits.data_ptr(), n, isa))  # type: ignore[union-attr]
+
+
+def mask_row(x: torch.Tensor, bits: torch.Tensor, isa: int) -> None:
+    """-inf in place at every id of the float32 row x (contiguous, CPU) the mask `bits` does not allow."""
+    LIB.mask_row(x.data_ptr(), bits.data_ptr(), bits.numel() * 32, x.numel(), isa)  # type: ignore[union-attr]
 
 
 def sketch_scores(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, threads: int, isa: int) -> torch.Tensor:

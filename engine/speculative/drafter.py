@@ -10,7 +10,8 @@ import torch
 from engine.cache import Cache
 from engine.models.runner import HeadRunner
 from engine.constrain import Matcher
-from engine.sampling import Sampler, masked
+from engine import ops
+from engine.sampling import Sampler
 from engine.events import MAX_DRAFT
 
 CATCH_UP_CHUNK = 256
@@ -96,7 +97,7 @@ class MTPDrafter:
                     q = sampler.distribution(logits, hist, matcher)
                     tok = sampler.draw(q)
                 if i > 0 and (p_min > 0 or confidence):  # an unconfident draft is more likely to cost than to pay
-                    row = logits if matcher is None else masked(logits, matcher.allowed())
+                    row = logits if matcher is None else ops.mask_logits(logits, matcher.bits())
                     conf = float(q.max()) if q is not None else float(torch.softmax(row.float(), -1).max())
                     if conf < p_min:
                         break
