@@ -18,6 +18,7 @@ from engine.errors import InvalidParameterError
 from engine.events import EngineConfig, GenerationConfig
 from engine.metrics import cuda_status
 from engine.sampling import SamplingConfig
+from engine.speculative import default_dir
 from engine.validate import MAX_DRAFT, parse_draft
 
 MAX_RECENT = 10
@@ -47,10 +48,12 @@ class AppSettings:
         """The engine config these settings ask for; on the CPU where CUDA is not usable (`cuda_state`: what
         engine.metrics.cuda_status says, asked now when not given)."""
         cuda = self.device == "cuda" and (cuda_state or cuda_status())[0]
+        memory = default_dir()  # auto draft depth starts a model's next session from what it learned
         if not cuda:
-            return EngineConfig(n_ctx=self.context)
+            return EngineConfig(n_ctx=self.context, auto_memory_dir=memory)
         return EngineConfig(n_ctx=self.context, device="cuda", gpu_layers=None if self.gpu_layers < 0 else self.gpu_layers,
-                            cpu_moe=self.cpu_moe, expert_cache=None if self.expert_cache == "auto" else self.expert_cache)
+                            cpu_moe=self.cpu_moe, expert_cache=None if self.expert_cache == "auto" else self.expert_cache,
+                            auto_memory_dir=memory)
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(

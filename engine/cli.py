@@ -193,10 +193,13 @@ def _parse_ids(text: str) -> list[int]:
 
 def _engine_config(args: argparse.Namespace, n_ctx: int):
     from engine.events import EngineConfig
+    from engine.speculative import default_dir
 
+    memory = getattr(args, "auto_memory", None) or default_dir()
     return EngineConfig(
         n_ctx=n_ctx, device=args.device, n_threads=args.threads, gpu_layers=args.gpu_layers, cpu_moe=args.cpu_moe,
-        expert_cache=args.expert_cache, miss_policy=args.miss_policy)
+        expert_cache=args.expert_cache, miss_policy=args.miss_policy,
+        auto_memory_dir=None if memory == "off" else memory)
 
 
 def _check_engine_args(args: argparse.Namespace, n_ctx: int) -> None:
@@ -374,6 +377,9 @@ def _device_args(s: argparse.ArgumentParser) -> None:
                    help="GPU expert cache: experts per layer (64) or a total size (2048MiB); default: what is left")
     s.add_argument("--miss-policy", default="load", choices=["load", "cpu"],
                    help="expert-cache miss: load it to the GPU (default) or compute it on the CPU")
+    s.add_argument("--auto-memory", default=None, metavar="DIR",
+                   help="where auto draft depth keeps what it learned of a model for the next run "
+                        "(default: the user's cache folder; 'off': not kept)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

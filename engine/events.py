@@ -60,6 +60,9 @@ class EngineConfig:
     backend: ops.Backend | None = None  # the kernels (engine.ops); None: the fastest this machine runs
     memory_budget: int | None = None  # bytes of RAM to plan for (engine.memory); None: what the system has free
     step_graphs: str = "auto"  # decode steps replayed from CUDA graphs: "auto" (where capturable), "on", "off"
+    # where auto draft depth keeps what it learned of this model across processes (engine.speculative.remembered);
+    # None: within this process only
+    auto_memory_dir: str | None = None
 
     def placement(self) -> PlacementConfig:
         return PlacementConfig(self.device, self.gpu_layers, self.cpu_moe, self.expert_cache,

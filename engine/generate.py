@@ -32,7 +32,8 @@ from engine.memory import available_bytes, plan_memory
 from engine.placement import ModelSizes, free_device_bytes, plan_placement
 from engine.sampling import Sampler
 from engine.events import Done, EngineConfig, Event, GenerationConfig, Progress, Stats
-from engine.speculative import AutoMemory, DepthController, MTPDrafter, PassCosts, SpecStats, SpeculativeDecoder
+from engine.speculative import (AutoMemory, DepthController, MTPDrafter, PassCosts, SpecStats, SpeculativeDecoder,
+                               load_memory, memory_path, save_memory)
 from engine.decoding import Decoder, PlainDecoder, Reply
 from engine.tokenizer import Tokenizer
 from engine import validate
@@ -85,9 +86,11 @@ class Engine:
         self.plan = config.plan or plan_placement(sizes, config.placement(), free_device_bytes(config.device))
         pc = mf.param_counts
         backend = config.backend or ops.default_backend()
+        head = mf.tensors.get("output.weight") or mf.tensors["token_embd.weight"]
+        sketch = ops.sketch_bytes(*head.shape, head.n_bytes) if mf.hparams.has_mtp else 0  # made for drafts
         self.memory = plan_memory(mf.path.name, mf.file_size, sum(sizes.kv) + sum(sizes.state),
                                   config.memory_budget or available_bytes(),
-                                  mf.file_size * pc.active // max(pc.total, 1), backend.packs)
+                                  mf.file_size * pc.active // max(pc.total, 1), backend.packs, sketch)
         if not self.memory.copies:
             backend = replace(backend, copies=False)
         self.runner = load_model(mf, n_ctx=config.n_ctx, plan=self.plan, backend=backend, on_layer=on_layer,
@@ -111,7 +114,10 @@ class Engine:
         if fallback is not None:
             self.notices.append(fallback)
         self._seq: list[int] = []  # tokens whose effect is in `cache`
-        self._auto_memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
+        # draft-depth costs and acceptance, carried across replies (and processes, where a directory is given)
+        self._auto_memory_file = None if config.auto_memory_dir is None or self.drafter is None else \
+            memory_path(config.auto_memory_dir, mf.path, backend.name, torch.get_num_threads())
+        self.auto_memory = AutoMemory() if self._auto_memory_file is None else load_memory(self._auto_memory_file)
         self._pass_costs = PassCosts.of_model(
             self.hp, {n: t.n_bytes for n, t in mf.tensors.items()},
             ops.draft_read_bytes(self.runner.mtp.head.head) if self.runner.mtp is not None else None)
@@ -259,7 +265,7 @@ class Engine:
         spec = SpecStats()
         reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
         depth = DepthController(gen.draft, spec, p_min=gen.p_min, reproducible=reproducible,
-                                memory=self._auto_memory, costs=self._pass_costs) if use_mtp else None
+                                memory=self.auto_memory, costs=self._pass_costs) if use_mtp else None
         logits, n_prefilled = yield from self._prefill(ids, stop)
         if logits is None:
             yield Done("stopped")
@@ -306,6 +312,8 @@ class Engine:
         yield from run.tail()
         if depth is not None:
             depth.remember()
+            if self._auto_memory_file is not None:
+                save_memory(self._auto_memory_file, self.auto_memory)
         yield stats(final=True)
         msg = f"the context of {self.n_ctx} tokens is full" if run.reason == "context_full" else ""
         yield Done(run.reason or "max_tokens", msg)

@@ -1,13 +1,16 @@
 """Test-wide set-up. Qt runs offscreen: the variable must exist before any QApplication. Without a CUDA GPU the
 Triton kernels (engine.ops.triton_q) run in Triton's interpreter on CPU tensors: the variable must exist before
-they are defined."""
+they are defined. The user's cache folder (where the CLI and the app keep auto draft depth's memory of each model)
+is a fresh one for the session, so no test starts from what an earlier run learned."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="foretell-test-cache-")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

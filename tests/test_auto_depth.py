@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats, load_memory, save_memory
 
 STEP_S = 0.01
 TOKENS = 128  # per reply
@@ -27,8 +28,10 @@ class Engine:
     prior: PassCosts  # what the controller is told before timing anything
 
 
-def decode(depth: int | None, e: Engine, seed: int) -> float:
-    """Tokens per second over REPLIES replies of TOKENS tokens, at `depth` (None: auto)."""
+def decode(depth: int | None, e: Engine, seed: int,
+           carry: Callable[[AutoMemory], AutoMemory] = lambda m: m) -> float:
+    """Tokens per second over REPLIES replies of TOKENS tokens, at `depth` (None: auto); `carry` hands the memory from
+    one reply to the next."""
     rng = random.Random(seed)
     memory, tokens, seconds = AutoMemory(), 0, 0.0
 
@@ -61,6 +64,7 @@ def decode(depth: int | None, e: Engine, seed: int) -> float:
             c.observe_verify(k + 1, t_verify, k, t_draft)
             out += accepted + 1
         c.remember()
+        memory = carry(memory)
         tokens += out
     return tokens / seconds
 
@@ -94,6 +98,22 @@ def test_auto_is_within_five_percent_of_the_best_fixed_depth(name: str) -> None:
     assert rate[None] >= 0.95 * best, {k: round(v / plain, 3) for k, v in rate.items()}
     if best == plain:  # where drafting cannot pay, auto costs at most 3 % of plain decoding
         assert rate[None] >= 0.97 * plain
+
+
+def test_a_memory_kept_in_a_file_between_replies_decodes_as_one_kept_in_the_process(tmp_path: Path) -> None:
+    """Every reply's memory written to its file and read back (as a new process of the same model would) leaves
+    auto's choices, and so its speed, exactly those of the memory kept in the process."""
+    path = tmp_path / "memory.json"
+
+    def through_file(m: AutoMemory) -> AutoMemory:
+        save_memory(path, m)
+        back = load_memory(path)
+        assert back == m
+        return back
+
+    for name in ("moe-p0.9", "small"):
+        for seed in SEEDS:
+            assert decode(None, ENGINES[name], seed, through_file) == decode(None, ENGINES[name], seed), (name, seed)
 
 
 def test_the_prior_reads_the_model_bytes() -> None:

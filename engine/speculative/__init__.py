@@ -10,12 +10,14 @@ length: rollback costs no recomputation.
 
   drafter.py  the MTP head's cache kept in step with the trunk; chained drafts
   depth.py    speculation statistics, and the draft depth each step (fixed, or auto from costs and acceptance)
+  remembered.py  auto's memory kept across processes, a file per model, backend and thread count
   verify.py   acceptance (greedy, rejection sampling) and the decoding step itself: plain with a shadow probe,
               or draft → verify → commit
 """
 from engine.speculative.depth import AutoMemory, DepthController, PassCosts, SpecStats
 from engine.speculative.drafter import Draft, MTPDrafter
+from engine.speculative.remembered import default_dir, load_memory, memory_path, save_memory
 from engine.speculative.verify import SpeculativeDecoder, accept_greedy, accept_sampling
 
 __all__ = ["AutoMemory", "DepthController", "Draft", "MTPDrafter", "PassCosts", "SpecStats", "SpeculativeDecoder",
-           "accept_greedy", "accept_sampling"]
+           "accept_greedy", "accept_sampling", "default_dir", "load_memory", "memory_path", "save_memory"]
