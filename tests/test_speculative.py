@@ -357,6 +357,27 @@ def test_auto_replaces_a_reply_s_cold_first_draft_time() -> None:
     assert c.t_draft == pytest.approx(0.8 * 0.00216 + 0.2 * 1.5 * 0.00216)
 
 
+def test_drafts_that_waited_on_the_disk_count_no_dearer_than_their_bytes_allow() -> None:
+    """On the 35B-A3B shape (a 22 GB file on a 23 GB host) drafts ran at 0.66 decode steps while the MTP block's
+    experts came back from the disk, against 0.18 by their bytes and 0.21 once warm: clipped at 1.5x the running
+    estimate they still raised it 10 % a draft, auto stayed plain, and they never warmed. A draft that took major
+    page faults counts at most SPIKE x its bytes' estimate; one as slow without faults is a real cost and counts."""
+    from engine.speculative import DepthController, PassCosts, SpecStats
+
+    costs = PassCosts(routed_share=0.23, n_expert=256, n_used=8, draft=0.18)
+    waited, dear = DepthController(None, SpecStats(), costs=costs), DepthController(None, SpecStats(), costs=costs)
+    for c in (waited, dear):
+        for _ in range(c.FIRST_DECODES):
+            c.observe_decode(0.100)
+    for _ in range(30):
+        waited.observe_probe(1.0, 0.066, faulted=True)
+        dear.observe_probe(1.0, 0.066)
+    assert waited.t_draft <= waited.SPIKE * 0.018 + 1e-12
+    assert dear.t_draft == pytest.approx(0.066, rel=0.05)
+    waited.observe_verify(3, 0.160, 2, 2 * 0.066, draft_faulted=True)  # a verify's drafts likewise
+    assert waited.t_draft <= waited.SPIKE * 0.018 + 1e-12
+
+
 def test_a_cold_first_draft_counts_no_dearer_than_the_model_s_bytes_say() -> None:
     """A first draft pass 11 times dearer than its bytes (the 35B-A3B shape: 2 decode steps against 0.18) that also
     missed kept auto plain for a whole reply: no draft could pay at that cost, so none came to correct it. It stands

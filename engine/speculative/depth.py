@@ -253,7 +253,8 @@ class DepthController:
             # drafting look worth it for hundreds of steps, as drafting steps re-measure plain ones only now and then
             self.t_decode = self._ema(self.t_decode, min(seconds, 2.0 * self.t_decode))  # type: ignore[operator]
 
-    def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float) -> None:
+    def observe_verify(self, n: int, seconds: float, n_drafts: int, draft_seconds: float,
+                       draft_faulted: bool = False) -> None:
         if self.reproducible:
             return
         # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
@@ -269,7 +270,7 @@ class DepthController:
         self._timings[n] = 1.0 if replace else self._timings.get(n, 0.0) + 1.0
         self._costs += 1
         if n_drafts:
-            self._observe_draft(draft_seconds / n_drafts)
+            self._observe_draft(draft_seconds / n_drafts, draft_faulted)
         if self._remeasure and self.t_decode is not None and self.t_draft is not None:
             # one that confirms plain decoding spaces the next out (each costs the head's catch-up over the plain
             # steps since the last and a verify): drafts that match on a model too small to gain from them
@@ -397,25 +398,30 @@ class DepthController:
         """Plain steps between shadow probes: `probe_every`, doubled for each probe in a row that missed."""
         return self.probe_every << min(self._misses, self.MAX_PROBE_BACKOFF)
 
-    def observe_probe(self, accepted: float, draft_seconds: float) -> None:
-        """A shadow probe's outcome: 1/0 for greedy, the acceptance probability Σ min(p, q) when sampling."""
+    def observe_probe(self, accepted: float, draft_seconds: float, faulted: bool = False) -> None:
+        """A shadow probe's outcome: 1/0 for greedy, the acceptance probability Σ min(p, q) when sampling; `faulted`:
+        its draft waited on the disk for weights (verify.major_faults)."""
         self._probe_acc += accepted
         self._probe_tried += 1
         self._misses = self._misses + 1 if accepted < 0.5 else 0
         if not self.reproducible:
-            self._observe_draft(draft_seconds)
+            self._observe_draft(draft_seconds, faulted)
         elif self.t_draft is None:
             self.t_draft = self.costs.draft
         self._costs += 1
 
-    def _observe_draft(self, seconds: float) -> None:
+    def _observe_draft(self, seconds: float, faulted: bool = False) -> None:
         """A draft pass's time. A reply's first runs cold (the head's weights not in the caches: twice the later
         ones on the mid-size MoE): like the first decode step it stands in only where nothing is known, no dearer
         than the model's bytes say a draft is, and the next replaces it; after that a slow one counts at most SPIKE ×
-        the estimate. (On the Qwen3.6-35B-A3B shape, a 22 GB file on a 23 GB host, a first draft took 2 decode steps
-        against 0.18 by its bytes, and the next few 0.66 while the MTP block's experts faulted in: taken whole, they
-        kept auto plain for the reply, as no draft could pay at that cost, while drafts at a fixed depth settled at
-        0.21.)"""
+        the estimate. One that waited on the disk for weights the page cache had dropped (`faulted`) counts at most
+        SPIKE × what its bytes say, whatever the estimate: drafting keeps those weights in, plain decoding lets them
+        go. (On the Qwen3.6-35B-A3B shape, a 22 GB file on a 23 GB host, a first draft took 2 decode steps against
+        0.18 by its bytes, and the next few 0.66 while the MTP block's experts faulted in: taken whole, or clipped
+        against an estimate they kept raising, they kept auto plain, so they never warmed, while drafts at a fixed
+        depth settled at 0.21.)"""
+        if faulted and self.t_decode is not None:
+            seconds = min(seconds, self.SPIKE * self.costs.draft * self.t_decode)
         self._drafts += 1
         if self._drafts == 1:
             if self.t_draft is None:

@@ -15,6 +15,11 @@ from typing import Generator, Sequence
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not on Windows: no fault counts there
+    resource = None  # type: ignore[assignment]
+
 from engine.constrain import Matcher
 from engine.decoding import PlainDecoder, Reply
 from engine.events import Event
@@ -42,9 +47,9 @@ class SpeculativeDecoder:
         sampler, spec, depth = self.sampler, self.stats, self.depth
         probe = None
         if depth.probe_now(room):  # shadow probe: one draft, no verify
-            t_probe = time.perf_counter()
+            t_probe, f_probe = time.perf_counter(), major_faults()
             probe = self.drafter.draft(x, 1, sampler, run.history, matcher=run.matcher)
-            probe_s = time.perf_counter() - t_probe
+            probe_s, probe_faulted = time.perf_counter() - t_probe, major_faults() > f_probe
             spec.draft_s += probe_s
         t_step = time.perf_counter()
         # after a probe the head already holds x's row: keep it, pair the next token with the trunk's row
@@ -57,7 +62,7 @@ class SpeculativeDecoder:
             q = probe.probs[0]
             hit = float(probe.tokens[0] == nxt) if q is None else \
                 float(torch.minimum(sampler.distribution(logits, run.history, run.matcher), q).sum())
-            depth.observe_probe(hit, probe_s - probe.catch_up_s)
+            depth.observe_probe(hit, probe_s - probe.catch_up_s, probe_faulted)
         yield from run.emit([(nxt, False)], logits)
         return nxt
 
@@ -67,10 +72,10 @@ class SpeculativeDecoder:
     def _speculative(self, x: int, k: int, run: Reply) -> Generator[Event, None, int]:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), major_faults()
         cut = depth.chain_p_min(k)
         draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut)
-        t1 = time.perf_counter()
+        t1, faulted = time.perf_counter(), major_faults() > f0
         pos0 = cache.pos
         seq = [x] + draft.tokens
         res = self.runner.forward(seq, cache, logit_rows="all", capture=True)
@@ -103,8 +108,15 @@ class SpeculativeDecoder:
         spec.commit_s += t4 - t3
         # auto weighs a verify step as all it costs beside the drafts: the pass, acceptance and the commit (a plain
         # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
-        depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), len(draft.tokens), t1 - t0 - draft.catch_up_s)
+        depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), len(draft.tokens), t1 - t0 - draft.catch_up_s,
+                             faulted)
         return emitted[kept - 1][0]
+
+
+def major_faults() -> int:
+    """Page faults this process waited on the disk for, so far (0 where the system does not count them): a draft
+    that took some ran on weights the page cache had dropped, a cost that drafting often does not pay again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resource is not None else 0
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
