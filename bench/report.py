@@ -451,6 +451,18 @@ def _products(d: dict) -> list[str]:
     return out + [""]
 
 
+def _constrain(d: dict) -> list[str]:
+    m = d["mask_us"]
+    out = ["## Constrained decoding cost (`bench/constrain.py`)", "",
+           f"`{d['command']}` ({d['date']}, model {d.get('model', 'embedded')}): decode tok/s of the same replies free "
+           "and held to a nested JSON schema, summed over the prompts and rounds.", "",
+           "| case | free tok/s | schema tok/s | cost |", "|---|---|---|---|"]
+    out += [f"| {k} | {v['free_tok_s']:.1f} | {v['schema_tok_s']:.1f} | {v['cost_pct']:.1f} % |"
+            for k, v in d["summary"].items()]
+    pieces = ", ".join(f"{k} {v}" for k, v in m.items())
+    return out + ["", f"Mask pieces (µs unless named): {pieces}.", ""]
+
+
 def _scale(d: dict) -> list[str]:
     out = ["## Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes (`bench/scale.py`)", "",
            f"`{d['command']}` ({d['date']}, {d['machine'].get('cpu_model', '')}, {d['machine']['threads']} threads, "
@@ -593,8 +605,12 @@ def main() -> None:
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
                      ("mtp_speedup_p0", _mtp_speedup), ("mtp_speedup_auto", _mtp_speedup),
-                     ("mtp_speedup_p09", _mtp_speedup), ("mtp_speedup_35b", _mtp_speedup), ("mtp_speedup_35b_auto", _mtp_speedup), ("head_product", _products), ("sweep", sweep_section),
-                     ("sweep_9b", sweep_section),
+                     ("mtp_speedup_p09", _mtp_speedup), ("mtp_speedup_p06_08", _mtp_speedup),
+                     ("mtp_speedup_35b", _mtp_speedup), ("mtp_speedup_35b_auto", _mtp_speedup),
+                     ("mtp_speedup_35b_faults", _mtp_speedup), ("head_product", _products),
+                     ("products_kquant_avx512", _products), ("constrain", _constrain), ("constrain_mid", _constrain),
+                     ("sweep", sweep_section), ("sweep_9b", sweep_section), ("sweep_9b_stored_avx512", sweep_section),
+                     ("sweep_kquant_avx512", sweep_section),
                      ("sweep_08b", sweep_section), ("sweep_more", sweep_section)):
         d = _load(name)
         if d is not None:
