@@ -394,6 +394,9 @@ def sweep_section(d: dict) -> list[str]:
     if s.get("median_cell"):
         forms_line = (f"; AVX2 forms' decode over the AVX512 forms': median {s['avx2_over_avx512_median']:.2f}, least "
                       f"{s['avx2_over_avx512_min']:.2f} (target ≥ 0.85)" if s.get("avx2_over_avx512_median") else "")
+        if s.get("avxvnni_over_avx512_median"):
+            forms_line += (f"; AVX-VNNI forms' over the AVX512 forms': median {s['avxvnni_over_avx512_median']:.2f}, "
+                           f"least {s['avxvnni_over_avx512_min']:.2f}")
         out += [f"Summary over {s['measured']} cell(s): median decode ratio ×{s['median_decode']:.2f} (median cell "
                 f"{s['median_cell']}; target ≥ 1.3), median prefill ratio ×{s['median_prefill']:.2f}; cells ≥ 1.0× "
                 f"llama.cpp: {s['decode_at_least_1']} in decode ({s['decode_median_of_rounds_at_least_1']} by the "

@@ -36,9 +36,9 @@ of its own from a fresh load with `--threads` threads, 4 untimed warm-up tokens,
 `--decode` greedy tokens, EOS ignored, no MTP; llama.cpp is its server in-process (xllamacpp). Within a round the
 runs alternate and which engine goes first alternates by round; each run's best round counts. "ours" is our default
 backend; the `native-<isa>` rows are ours forced to each instruction-set form this CPU runs (native-avx2: what an
-AVX2-only desktop gets); forms the CPU lacks are listed as unavailable. Which path our decode ran per form (the
-one-call fused step or op by op: `Runner.step_path()` where the engine has it, else whether `Runner.step` is set) is
-read from a load of the same file in a process of its own.
+AVX2-only desktop gets; native-avxvnni: an Intel desktop core with AVX-VNNI); forms the CPU lacks are listed as
+unavailable. Which path our decode ran per form (the one-call fused step or op by op: `Runner.step_path()` where the
+engine has it, else whether `Runner.step` is set) is read from a load of the same file in a process of its own.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K", "MXFP4_MOE", "UD-Q4_K_XL")
 AS_IS = "as-is"  # the embedded model's one cell: the file as shipped
 MOE_ONLY = frozenset({"MXFP4_MOE"})
-ISA_FORMS = ("avx512vnni", "avx512", "avx2")  # the hardware forms; portable C is no host's form
+ISA_FORMS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the hardware forms; portable C is no host's form
 QUICK = {"shapes": ("embedded", "vocab50k", "mid"), "quants": ("Q4_K_M", "Q8_0", "IQ4_XS"), "rounds": 3,
          "prompt": 64, "decode": 32}
 
@@ -136,11 +136,12 @@ def form_speeds(cell: dict) -> dict[str, float]:
     return {r["backend"]: r["decode_tok_s"] for name, r in cell["runs"].items() if name != "llama_cpp"}
 
 
-def avx2_over_avx512(cell: dict) -> float | None:
-    """native-avx2's decode over the better AVX512 form's, where the cell ran both."""
+def avx2_over_avx512(cell: dict, form: str = "native-avx2") -> float | None:
+    """A 256-bit form's decode (native-avx2: an AVX2-only desktop; native-avxvnni: an Intel desktop core with
+    AVX-VNNI) over the better AVX512 form's, where the cell ran both."""
     f = form_speeds(cell)
     wide = [f[k] for k in ("native-avx512vnni", "native-avx512") if k in f]
-    return f["native-avx2"] / max(wide) if wide and "native-avx2" in f else None
+    return f[form] / max(wide) if wide and form in f else None
 
 
 def decode_median_of_rounds(cell: dict) -> float:
@@ -154,13 +155,15 @@ def summarise_cells(cells: dict[str, dict]) -> dict:
     done = {k: c for k, c in cells.items() if "ours_over_llama_cpp" in c}
     per = {k: {"decode": c["ours_over_llama_cpp"]["ours"]["decode"],
                "decode_median_of_rounds": decode_median_of_rounds(c),
-               "prefill": c["ours_over_llama_cpp"]["ours"]["prefill"], "avx2_over_avx512": avx2_over_avx512(c)}
+               "prefill": c["ours_over_llama_cpp"]["ours"]["prefill"], "avx2_over_avx512": avx2_over_avx512(c),
+               "avxvnni_over_avx512": avx2_over_avx512(c, "native-avxvnni")}
            for k, c in done.items()}
     out: dict = {"cells": per, "measured": len(per), "failed": sorted(k for k in cells if k not in done)}
     if not per:
         return out
     by_decode = sorted(per, key=lambda k: per[k]["decode"])
     forms = [v["avx2_over_avx512"] for v in per.values() if v["avx2_over_avx512"] is not None]
+    vnni256 = [v["avxvnni_over_avx512"] for v in per.values() if v["avxvnni_over_avx512"] is not None]
     out.update({
         "median_cell": by_decode[(len(by_decode) - 1) // 2],  # the lower median: a cell that was measured
         "median_decode": statistics.median(v["decode"] for v in per.values()),
@@ -172,6 +175,8 @@ def summarise_cells(cells: dict[str, dict]) -> dict:
         "worst_decode_cell": by_decode[0],
         "avx2_over_avx512_median": statistics.median(forms) if forms else None,
         "avx2_over_avx512_min": min(forms) if forms else None,
+        "avxvnni_over_avx512_median": statistics.median(vnni256) if vnni256 else None,
+        "avxvnni_over_avx512_min": min(vnni256) if vnni256 else None,
     })
     return out
 

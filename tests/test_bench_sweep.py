@@ -53,7 +53,8 @@ def test_the_summary_counts_the_cells_and_takes_the_median_cell() -> None:
     s = summarise_cells(cells)
     assert s["measured"] == 3 and s["failed"] == ["d/Q8_0"]
     assert s["cells"]["a/Q8_0"] == {"decode": 0.5, "decode_median_of_rounds": 0.5, "prefill": 1.2,
-                                    "avx2_over_avx512": 45 / 60}
+                                    "avx2_over_avx512": 45 / 60, "avxvnni_over_avx512": None}
+    assert s["avxvnni_over_avx512_median"] is None  # no cell ran the AVX-VNNI form
     assert s["cells"]["b/Q8_0"]["decode_median_of_rounds"] == pytest.approx(1.1)
     assert s["decode_median_of_rounds_at_least_1"] == 2  # b (1.1) and c (1.0)
     assert s["median_cell"] == "c/Q8_0" and s["median_decode"] == 1.0 and s["worst_decode_cell"] == "a/Q8_0"
@@ -69,6 +70,9 @@ def test_the_summary_counts_the_cells_and_takes_the_median_cell() -> None:
 def test_avx2_over_avx512_takes_the_faster_wide_form_or_none() -> None:
     c = _cell(100, 200, 100, 150)  # the VNNI form (ours) at 200 is the faster AVX512 form
     assert avx2_over_avx512(c) == 0.75
+    c["runs"]["native-avxvnni"] = {"backend": "native-avxvnni", "decode_tok_s": 180.0, "prefill_tok_s": 85.0}
+    assert avx2_over_avx512(c, "native-avxvnni") == 0.9
+    assert summarise_cells({"m": c})["avxvnni_over_avx512_min"] == 0.9
     del c["runs"]["native-avx2"]
     assert avx2_over_avx512(c) is None
 

@@ -1,5 +1,6 @@
 """Native Q4_K / Q6_K / Q8_0 products (engine/native, through engine.ops) in every instruction-set form the
-machine runs: packed for VNNI and for AVX2, stored order on AVX512 (and wherever weights stay mapped), portable C."""
+machine runs: packed for AVX512-VNNI, AVX-VNNI and AVX2, stored order on AVX512 (and wherever weights stay mapped),
+portable C."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -181,37 +182,49 @@ def test_packing_a_file_backed_weight_drops_its_pages_not_its_bytes() -> None:
     assert torch.equal(w.raw, before)  # read back from the file
 
 
-def test_q8_0_avx2_product_has_the_vnni_bits() -> None:
-    """maddubs on |w| and x·sign(w) then madd by ones makes the int32 lanes dpbusd makes (bytes 4l … 4l+3), and the
-    float work after them is the same: the same bits."""
-    if not native.cpu_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI to compare the AVX2 form with")
+def _forms(*names: str) -> list[ops.Backend]:
+    """The backends of `names` this machine runs; a skip where fewer than two are there to compare."""
+    have = {b.name: b for b in ops.available_backends()}
+    forms = [have[n] for n in names if n in have]
+    if len(forms) < 2:
+        pytest.skip(f"this CPU runs only {[b.name for b in forms]} of {list(names)}: nothing to compare")
+    return forms
+
+
+def test_q8_0_stored_products_have_the_same_bits_in_every_form() -> None:
+    """dpbusd on w + 128 from −128·Σx (AVX512-VNNI, AVX-VNNI) and maddubs on |w| and x·sign(w) then madd by ones
+    (AVX2) make the same int32 lanes (bytes 4l … 4l+3), and the float work after them is the same: the same bits.
+    40 rows: not whole packed groups, so every form reads the stored blocks."""
+    forms = _forms("native-avx512", "native-avxvnni", "native-avx2")
     w = _weight(T.Q8_0, 40, 2048, seed=10)
     x = _x(5, 2048, seed=11)
-    vnni = ops.linear(x, _bind(w, ops.backend_named("native-avx512")))
-    assert torch.equal(ops.linear(x.clone(), _bind(w, ops.backend_named("native-avx2"))), vnni)
+    first, *rest = (_bind(w, b) for b in forms)
+    want = ops.linear(x, first)
+    for lin in rest:
+        assert torch.equal(ops.linear(x.clone(), lin), want), lin.backend.name
+    assert all(lin.packed is None for lin in (first, *rest))
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_avx2_packed_products_have_the_vnni_bits(qt: T) -> None:
-    """The AVX2 packed products (maddubs over each 64-byte vector's two 8-row halves) give the VNNI packed products'
-    bits: for one activation row, a verify pass's few and more than the products' tile of 4, on two threads, and for
-    routed-expert pairs (the same exact integers per lane, the same float work after them)."""
-    if not native.cpu_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI to compare the AVX2 packed form with")
-    forms = [ops.backend_named(n) for n in ("native-avx512vnni", "native-avx2")]
+def test_packed_products_have_the_same_bits_in_every_form(qt: T) -> None:
+    """The packed products in AVX512-VNNI, AVX-VNNI (VEX dpbusd/dpwssd on each 64-byte vector's two 8-row halves) and
+    AVX2 (maddubs over the halves) give the same bits: for one activation row, a verify pass's few and more than the
+    products' tile of 4, on two threads, and for routed-expert pairs (the same exact integers per lane, the same float
+    work after them)."""
+    forms = _forms("native-avx512vnni", "native-avxvnni", "native-avx2")
     w = _weight(qt, 48, 1024, seed=13)
     x = _x(9, 1024, seed=14)
     lins = [_bind(w, replace(b, threads=2)) for b in forms]
-    for m in (1, 3, 9):
-        vnni, avx2 = (ops.linear(x[:m].clone(), lin) for lin in lins)
-        assert torch.equal(avx2, vnni), m
+    for m in (1, 2, 3, 9):
+        want = ops.linear(x[:m].clone(), lins[0])
+        for lin in lins[1:]:
+            assert torch.equal(ops.linear(x[:m].clone(), lin), want), (m, lin.backend.name)
     assert all(lin.packed is not None for lin in lins)
     experts = QTensor(random_blocks((3, 32, 512), qt, np.random.default_rng(15), 1 / 16), qt, (3, 32, 512))
     xrow, starts = torch.tensor([4, 0, 2, 1, 3]), torch.tensor([0, 1, 3, 5])
-    vnni, avx2 = (pairs_product(x[:5, :512].clone(), _bind(experts, b), xrow, torch.tensor([2, 0, 1]), starts)
-                  for b in forms)
-    assert torch.equal(avx2, vnni)
+    got = [pairs_product(x[:5, :512].clone(), _bind(experts, b), xrow, torch.tensor([2, 0, 1]), starts) for b in forms]
+    for g, b in zip(got[1:], forms[1:]):
+        assert torch.equal(g, got[0]), b.name
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)

@@ -105,3 +105,13 @@ def test_dequant_rows_failures_raise_their_codes_exceptions() -> None:
         native.dequant_rows(raw, 8, torch.tensor([4]), 32)
     with pytest.raises(ValueError, match="a table type dequant_rows does not read"):
         native.dequant_rows(raw, 2, torch.tensor([0]), 32)
+
+
+def test_the_instruction_set_levels_are_the_library_s() -> None:
+    """engine.ops.backend's ISA_LEVEL (what each native backend asks for) is kernels.h's ISA_* numbering, in its order."""
+    from engine.ops.backend import ISA_LEVEL, NATIVE_ISAS
+
+    names = {"portable": "ISA_PORTABLE", "avx2": "ISA_AVX2", "avxvnni": "ISA_AVXVNNI", "avx512": "ISA_AVX512",
+             "avx512vnni": "ISA_VNNI"}
+    assert set(names) == set(NATIVE_ISAS) == set(ISA_LEVEL)
+    assert {isa: native.BORDER[c][0] for isa, c in names.items()} == ISA_LEVEL

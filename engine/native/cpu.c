@@ -18,12 +18,13 @@ int cpu_features(void) {
             FEATURES |= CPU_VNNI;
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
             FEATURES |= CPU_AVX2;
+        if ((FEATURES & CPU_AVX2) && __builtin_cpu_supports("avxvnni")) FEATURES |= CPU_AVXVNNI;
 #endif
     }
     return FEATURES;
 }
 
 int isa_runs(int isa, int level) {
-    static const int need[] = {0, CPU_AVX2, CPU_AVX512, CPU_AVX512 | CPU_VNNI};
+    static const int need[] = {0, CPU_AVX2, CPU_AVX2 | CPU_AVXVNNI, CPU_AVX512, CPU_AVX512 | CPU_VNNI};
     return isa >= level && (cpu_features() & need[level]) == need[level];
 }

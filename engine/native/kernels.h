@@ -52,13 +52,15 @@ void q8_rows_times(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, 
 
 /* cpu.c: what this CPU runs, detected once: CPU_AVX512 (AVX512F/BW and F16C: the stored-order K-quant products,
  * the Q8_K quantizer and the float kernels' register forms), CPU_VNNI (and AVX512VL, VNNI, FMA: the packed
- * products and the Q8_0 ones), CPU_AVX2 (and FMA, F16C: the 256-bit products). */
-enum { CPU_AVX512 = 1, CPU_VNNI = 2, CPU_AVX2 = 4 };
+ * products and the Q8_0 ones), CPU_AVX2 (and FMA, F16C: the 256-bit products), CPU_AVXVNNI (AVX2 and the VEX
+ * AVX-VNNI of Intel's desktop cores from Alder Lake on, most without AVX512: the 256-bit packed and Q8_0 products
+ * with dpbusd). */
+enum { CPU_AVX512 = 1, CPU_VNNI = 2, CPU_AVX2 = 4, CPU_AVXVNNI = 8 };
 int cpu_features(void);
 
 /* The instruction-set level a call asks for (engine.ops.backend's isa, the one choice): every kernel runs its best
  * form at or below that level that this CPU has. isa_runs(isa, level): whether a form of `level` may run. */
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3, ISA_VNNI = 4 };
 int isa_runs(int isa, int level);
 
 /* The activations the float kernels share, one expression each, so every file computes the same bits. */
@@ -295,6 +297,7 @@ static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__x86_64__)
 #define AVX512_TARGET "avx512f,avx512bw,f16c"
 #define AVX2_TARGET "avx2,fma,f16c"
+#define AVXVNNI_TARGET "avx2,fma,f16c,avxvnni"
 
 /* the horizontal sum of 8 float lanes, always in this order (halves, then pairs, then the last two) */
 __attribute__((target("avx"), always_inline))
@@ -356,7 +359,7 @@ void rows_k_more_avx512(int qtype, const uint8_t *row, int64_t nb, const Row *ro
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),
- * prefetching `ahead` as it goes, in the best form isa allows (VNNI, else AVX2: the same bits) */
+ * prefetching `ahead` as it goes, in the best form isa allows (VNNI, else AVX-VNNI, else AVX2: the same bits) */
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                     const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa);
 #endif

@@ -1,5 +1,5 @@
-/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI and AVX2: repacking the
- * stored blocks, and the products over the packed groups in both forms (the same bits). */
+/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI, AVX-VNNI and AVX2:
+ * repacking the stored blocks, and the products over the packed groups in the three forms (the same bits). */
 #include <omp.h>
 #include "kernels.h"
 
@@ -459,6 +459,28 @@ static inline void q6_k_x16_avx2_row(const uint8_t *g, int64_t nb, const Row *ro
     store_x16_avx2(acc, o, ldo, T);
 }
 
+/* The 8 value vectors (0…63, 4 values of each of 8 rows per vector) of half h (rows 8h … 8h+7) of a packed Q6_K
+ * unit's 32 values: the low nibbles at lo, the high bit pairs at hb (already offset to the half) */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q6_k_half_values(const uint8_t *lo, const uint8_t *hb, int h, __m256i *v) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i h0 = _mm256_loadu_si256((const __m256i *)hb), h1 = _mm256_loadu_si256((const __m256i *)(hb + 64));
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
+        v[p] = _mm256_and_si256(q, m4);
+        v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+    /* value group g's high bits: vector g % 2, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30));
+    v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h0, m30));
+    v[5] = _mm256_or_si256(v[5], _mm256_and_si256(h1, m30));
+    v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30));
+    v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30));
+}
+
 /* q6_k_x16 in AVX2: half h (rows 8h … 8h+7) of each group block in turn */
 __attribute__((target(AVX2_TARGET), always_inline))
 static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
@@ -467,7 +489,6 @@ static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
         q6_k_x16_avx2_row(g, nb, rows, o, ldo, 1, ah);
         return;
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[X16_TILE][2];
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -479,23 +500,8 @@ static inline void q6_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
                 if (h == 0) ahead_step(ah, Q6K_GROUP_BYTES / 8);
                 const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1) + 32 * h,
                               *scb8 = lo + 768 - 224 * (u & 1) + 8 * h;
-                const __m256i h0 = _mm256_loadu_si256((const __m256i *)hb),
-                              h1 = _mm256_loadu_si256((const __m256i *)(hb + 64));
                 __m256i v[8];
-                for (int p = 0; p < 4; p++) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
-                    v[p] = _mm256_and_si256(q, m4);
-                    v[p + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                }
-                /* value group g's high bits: vector g % 2, bits 2s, 2s+1 with s = g / 2, moved to bits 4-5 */
-                v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30));
-                v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30));
-                v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30));
-                v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30));
-                v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h0, m30));
-                v[5] = _mm256_or_si256(v[5], _mm256_and_si256(h1, m30));
-                v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30));
-                v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30));
+                q6_k_half_values(lo, hb, h, v);
                 /* the 8 rows' scales of the two sub-blocks as int16 pairs: (a, a), (b, b) and (a, b) per lane */
                 const __m128i a8 = _mm_loadl_epi64((const __m128i *)scb8),
                               b8 = _mm_loadl_epi64((const __m128i *)(scb8 + GROUP));
@@ -556,6 +562,178 @@ static inline void q8_0_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     store_x16_avx2(acc, o, ldo, T);
 }
 
+/* ---- the same products in AVX-VNNI (VEX dpbusd/dpwssd on 256 bits: native-avxvnni) -------------------------
+ *
+ * The AVX2 forms' halves, with the integer steps that AVX-VNNI folds: Q4_K's and Q6_K's values against the quants
+ * by dpbusd (a sub-block's exact int32 sum, then times its scale, as the VNNI form), Q8_0's offset quants by dpbusd
+ * as the VNNI form takes them. The integers are the other forms'; the float work is the AVX2
+ * form's, lane by lane: the same bits. */
+
+/* q4_k_x16 in AVX-VNNI: per sub-block, each row's values against its 32 quants in int32 lanes by dpbusd (two chains
+ * where few activation rows leave the latency uncovered), times the sub-block's scale */
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline void q4_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                    const int T, Ahead *ah) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f),
+                  m03 = _mm256_set1_epi32(0x03030303), ff = _mm256_set1_epi32(0xFF), ones = _mm256_set1_epi16(1);
+    const int chains = T <= 2 ? 2 : 1;
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * GROUP * 144;
+        __m256i isum[X16_TILE][2];
+        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
+            ahead_step(ah, GROUP * 144 / 8);
+            const uint8_t *qv = blk + 256 + 256 * j;
+            __m256i s32[X16_TILE][2][2];
+            for (int i = 0; i < T; i++)
+                for (int h = 0; h < 2; h++) s32[i][h][0] = s32[i][h][1] = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p + 32 * h));
+                    lo[h] = _mm256_and_si256(q, m4);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                }
+                for (int i = 0; i < T; i++) {
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * j + 4 * p;
+                    const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x),
+                                  xh = _mm256_set1_epi32(*(const int32_t *)(x + 16));
+                    for (int h = 0; h < 2; h++) {
+                        s32[i][h][0] = _mm256_dpbusd_avx_epi32(s32[i][h][0], lo[h], xl);
+                        s32[i][h][chains - 1] = _mm256_dpbusd_avx_epi32(s32[i][h][chains - 1], hi[h], xh);
+                    }
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                /* sub-block j's scale of each row, as an int32 lane */
+                const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+                const __m256i sc = j < 4 ? _mm256_and_si256(u0, m3f)
+                                         : _mm256_or_si256(_mm256_and_si256(_mm256_loadu_si256(
+                                                               (const __m256i *)(blk + 192 + 32 * h)), m0f),
+                                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6),
+                                                                                              m03), 4));
+                const __m256i scj = _mm256_and_si256(_mm256_srli_epi32(sc, 8 * (j % 4)), ff);
+                for (int i = 0; i < T; i++) {
+                    const __m256i dot = chains == 2 ? _mm256_add_epi32(s32[i][h][0], s32[i][h][1]) : s32[i][h][0];
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_mullo_epi32(dot, scj));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {  /* the mins as the AVX2 form takes them */
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)),
+                          u2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+            const __m256i mn03 = _mm256_and_si256(u1, m3f);
+            const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
+                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
+            const __m256i mn[4] = {_mm256_shuffle_epi8(mn03, SPREAD16(4)), _mm256_shuffle_epi8(mn03, SPREAD16(5)),
+                                   _mm256_shuffle_epi8(mn47, SPREAD16(4)), _mm256_shuffle_epi8(mn47, SPREAD16(5))};
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const __m256i s32 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(rows[i].bs + b * 16)), ones);
+                const __m256i s16 = _mm256_packs_epi32(s32, s32);
+                __m256i msum = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++)
+                    msum = _mm256_dpwssd_avx_epi32(msum, mn[k], _mm256_permutevar8x32_epi32(
+                                                                    s16, _mm256_set1_epi32(k % 2 + 4 * (k / 2))));
+                const __m256 dx = _mm256_set1_ps(rows[i].d[b]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, dx), acc[i][h]);
+                acc[i][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
+/* q6_k_x16 in AVX-VNNI: half h (rows 8h … 8h+7) of each group block in turn; per 32 values, each row's values against
+ * its quants by dpbusd into one int32 sum per sub-block (the AVX2 form's int16 pairs, widened), times the sub-block's
+ * scale; the scales against the sums of 16 quants by dpwssd */
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline void q6_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                    const int T, Ahead *ah) {
+    if (T == 1) {  /* one row: the AVX2 row form, both halves per 32 values (bench/results/products_avxvnni.json) */
+        q6_k_x16_avx2_row(g, nb, rows, o, ldo, 1, ah);
+        return;
+    }
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * Q6K_GROUP_BYTES;
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            __m256i isum[X16_TILE], ssum[X16_TILE];
+            for (int i = 0; i < T; i++) isum[i] = ssum[i] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {
+                if (h == 0) ahead_step(ah, Q6K_GROUP_BYTES / 8);
+                const uint8_t *lo = blk + Q6K_UNIT(u), *hb = lo + 512 - 128 * (u & 1) + 32 * h,
+                              *scb8 = lo + 768 - 224 * (u & 1) + 8 * h;
+                __m256i v[8];
+                q6_k_half_values(lo, hb, h, v);
+                const __m128i a8 = _mm_loadl_epi64((const __m128i *)scb8),
+                              b8 = _mm_loadl_epi64((const __m128i *)(scb8 + GROUP));
+                const __m256i sca = _mm256_cvtepi8_epi32(a8), scb = _mm256_cvtepi8_epi32(b8),
+                              scp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a8, b8));
+                for (int i = 0; i < T; i++) {
+                    const int8_t *x = rows[i].q + b * QK_K + 32 * u;
+                    __m256i da = _mm256_setzero_si256(), db = _mm256_setzero_si256();
+                    for (int p = 0; p < 4; p++) {
+                        da = _mm256_dpbusd_avx_epi32(da, v[p], _mm256_set1_epi32(*(const int32_t *)(x + 4 * p)));
+                        db = _mm256_dpbusd_avx_epi32(db, v[p + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * p)));
+                    }
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_mullo_epi32(da, sca),
+                                                                         _mm256_mullo_epi32(db, scb)));
+                    ssum[i] = _mm256_dpwssd_avx_epi32(ssum[i], scp,
+                                                      _mm256_set1_epi32(*(const int32_t *)(rows[i].bs + b * 16 + 2 * u)));
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 3328 + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const __m256i p = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(ssum[i], 5));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
+                                            acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
+/* q8_0_x16 in AVX-VNNI: the offset quants as stored against the quants by dpbusd (two chains), from −128·Σx */
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                    const int T, Ahead *ah) {
+    const uint8_t *qv = g + 2 * GROUP * nb;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[X16_TILE][2];
+    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        ahead_step(ah, 512 + 2 * GROUP);
+        __m256i base[X16_TILE];
+        for (int i = 0; i < T; i++) {
+            const __m256i sx = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ones,
+                                                       _mm256_loadu_si256((const __m256i *)(rows[i].q + b * 32)));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            base[i] = _mm256_set1_epi32(-128 * _mm_cvtsi128_si32(t));
+        }
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            for (int v = 0; v < 8; v++) w[v] = _mm256_loadu_si256((const __m256i *)(qv + 512 * b + 64 * v + 32 * h));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 2 * GROUP * b + 16 * h)));
+            for (int i = 0; i < T; i++) {
+                const int8_t *x = rows[i].q + b * 32;
+                __m256i s[2] = {base[i], _mm256_setzero_si256()};
+                for (int v = 0; v < 8; v++)
+                    s[v & 1] = _mm256_dpbusd_avx_epi32(s[v & 1], w[v], _mm256_set1_epi32(*(const int32_t *)(x + 4 * v)));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])), acc[i][h]);
+            }
+        }
+    }
+    store_x16_avx2(acc, o, ldo, T);
+}
+
 #define X16_CASES(FN)                                                                                             \
     switch (tn) {                                                                                                 \
     case 1: FN(g, nb, rows, o, ldo, 1, ahead); break;                                                             \
@@ -565,7 +743,7 @@ static inline void q8_0_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     }
 
 /* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL), in one
- * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avx2). */
+ * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2). */
 #define X16_DRIVER(NAME, TARGET, SUFFIX)                                                                          \
     __attribute__((target(TARGET))) static void NAME(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0,   \
                                                      int64_t r1, const Acts *a, const int64_t *xrow, int64_t m,     \
@@ -593,10 +771,12 @@ static inline void q8_0_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     }
 X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16)
 X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2)
+X16_DRIVER(rows_times_x16_avxvnni, AVXVNNI_TARGET, _x16_avxvnni)
 
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                     const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa) {
     if (isa_runs(isa, ISA_VNNI)) rows_times_x16_vnni(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
+    else if (isa_runs(isa, ISA_AVXVNNI)) rows_times_x16_avxvnni(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
     else if (isa_runs(isa, ISA_AVX2)) rows_times_x16_avx2(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead);
 }
 #endif

@@ -6,6 +6,8 @@ Native backends run engine/native's kernels in one instruction-set form each:
   - ``native-avx512``: AVX512 kernels (Q8_0 with VNNI where the CPU has it); Q4_K, Q6_K and Q8_0 packed as for VNNI
     and multiplied in the AVX2 packed form (on the Qwen3.5-9B shape 19.6 tok/s against 14.4 for its stored-order
     AVX512 products: bench/results/sweep_9b.json);
+  - ``native-avxvnni``: AVX2 with the VEX AVX-VNNI of Intel's desktop cores from Alder Lake on (most without
+    AVX512): the AVX2 backend's kernels, its packed and Q8_0 products with dpbusd/dpwssd (the same bits);
   - ``native-avx2``: AVX2 (+FMA, F16C) products, Q4_K, Q6_K and Q8_0 packed as for VNNI (maddubs over each
     vector's two 8-row halves: the VNNI form's bits), the others in the stored block order; the float kernels'
     loops built for AVX2 (what most desktop CPUs run);
@@ -32,10 +34,11 @@ import torch
 
 from engine.ops import native
 
-NATIVE_ISAS = ("avx512vnni", "avx512", "avx2", "portable")
-# the level each asks the native library for (kernels.h ISA_*): a kernel runs its best form at or below it
-ISA_LEVEL = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
-PACKED_ISAS = ("avx512vnni", "avx512", "avx2")  # the forms with packed products (engine/native/packed_x16.c)
+NATIVE_ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "portable")
+# the level each asks the native library for (kernels.h ISA_*, checked against the library by the tests): a kernel
+# runs its best form at or below it that the CPU has
+ISA_LEVEL = {"portable": 0, "avx2": 1, "avxvnni": 2, "avx512": 3, "avx512vnni": 4}
+PACKED_ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the forms with packed products (engine/native/packed_x16.c)
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,8 @@ class Backend:
 
     @property
     def packs(self) -> bool:
-        """Q4_K, Q6_K and Q8_0 weights interleaved 16 rows at a time for the packed products (VNNI and AVX2 forms;
-        AVX512 without VNNI runs the AVX2 one)."""
+        """Q4_K, Q6_K and Q8_0 weights interleaved 16 rows at a time for the packed products (VNNI, AVX-VNNI and
+        AVX2 forms; AVX512 without VNNI runs the AVX-VNNI one where the CPU has it, else the AVX2 one)."""
         return self.isa in PACKED_ISAS and self.copies
 
     def on(self, device: torch.device | str) -> Backend:
@@ -156,6 +159,8 @@ def available_backends() -> list[Backend]:
             out.append(Backend("native", "avx512vnni"))
         if native.cpu_avx512():
             out.append(Backend("native", "avx512"))
+        if native.cpu_avxvnni():
+            out.append(Backend("native", "avxvnni"))
         if native.cpu_avx2():
             out.append(Backend("native", "avx2"))
         out.append(Backend("native", "portable"))

@@ -207,7 +207,8 @@ MAX_DV = _number("MAX_DV")  # the widest GDN value head gdn_recurrence takes
 GROUP = _number("GROUP")  # rows interleaved in a packed weight
 SKETCH_BLOCK = _number("SKETCH_BLOCK")  # values per block of a head sketch (sketch.c)
 PACKED_CODE = {t: _number(f"T_{t.name}_PACKED") for t in (QT.Q8_0, QT.Q4_K, QT.Q6_K)}  # kernels.h's T_*_PACKED
-_CPU_AVX512, _CPU_VNNI, _CPU_AVX2 = _number("CPU_AVX512"), _number("CPU_VNNI"), _number("CPU_AVX2")  # cpu_features()
+# cpu_features() bits
+_CPU_AVX512, _CPU_VNNI, _CPU_AVX2, _CPU_AVXVNNI = (_number(f"CPU_{n}") for n in ("AVX512", "VNNI", "AVX2", "AVXVNNI"))
 
 
 def _trace_sections() -> tuple[str, ...]:
@@ -275,6 +276,12 @@ def cpu_vnni() -> bool:
     """AVX512-VNNI: the packed (16 rows interleaved) products' dpbusd form (AVX2 packs too, with maddubs/madd) and
     the stored-order Q8_0 product's dpbusd form."""
     return LIB is not None and bool(LIB.cpu_features() & _CPU_VNNI)
+
+
+def cpu_avxvnni() -> bool:
+    """AVX2 and the VEX AVX-VNNI (Intel desktop cores from Alder Lake on): the 256-bit packed and Q8_0 products'
+    dpbusd form."""
+    return LIB is not None and bool(LIB.cpu_features() & _CPU_AVXVNNI)
 
 
 def cpu_avx2() -> bool:
