@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine.generate
+from engine import ops
 from engine.batch import Batch
 from engine.consume import collect
 from engine.events import Done, GenerationConfig, Stats, Token
@@ -158,3 +159,46 @@ def test_forward_many_gives_each_sequence_its_own_bits_in_both_forms(eng) -> Non
         rows = list(res.logits)
         assert all(torch.equal(r, w[step]) for r, w in zip(rows, want)), step
     assert all(len(runner.many.times[(3, form)]) >= ManyChoice.TRY for form in (True, False))
+
+
+def test_one_native_call_over_sequences_of_several_rows_gives_each_its_own_bits(eng) -> None:
+    """The fused step over several sequences at once (layer.c decoder_layers_many), sequences of 1, 3 and 2 new rows
+    at different positions: each row's hidden state and logits are those of its sequence's own pass, and every cache
+    holds what its own passes leave (the next step from it gives the same logits again)."""
+    runner = Runner(eng.model, step_graphs="off")
+    step = runner.step
+    assert step is not None and step.embeds
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[:3]]
+    news = [[11], [12, 13, 14], [15, 16]]
+
+    def alone() -> tuple[list, list]:
+        caches = [runner.new_cache(256) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            runner.forward(p, c)
+        return [runner.forward(t, c, logit_rows="all") for t, c in zip(news, caches)], caches
+
+    want, want_caches = alone()
+    caches = [runner.new_cache(256) for _ in prompts]  # the same states again, then the new rows of all in one call
+    for p, c in zip(prompts, caches):
+        runner.forward(p, c)
+    h, logits = step.many(news, caches, eng.model.rope(eng.model.device), True)
+    assert logits is not None
+    at = 0
+    for w, t in zip(want, news):
+        assert torch.equal(h[at:at + len(t)], w.hidden) and torch.equal(logits[at:at + len(t)], w.logits)
+        at += len(t)
+    for c, t, wc in zip(caches, news, want_caches):
+        c.pos += len(t)
+        nxt = [int(logits[0].argmax())]
+        assert torch.equal(runner.forward(nxt, c).logits, runner.forward(nxt, wc).logits)
+    # a step that does not embed takes the rows made by the model's embedding, with the same bits
+    m = eng.model
+    plain = ops.fuse_step(runner.fused, [layer.il for layer in m.layers], [None] * len(m.layers), m.output_norm,
+                          m.hp.rms_eps, m.output)
+    assert plain is not None and not plain.embeds
+    caches = [runner.new_cache(256) for _ in prompts]
+    for p, c in zip(prompts, caches):
+        runner.forward(p, c)
+    x = m.embed([t for toks in news for t in toks]).float().contiguous()
+    h2, logits2 = plain.many(news, caches, m.rope(m.device), True, x)
+    assert torch.equal(h2, h) and torch.equal(logits2, logits)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ The engine and the drafter call `Runner.forward` and `HeadRunner.forward`, nothi
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -234,14 +235,26 @@ class Runner:
         together = self.many.pick(len(caches))
         t0 = time.perf_counter_ns()
         if together:
-            parts, start = [], 0
             for toks, cache in zip(tokens, caches):
                 check_room(cache, cache.pos, len(toks))
-                parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
-                start += len(toks)
-            res = self.model.several(self.model.embed([t for toks in tokens for t in toks]), parts)
-            for p in parts:
-                p.cache.pos += p.at.n
+            m, step = self.model, self.step
+            if step is not None and all(len(t) <= STEP_ROWS for t in tokens):
+                ids = [list(t) for t in tokens]
+                x = None if step.embeds else m.embed([t for toks in ids for t in toks]).float().contiguous()
+                h, logits = step.many(ids, list(caches), m.rope(m.device), True, x)
+                if logits is None:
+                    logits = ops.linear(h, m.output)
+                if len(h) > len(tokens):  # a sequence of several rows: the logits after its last
+                    logits = logits[[end - 1 for end in itertools.accumulate(len(t) for t in tokens)]]
+                res = ForwardResult(h, logits, None)
+            else:
+                parts, start = [], 0
+                for toks, cache in zip(tokens, caches):
+                    parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
+                    start += len(toks)
+                res = self.model.several(m.embed([t for toks in tokens for t in toks]), parts)
+            for toks, cache in zip(tokens, caches):
+                cache.pos += len(toks)
         else:
             each = [self.forward(list(toks), cache) for toks, cache in zip(tokens, caches)]
             res = ForwardResult(torch.cat([r.hidden for r in each]), torch.cat([r.logits for r in each]), None)

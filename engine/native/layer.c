@@ -85,37 +85,49 @@ static void columns(const float *src, int64_t n, int64_t ld, int64_t c0, int64_t
     for (int64_t t = 0; t < n; t++) memcpy(dst + t * w, src + t * ld + c0, (size_t)w * sizeof(float));
 }
 
-/* Gated DeltaNet: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedDeltaNet) */
-static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *a, float *y) {
+/* Gated DeltaNet: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedDeltaNet). The pass's rows are those of
+ * the sequences sq[0 … n_seq) in order (one sequence: sq[0] is p), each with its own conv and recurrent state: the
+ * projections, the gate and the norm run over all rows at once, the conv and the recurrence over each sequence's. */
+static int gdn_mixer(const GdnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
+                     const float *a, float *y) {
     const int64_t n = p->n, c = w->c, kk = w->kk, hv = w->hv, hk = w->hk, dk = w->dk, dv = w->dv;
     const int64_t zw = hv * dv, ld = c + zw + 2 * hv, qk = hk * dk;
+    int64_t widest = 0;
+    for (int64_t j = 0; j < n_seq; j++) widest = sq[j]->n > widest ? sq[j]->n : widest;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
     float *s = malloc((size_t)(n * (5 * hv + c + 3 * zw + 2 * qk)) * sizeof(float));
-    /* no window given: a scratch one, and the new conv state is written back over the old one (in place) */
-    float *window = p->window ? p->window : malloc((size_t)((kk - 1 + n) * c) * sizeof(float));
+    /* a sequence given no window: a scratch one, and its new conv state is written back over the old one (in place) */
+    float *scratch_window = malloc((size_t)((kk - 1 + widest) * c) * sizeof(float));
     int rc = RC_NO_MEMORY;
-    if (!proj || !s || !window) goto done;
+    if (!proj || !s || !scratch_window) goto done;
     float *b = s, *al = b + n * hv, *g = al + n * hv, *u = g + n * hv, *o = u + n * c, *z = o + n * zw;
-    float *q = p->q ? p->q : z + n * zw, *k = p->k ? p->k : z + n * zw + n * qk;
-    float *v = p->v ? p->v : z + n * zw + 2 * n * qk, *beta = p->beta ? p->beta : z + 2 * n * zw + 2 * n * qk;
-    float *decay = p->decay ? p->decay : z + 2 * n * zw + 2 * n * qk + n * hv;
+    float *q0 = z + n * zw, *k0 = q0 + n * qk, *v0 = k0 + n * qk, *beta0 = z + 2 * n * zw + 2 * n * qk;
+    float *decay0 = beta0 + n * hv;
     if (project_parts(&w->in, a, n, proj, p->threads, p->isa)) goto done;
     /* the recurrence reads the state next: the workers fetch it while this thread makes the recurrence's inputs */
-    const Ahead state = {(const char *)p->s_in, (const char *)(p->s_in + hv * dk * dv), 0};
+    const Ahead state = {(const char *)sq[0]->s_in, (const char *)(sq[0]->s_in + hv * dk * dv), 0};
     pool_prefetch(p->threads, &state, 1);
-    memcpy(window, p->conv, (size_t)((kk - 1) * c) * sizeof(float));
-    columns(proj, n, ld, 0, c, window + (kk - 1) * c);
-    columns(proj, n, ld, c + zw, hv, b);
-    columns(proj, n, ld, c + zw + hv, hv, al);
-    gdn_inputs(window, w->taps, n, c, kk, b, al, w->A, w->dt_bias, hv, hk, dk, eps,
-               (float)(1.0 / sqrt((double)dk)), u, q, k, beta, g);
-    columns(u, n, c, 2 * qk, zw, v);
-    exp_rows(g, n * hv, decay);
-    trace_mark(TRACE_GDN_INPUTS, 0);
-    rc = gdn_recurrence(q, k, v, beta, decay, p->s_in, p->s_out, o, n, hv, hk, dk, dv,
-                        threads_for(n * hv * dk * dv, p->threads), p->isa);
-    if (rc) goto done;
-    trace_mark(TRACE_RECURRENCE, 0);
+    for (int64_t j = 0, r = 0; j < n_seq; r += sq[j]->n, j++) {
+        const LayerPass *e = sq[j];
+        const int64_t m = e->n;
+        float *window = e->window ? e->window : scratch_window;
+        float *q = e->q ? e->q : q0 + r * qk, *k = e->k ? e->k : k0 + r * qk, *v = e->v ? e->v : v0 + r * zw;
+        float *beta = e->beta ? e->beta : beta0 + r * hv, *decay = e->decay ? e->decay : decay0 + r * hv;
+        memcpy(window, e->conv, (size_t)((kk - 1) * c) * sizeof(float));
+        columns(proj + r * ld, m, ld, 0, c, window + (kk - 1) * c);
+        columns(proj + r * ld, m, ld, c + zw, hv, b + r * hv);
+        columns(proj + r * ld, m, ld, c + zw + hv, hv, al + r * hv);
+        gdn_inputs(window, w->taps, m, c, kk, b + r * hv, al + r * hv, w->A, w->dt_bias, hv, hk, dk, eps,
+                   (float)(1.0 / sqrt((double)dk)), u + r * c, q, k, beta, g + r * hv);
+        columns(u + r * c, m, c, 2 * qk, zw, v);
+        exp_rows(g + r * hv, m * hv, decay);
+        trace_mark(TRACE_GDN_INPUTS, 0);
+        rc = gdn_recurrence(q, k, v, beta, decay, e->s_in, e->s_out, o + r * zw, m, hv, hk, dk, dv,
+                            threads_for(m * hv * dk * dv, p->threads), p->isa);
+        if (rc) goto done;
+        trace_mark(TRACE_RECURRENCE, 0);
+        if (!e->window) memcpy((float *)e->conv, window + m * c, (size_t)((kk - 1) * c) * sizeof(float));
+    }
     const Ahead out = bytes_of(&w->out);  /* and the output projection while this thread gates and norms */
     pool_prefetch(p->threads, &out, 1);
     columns(proj, n, ld, c, zw, z);
@@ -123,16 +135,17 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, float eps, const float *
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
     trace_mark(TRACE_GATED_NORM, 0);
     rc = project(w->out, o, n, y, p->threads, p->isa);
-    if (!p->window) memcpy((float *)p->conv, window + n * c, (size_t)((kk - 1) * c) * sizeof(float));
 done:
-    if (!p->window) free(window);
+    free(scratch_window);
     free(proj), free(s);
     return rc;
 }
 
-/* Gated attention: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedAttention); writes the pass's keys and
- * values into the cache rows pos … pos + n − 1 */
-static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float *a, float *y) {
+/* Gated attention: a [n, d] (normed) → y [n, d] (engine.models.qwen35.GatedAttention), the rows those of the
+ * sequences sq[0 … n_seq) in order as for gdn_mixer; writes each sequence's keys and values into its cache rows
+ * pos … pos + its n − 1 and attends over its own cache */
+static int attn_mixer(const AttnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
+                      const float *a, float *y) {
     const int64_t n = p->n, h = w->h, hkv = w->h_kv, dk = w->dk, dv = w->dv;
     const int64_t ld = 2 * h * dk + hkv * dk + hkv * dv;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
@@ -149,13 +162,18 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, float eps, const float
     columns(proj, n, ld, 2 * h * dk, hkv * dk, k);
     norm_rows(q, n * h, dk, w->q_norm, NULL, eps, 0, 1.f, q);
     norm_rows(k, n * hkv, dk, w->k_norm, NULL, eps, 0, 1.f, k);
-    rope_neox(q, n, h, dk, w->n_rot, p->cos_t, p->sin_t);
-    rope_neox(k, n, hkv, dk, w->n_rot, p->cos_t, p->sin_t);
-    memcpy(p->kc + p->pos * hkv * dk, k, (size_t)(n * hkv * dk) * sizeof(float));
-    columns(proj, n, ld, 2 * h * dk + hkv * dk, hkv * dv, p->vc + p->pos * hkv * dv);
-    if (attention_causal(q, p->kc, p->vc, o, n, p->pos, h, hkv, dk, dv, w->scale,
-                         threads_for(n * h * (p->pos + n) * (dk + dv), p->threads), p->isa))
-        goto done;
+    for (int64_t j = 0, r = 0; j < n_seq; r += sq[j]->n, j++) {
+        const LayerPass *e = sq[j];
+        const int64_t m = e->n;
+        float *qj = q + r * h * dk, *kj = k + r * hkv * dk;
+        rope_neox(qj, m, h, dk, w->n_rot, e->cos_t, e->sin_t);
+        rope_neox(kj, m, hkv, dk, w->n_rot, e->cos_t, e->sin_t);
+        memcpy(e->kc + e->pos * hkv * dk, kj, (size_t)(m * hkv * dk) * sizeof(float));
+        columns(proj + r * ld, m, ld, 2 * h * dk + hkv * dk, hkv * dv, e->vc + e->pos * hkv * dv);
+        if (attention_causal(qj, e->kc, e->vc, o + r * h * dv, m, e->pos, h, hkv, dk, dv, w->scale,
+                             threads_for(m * h * (e->pos + m) * (dk + dv), p->threads), p->isa))
+            goto done;
+    }
     for (int64_t t = 0; t < n; t++)  /* o ⊙ sigmoid(gate): the gate rows follow each head's query rows */
         for (int64_t hh = 0; hh < h; hh++) {
             float *oh = o + (t * h + hh) * dv;
@@ -200,9 +218,9 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
     return rc;
 }
 
-/* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)). Returns 0, or the failure of a call it makes
- * (RC_NO_MEMORY, RC_EXPERT_ID, RC_MAX_EXPERTS, RC_MAX_DV). */
-int decoder_layer(const LayerW *w, const LayerPass *p) {
+/* The layer over the rows of the sequences sq[0 … n_seq) (one: p itself): x ← h + ffn(norm(h)), h = x + mixer(norm(x)).
+ * p gives the pass's rows (x, n), threads, isa and routing buffers; each sq[j] its n rows' state and positions. */
+static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq) {
     const int64_t n = p->n, d = w->d;
     float *buf = malloc((size_t)(3 * n * d) * sizeof(float));
     if (!buf) return RC_NO_MEMORY;
@@ -210,7 +228,8 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     trace_restart();
     norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
     trace_mark(TRACE_NORM, 0);
-    int rc = w->attention ? attn_mixer(&w->attn, p, w->eps, a, y) : gdn_mixer(&w->gdn, p, w->eps, a, y);
+    int rc = w->attention ? attn_mixer(&w->attn, p, sq, n_seq, w->eps, a, y)
+                          : gdn_mixer(&w->gdn, p, sq, n_seq, w->eps, a, y);
     if (rc == 0) {
         for (int64_t i = 0; i < n * d; i++) h[i] = p->x[i] + y[i];
         norm_rows(h, n, d, w->post_norm, NULL, w->eps, 0, 1.f, a);
@@ -225,15 +244,21 @@ int decoder_layer(const LayerW *w, const LayerPass *p) {
     return rc;
 }
 
+/* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)), over one sequence's pass. Returns 0, or the failure of a
+ * call it makes (RC_NO_MEMORY, RC_EXPERT_ID, RC_MAX_EXPERTS, RC_MAX_DV). */
+int decoder_layer(const LayerW *w, const LayerPass *p) {
+    return layer_over(w, p, &p, 1);
+}
+
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out);
 
-/* A decode step's layers in one call: `in` when given, then layer i over p[i] in order, each reading x [n, d] and
- * leaving its output there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as
- * decoder_layer, or as dequant_rows for the embeddings (RC_ROW_ID: a token id outside the table); on an error, the
- * layer's index in *failed (-1: the embedding, n_layers: the head). */
-int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
-                   const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
+/* The embeddings (`in`, where given) of x's n rows, then layer i over p[i] for every layer, then the output norm and
+ * head (`out`, where given); each layer's rows are those of the sequences sq[i·n_seq … i·n_seq + n_seq) in order
+ * (sq NULL: one sequence, p[i] itself), sequence j's at positions pos[j] … (RoPE rows cos_t[j], sin_t[j]) */
+static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
+                     float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
+                     const StepIn *in, const StepOut *out, int64_t *failed) {
     if (in) {
         const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
         if (rc) {
@@ -242,8 +267,16 @@ int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float
         }
     }
     for (int64_t i = 0; i < n_layers; i++) {
-        p[i].x = x, p[i].n = n, p[i].pos = pos, p[i].cos_t = cos_t, p[i].sin_t = sin_t;
-        const int rc = decoder_layer(w[i], &p[i]);
+        p[i].x = x, p[i].n = n;
+        int rc;
+        if (sq) {
+            LayerPass *const *si = sq + i * n_seq;
+            for (int64_t j = 0; j < n_seq; j++) si[j]->pos = pos[j], si[j]->cos_t = cos_t[j], si[j]->sin_t = sin_t[j];
+            rc = layer_over(w[i], &p[i], (const LayerPass *const *)si, n_seq);
+        } else {
+            p[i].pos = pos[0], p[i].cos_t = cos_t[0], p[i].sin_t = sin_t[0];
+            rc = decoder_layer(w[i], &p[i]);
+        }
         if (rc) {
             *failed = i;
             return rc;
@@ -257,4 +290,25 @@ int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float
         return RC_NO_MEMORY;
     }
     return 0;
+}
+
+/* A decode step's layers in one call: `in` when given, then layer i over p[i] in order, each reading x [n, d] and
+ * leaving its output there (the x, n, pos and RoPE rows of every p[i] set here); then `out` when given. Returns as
+ * decoder_layer, or as dequant_rows for the embeddings (RC_ROW_ID: a token id outside the table); on an error, the
+ * layer's index in *failed (-1: the embedding, n_layers: the head). */
+int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
+                   const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
+    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, out, failed);
+}
+
+/* The same step over the rows of several sequences (the server's parallel requests): x [n, d] holds sequence j's
+ * n_j rows after those of the sequences before it (n = Σ n_j); p[i] gives layer i's threads, isa and routing buffers
+ * for all n rows; sq[i · n_seq + j] sequence j's state in layer i (its conv window, recurrent state, recurrence
+ * inputs, KV cache: the fields decoder_layer reads from a pass), its n_j, and here its position pos[j] and RoPE rows
+ * cos_t[j], sin_t[j]. The projections, the MoE and the head read their weights once for all rows; each sequence's
+ * conv, recurrence and attention run over its own state, so every row gets the bits of its sequence's step alone. */
+int decoder_layers_many(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
+                        float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
+                        const StepIn *in, const StepOut *out, int64_t *failed) {
+    return step_over(w, p, sq, n_seq, n_layers, x, n, pos, cos_t, sin_t, in, out, failed);
 }

@@ -226,7 +226,11 @@ class FusedStep:
         self.embeds = self.inp is not None  # __call__ takes token ids
         self._rope: tuple = (None, 0, 0, 0)  # the RoPE tables last given: cos, its and sin's address, row bytes
         self._passes: dict[tuple[int, bool], _Passes] = {}
+        self._shared: dict[int, _Passes] = {}  # many(): the passes over all rows (threads, routing), by their count
+        self._own: dict[tuple[int, int], _Passes] = {}  # many(): each sequence's passes, by its cache and row count
+        self._seq_arrays: dict[tuple[int, ...], ctypes.Array] = {}  # many(): their layer-by-sequence pointer arrays
         self.threads = ThreadChoice()  # one thread or more, per pass size, from the passes' times
+        self.many_threads = ThreadChoice()  # likewise for passes over several sequences (many)
 
     def __call__(self, x: torch.Tensor | list[int], cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -239,20 +243,11 @@ class FusedStep:
         ps = self._passes.get((n, capture is not None))
         if ps is None:
             ps = self._passes[(n, capture is not None)] = _Passes(self, n)
-        b = self.layers[0].backend
-        threads = self.threads.pick(n, b.threads if b.threads is not None else torch.get_num_threads())
-        if threads != ps.threads:
-            for p in ps.ps:
-                p.threads = threads
-            ps.threads = threads
+        threads = self._set_threads(ps, self.threads)
         if cache is not ps.cache:
             ps.bind(cache, self.layers, self.ils)
         after = self._in_place(ps) if capture is None else self._captured(ps, capture)
-        h = torch.empty(n, self.d)
-        lg = torch.empty(n, self.n_vocab) if logits and self.head is not None else None
-        out = self.out
-        out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
-        out.head = self._head if lg is not None else None
+        h, lg = self._outputs(n, logits)
         cos, sin = rope
         if cos is not self._rope[0]:
             self._rope = (cos, cos.data_ptr(), sin.data_ptr(), cos.stride(0) * cos.element_size())
@@ -261,11 +256,81 @@ class FusedStep:
             ps.ids[:n] = ids
             x = ps.x
         t0 = time.perf_counter_ns()
-        native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, out,  # type: ignore[arg-type]
+        native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, self.out,  # type: ignore[arg-type]
                               ps.inp if ids is not None else None)
         self.threads.observe(n, threads, time.perf_counter_ns() - t0)
         if after is not None:
             after()
+        return h, lg
+
+    def many(self, ids: list[list[int]], caches: list[Cache], rope: tuple[torch.Tensor, torch.Tensor], logits: bool,
+             x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new tokens `ids` of several sequences through every layer in one native call (layer.c
+        decoder_layers_many), each sequence's at its cache's positions; where the step does not embed, x gives their
+        embedded rows [n, d] (float32, contiguous, overwritten) in sequence order. The products, the MoE and the head
+        read their weights once for all rows; each sequence's conv, recurrence and attention run over its own state,
+        so each row gets the bits of its sequence's step alone. Caches are not advanced (the caller does, as for
+        __call__)."""
+        sizes = [len(t) for t in ids]
+        n, n_seq = sum(sizes), len(caches)
+        shared = self._shared.get(n)
+        if shared is None:
+            shared = self._shared[n] = _Passes(self, n)
+        threads = self._set_threads(shared, self.many_threads)
+        own = []
+        for cache, k in zip(caches, sizes):
+            ps = self._own.get((id(cache), k))
+            if ps is None or ps.cache is not cache:
+                if len(self._own) >= 64:  # caches come and go with the server's slots: keep those of the recent ones
+                    self._own.clear()
+                ps = self._own[(id(cache), k)] = _Passes(self, k)
+                ps.bind(cache, self.layers, self.ils)
+                for p in ps.ps:
+                    p.n, p.isa = k, self.layers[0].backend.level
+            self._in_place(ps)
+            own.append(ps)
+        key = tuple(id(ps) for ps in own)
+        seqs = self._seq_arrays.get(key)
+        if seqs is None:
+            if len(self._seq_arrays) >= 64:
+                self._seq_arrays.clear()
+            seqs = self._seq_arrays[key] = (ctypes.c_void_p * (len(self.layers) * n_seq))(
+                *[ctypes.addressof(ps.ps[i]) for i in range(len(self.layers)) for ps in own])
+        cos, sin = rope
+        row = cos.stride(0) * cos.element_size()
+        pos = (ctypes.c_int64 * n_seq)(*[c.pos for c in caches])
+        c0, s0 = cos.data_ptr(), sin.data_ptr()
+        cos_t = (ctypes.c_void_p * n_seq)(*[c0 + c.pos * row for c in caches])
+        sin_t = (ctypes.c_void_p * n_seq)(*[s0 + c.pos * row for c in caches])
+        h, lg = self._outputs(n, logits)
+        if x is None:
+            if shared.inp is None:
+                raise ValueError("this step does not embed: give it the sequences' embedded rows")
+            shared.ids[:n] = [t for toks in ids for t in toks]
+        t0 = time.perf_counter_ns()
+        native.decoder_layers_many(self.ws, shared.ps, seqs, n_seq, shared.x if x is None else x, pos, cos_t, sin_t,
+                                   self.out, shared.inp if x is None else None)
+        self.many_threads.observe(n, threads, time.perf_counter_ns() - t0)
+        return h, lg
+
+    def _set_threads(self, ps: _Passes, choice: ThreadChoice) -> int:
+        """The thread count `choice` picks for ps's size, set in its passes where it changed."""
+        b = self.layers[0].backend
+        threads = choice.pick(ps.n, b.threads if b.threads is not None else torch.get_num_threads())
+        if threads != ps.threads:
+            for p in ps.ps:
+                p.threads = threads
+            ps.threads = threads
+        return threads
+
+    def _outputs(self, n: int, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The post-norm hidden rows [n, d] and, where asked and the head is native, the logits [n, V] a pass writes,
+        set in the step's StepOut."""
+        h = torch.empty(n, self.d)
+        lg = torch.empty(n, self.n_vocab) if logits and self.head is not None else None
+        out = self.out
+        out.h, out.logits = h.data_ptr(), lg.data_ptr() if lg is not None else None
+        out.head = self._head if lg is not None else None
         return h, lg
 
     def pass_threads(self, n: int, capture: bool = False) -> list[int]:

@@ -151,6 +151,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "norm_rows": ([_P, _I, _I, _P, _P, ctypes.c_float, _C, ctypes.c_float, _P], None),
     "decoder_layer": ([_P, _P], _C),
     "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P], _C),
+    "decoder_layers_many": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P], _C),
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
@@ -568,6 +569,19 @@ def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int
     rc = LIB.decoder_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
                             ctypes.byref(inp) if inp is not None else None,
                             ctypes.byref(out) if out is not None else None, ctypes.byref(failed))
+    _check(rc, "the embedding table" if failed.value == -1 else f"layer {failed.value}")
+
+
+def decoder_layers_many(ws: ctypes.Array, ps: ctypes.Array, seqs: ctypes.Array, n_seq: int, x: torch.Tensor,
+                        pos: ctypes.Array, cos_t: ctypes.Array, sin_t: ctypes.Array, out: StepOut | None = None,
+                        inp: StepIn | None = None) -> None:
+    """engine/native/layer.c decoder_layers_many: decoder_layers over the rows of n_seq sequences (x's rows in their
+    order): ps the passes for all rows (threads, routing), seqs [layers · n_seq] pointers to each sequence's pass in
+    each layer (its state and row count), pos / cos_t / sin_t (int64, addresses) per sequence."""
+    failed = ctypes.c_int64(-1)
+    rc = LIB.decoder_layers_many(ws, ps, seqs, n_seq, len(ws), x.data_ptr(), x.shape[0],  # type: ignore[union-attr]
+                                 pos, cos_t, sin_t, ctypes.byref(inp) if inp is not None else None,
+                                 ctypes.byref(out) if out is not None else None, ctypes.byref(failed))
     _check(rc, "the embedding table" if failed.value == -1 else f"layer {failed.value}")
 
 
