@@ -466,6 +466,33 @@ def _constrain(d: dict) -> list[str]:
     return out + ["", f"Mask pieces (µs unless named): {pieces}.", ""]
 
 
+def _sampling(d: dict) -> list[str]:
+    out = ["## Sampling per token (`bench/sampling.py`)", "",
+           f"`{d['command']}` ({d['date']}, commit {d['git']['commit'][:10]}, {d['machine'].get('cpu_model', '?')}, one "
+           "thread): `Sampler.sample` on one random logit row (the candidates only) against the distribution's "
+           "definition over the whole row (the whole row sorted for top-p, multinomial over the whole row), same run.",
+           "", "| vocabulary | setting | sample µs | whole row µs | × |", "|---|---|---|---|---|"]
+    out += [f"| {c['vocab']:,} | {c['setting']} | {c['sample_us']:.0f} | {c['whole_row_us']:.0f} | {c['speedup']:.1f} |"
+            for c in d["cases"]]
+    return out + [""]
+
+
+def _server_parallel(d: dict) -> list[str]:
+    out = ["## Parallel requests vs llama.cpp's n_parallel (`bench/server_parallel.py`)", "",
+           f"`{d.get('command', 'python bench/server_parallel.py')}` ({d.get('date', '?')}, commit "
+           f"{d['git']['commit'][:10]}, {d['machine'].get('cpu_model', '?')}, {d['machine']['threads']} threads, "
+           f"{d['llama_cpp']}): {d['what']}; aggregate decode tok/s (best round), ours --parallel {d['parallel']}.", "",
+           "| model | clients | ours aggregate | ours per request | llama.cpp aggregate | llama.cpp per request | "
+           "ours × one client | median ours / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    for name, c in d["cases"].items():
+        for k, v in c["summary"].items():
+            o, ll = v["ours"], v["llama.cpp"]
+            out.append(f"| {name} | {k} | {o['aggregate_tok_s']:.1f} | {o['per_request_tok_s_mean']:.1f} | "
+                       f"{ll['aggregate_tok_s']:.1f} | {ll['per_request_tok_s_mean']:.1f} | "
+                       f"{c['scaling_vs_one_client']['ours'][k]:.2f} | {v['ours_vs_llama_median_ratio']:.2f} |")
+    return out + [""]
+
+
 def _scale(d: dict) -> list[str]:
     out = ["## Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes (`bench/scale.py`)", "",
            f"`{d['command']}` ({d['date']}, {d['machine'].get('cpu_model', '')}, {d['machine']['threads']} threads, "
@@ -614,7 +641,9 @@ def main() -> None:
                      ("products_kquant_avx512", _products), ("constrain", _constrain), ("constrain_mid", _constrain),
                      ("sweep", sweep_section), ("sweep_9b", sweep_section), ("sweep_9b_stored_avx512", sweep_section),
                      ("sweep_kquant_avx512", sweep_section),
-                     ("sweep_08b", sweep_section), ("sweep_more", sweep_section)):
+                     ("sweep_08b", sweep_section), ("sweep_more", sweep_section),
+                     ("products_avxvnni", _products), ("sweep_avxvnni", sweep_section), ("sampling", _sampling),
+                     ("server_parallel", _server_parallel)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

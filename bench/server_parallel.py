@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -231,6 +232,8 @@ def main() -> None:
     counts = [int(c) for c in args.clients.split(",")]
     result: dict = {"what": "decode tok/s with 1, 2, 4 concurrent clients: ours serve --parallel 4 vs llama.cpp's "
                             "server n_parallel 4, same file, plain greedy, streamed /v1/completions",
+                    "command": " ".join(["python", *sys.argv]),
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(args.threads), "git": git_info(),
                     "llama_cpp": f"xllamacpp {xllamacpp.__version__}", "parallel": PARALLEL, "cases": {}}
     for name in args.models.split(","):
