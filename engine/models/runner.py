@@ -87,6 +87,11 @@ class HeadRunner:
         self.trunk_device = head.model.device  # where the trunk's hidden rows are
         fused = ops.fuse_layer(head.layer.spec(), head.layer.backend)
         self.fused = fused if isinstance(fused, ops.FusedLayer) else None
+        # a draft pass in one native call where every piece is native and on the CPU (its input rows, the layer, the
+        # shared head norm): the dozen small ops around the layer were most of a draft's time on small models
+        self.step = ops.fuse_mtp_step(self.fused, head.il, head.eh_proj, head.enorm, head.hnorm, head.head_norm,
+                                      head.hp.rms_eps, head.embed, head.head) \
+            if head.device.type == "cpu" and not head.enorm.requires_grad else None
         ops.prepare_draft_logits(head.head)  # the head's sketch, made with the model (1 s for a 248k vocabulary)
 
     def new_cache(self, n_ctx: int) -> Cache:
@@ -98,6 +103,8 @@ class HeadRunner:
         if hook is not None:
             return self.head.forward(tokens, hidden, cache, logit_rows=logit_rows, hook=hook)
         head = self.head
+        if self.step is not None and self.graphs is None and len(tokens) <= STEP_ROWS:
+            return self._step(tokens, hidden, cache, logit_rows)
         ids = id_tensor(tokens).reshape(-1)  # type: ignore[arg-type]
         n, pos = ids.numel(), cache.pos
         check_room(cache, pos, n)
@@ -110,6 +117,26 @@ class HeadRunner:
             res = head.finish(x, logit_rows)
         cache.pos = pos + n
         return res
+
+
+    def _step(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache,
+              logit_rows: str) -> ForwardResult:
+        """The head's pass in one native call (`step`), then the logits `logit_rows` asks for (MTPHead.finish's)."""
+        head, step = self.head, self.step
+        assert step is not None
+        ids = [int(t) for t in tokens] if not isinstance(tokens, list) else tokens
+        n, pos = len(ids), cache.pos
+        check_room(cache, pos, n)
+        rows = hidden.to(device=self.device, dtype=torch.float32).contiguous()
+        out, logits = step(ids, cache, pos, head.model.rope(self.device), logit_rows != "none", hidden=rows)
+        cache.pos = pos + n
+        if logits is not None:  # the head's product came with the call, for every row
+            return ForwardResult(out, logits if logit_rows == "all" else logits[-1:], None)
+        if logit_rows == "draft":
+            logits = ops.draft_logits(out[-1:].to(head.head.device), head.head)
+        elif logit_rows != "none":
+            logits = ops.linear((out if logit_rows == "all" else out[-1:]).to(head.head.device), head.head)
+        return ForwardResult(out, logits, None)
 
 
 class Runner:

@@ -50,6 +50,9 @@ static const BorderEntry BORDER[] = {
     STRUCT(StepIn), FIELD(StepIn, table), FIELD(StepIn, row_bytes), FIELD(StepIn, n_rows), FIELD(StepIn, ids),
     FIELD(StepIn, qtype), FIELD(StepIn, pad),
 
+    STRUCT(MtpIn), FIELD(MtpIn, enorm), FIELD(MtpIn, hnorm), FIELD(MtpIn, hidden), FIELD(MtpIn, eh), FIELD(MtpIn, eps),
+    FIELD(MtpIn, pad),
+
     STRUCT(StepOut), FIELD(StepOut, norm), FIELD(StepOut, eps), FIELD(StepOut, head), FIELD(StepOut, h),
     FIELD(StepOut, logits),
 

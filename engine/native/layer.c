@@ -258,9 +258,28 @@ int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows,
  * (sq NULL: one sequence, p[i] itself), sequence j's at positions pos[j] … (RoPE rows cos_t[j], sin_t[j]) */
 static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
                      float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
-                     const StepIn *in, const StepOut *out, int64_t *failed) {
+                     const StepIn *in, const MtpIn *mtp, const StepOut *out, int64_t *failed) {
     if (in) {
         const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
+        if (rc) {
+            *failed = -1;
+            return rc;
+        }
+    }
+    if (mtp) {  /* the MTP head's input: [RMSNorm(e) ; RMSNorm(hidden)] through eh, into x */
+        const int64_t d = w[0]->d;
+        float *cat = malloc((size_t)(n * 2 * d) * sizeof(float)), *hn = malloc((size_t)(n * d) * sizeof(float));
+        int rc = cat && hn ? 0 : RC_NO_MEMORY;
+        if (rc == 0) {
+            norm_rows(x, n, d, mtp->enorm, NULL, mtp->eps, 0, 1.f, x);
+            norm_rows(mtp->hidden, n, d, mtp->hnorm, NULL, mtp->eps, 0, 1.f, hn);
+            for (int64_t t = 0; t < n; t++) {
+                memcpy(cat + t * 2 * d, x + t * d, (size_t)d * sizeof(float));
+                memcpy(cat + t * 2 * d + d, hn + t * d, (size_t)d * sizeof(float));
+            }
+            rc = project(mtp->eh, cat, n, x, p[0].threads, p[0].isa);
+        }
+        free(cat), free(hn);
         if (rc) {
             *failed = -1;
             return rc;
@@ -298,7 +317,15 @@ static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq,
  * layer's index in *failed (-1: the embedding, n_layers: the head). */
 int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
                    const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
-    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, out, failed);
+    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, NULL, out, failed);
+}
+
+/* decoder_layers for the MTP head's pass (engine.models.mtp): its input rows made from the embeddings of `in` and
+ * mtp's hidden rows, then its layer(s) and `out` (the shared head norm; the head, where given). */
+int mtp_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
+               const float *cos_t, const float *sin_t, const StepIn *in, const MtpIn *mtp, const StepOut *out,
+               int64_t *failed) {
+    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, mtp, out, failed);
 }
 
 /* The same step over the rows of several sequences (the server's parallel requests): x [n, d] holds sequence j's
@@ -310,5 +337,5 @@ int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float
 int decoder_layers_many(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
                         float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
                         const StepIn *in, const StepOut *out, int64_t *failed) {
-    return step_over(w, p, sq, n_seq, n_layers, x, n, pos, cos_t, sin_t, in, out, failed);
+    return step_over(w, p, sq, n_seq, n_layers, x, n, pos, cos_t, sin_t, in, NULL, out, failed);
 }

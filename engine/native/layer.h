@@ -86,6 +86,16 @@ typedef struct {
     int32_t qtype, pad;
 } StepIn;
 
+/* The MTP head's input rows (engine.models.mtp.MTPHead.project), made after the embedding rows e (StepIn) and before
+ * its layer: x ← eh [RMSNorm(e; enorm) ; RMSNorm(hidden; hnorm)]. */
+typedef struct {
+    const float *enorm, *hnorm;  /* [d] */
+    const float *hidden;  /* [n, d]: the trunk's post-norm rows (or the chain's own), set per pass */
+    ExpertStack eh;  /* d × 2d */
+    float eps;
+    int32_t pad;
+} MtpIn;
+
 /* After a step's layers: the output norm into h [n, d] and, where head is given, the LM head's product into
  * logits [n, head->n_rows] (the final norm and head of engine.models.qwen35, the same kernels as the op-by-op
  * path's rms_norm and linear). */

@@ -13,13 +13,13 @@ from engine.ops.delta_rule import delta_rule, delta_rule_chunked, gdn_inputs, po
 from engine.ops.elementwise import sigmoid_gate, silu, silu_mul
 from engine.ops.experts import Experts, MoEOut, Shared, bind_experts, moe_experts, moe_ffn, moe_route
 from engine.ops.layer import (AttentionSpec, DenseSpec, FusedLayer, FusedStep, GDNSpec, LayerSpec, MoESpec, fuse_layer,
-                              fuse_step, link_layers)
+                              fuse_mtp_step, fuse_step, link_layers)
 from engine.ops.linear import Linear, Weight, bind, embedding, linear, linear_many, swiglu
 from engine.ops.norms import l2_norm, rms_norm, rope
 from engine.ops.token_mask import mask_logits, masked_argmax
 
 __all__ = [
-    "AttentionSpec", "DenseSpec", "FusedLayer", "FusedStep", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "fuse_step",
+    "AttentionSpec", "DenseSpec", "FusedLayer", "FusedStep", "GDNSpec", "LayerSpec", "MoESpec", "fuse_layer", "fuse_mtp_step", "fuse_step",
     "link_layers",
     "Positions", "TORCH", "TRITON", "Backend", "Experts", "Int8Layouts", "Linear", "MoEOut", "OpEvent", "QuantRows", "Shared", "Weight",
     "attention", "available_backends", "backend_named", "bind", "bind_experts", "default_backend", "delta_rule", "delta_rule_chunked",

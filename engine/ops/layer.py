@@ -213,15 +213,17 @@ class FusedStep:
     measured times (engine/ops/thread_choice.py: all of the backend's threads, or fewer where they are faster)."""
 
     def __init__(self, layers: list[FusedLayer], ils: list[int], counters: list[torch.Tensor | None],
-                 out_norm: torch.Tensor, eps: float, head: Linear, embd: Weight | None = None):
+                 out_norm: torch.Tensor, eps: float, head: Linear | None, embd: Weight | None = None,
+                 mtp: native.MtpIn | None = None):
         self.layers, self.ils, self.counters = layers, ils, counters
         self.ws = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.w) for layer in layers])
         self._keep: list = []
         self.d, self.out = layers[0].spec.attn_norm.numel(), native.StepOut()
         self.out.norm, self.out.eps = _vec(out_norm, self._keep), eps
-        self.head = _stack(head, self._keep)
+        self.head = _stack(head, self._keep) if head is not None else None
         self._head = ctypes.pointer(self.head) if self.head is not None else None
-        self.n_vocab = head.n_rows
+        self.n_vocab = head.n_rows if head is not None else 0
+        self.mtp = mtp  # the MTP head's step: its input rows from the embeddings and the hidden rows given per pass
         self.inp = _step_in(embd, self.d, self._keep) if embd is not None else None
         self.embeds = self.inp is not None  # __call__ takes token ids
         self._rope: tuple = (None, 0, 0, 0)  # the RoPE tables last given: cos, its and sin's address, row bytes
@@ -233,11 +235,13 @@ class FusedStep:
         self.many_threads = ThreadChoice()  # likewise for passes over several sequences (many)
 
     def __call__(self, x: torch.Tensor | list[int], cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
-                 logits: bool, capture: CapturedStates | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits: bool, capture: CapturedStates | None = None,
+                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pass's rows x [n, d] (float32, contiguous) through every layer (in place, at positions pos…pos+n−1): the
         post-norm hidden rows [n, d] and, with `logits` (and a native head), the logits [n, V]; with `capture`, the
         GDN states after every position go there (as FusedLayer's). Where the step `embeds`, x may be the pass's
-        token ids instead: their embedding rows are made in the same call."""
+        token ids instead: their embedding rows are made in the same call. The MTP head's step (`mtp`) takes the ids
+        and the rows `hidden` [n, d] (float32, contiguous) its input is made from."""
         ids = x if isinstance(x, list) else None
         n = len(ids) if ids is not None else x.shape[0]  # type: ignore[union-attr]
         ps = self._passes.get((n, capture is not None))
@@ -256,8 +260,14 @@ class FusedStep:
             ps.ids[:n] = ids
             x = ps.x
         t0 = time.perf_counter_ns()
-        native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, self.out,  # type: ignore[arg-type]
-                              ps.inp if ids is not None else None)
+        if self.mtp is not None:
+            assert ids is not None and ps.inp is not None and hidden is not None and hidden.shape[0] == n
+            self.mtp.hidden = hidden.data_ptr()
+            native.mtp_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, ps.inp, self.mtp,  # type: ignore[arg-type]
+                              self.out)
+        else:
+            native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, self.out,  # type: ignore[arg-type]
+                                  ps.inp if ids is not None else None)
         self.threads.observe(n, threads, time.perf_counter_ns() - t0)
         if after is not None:
             after()
@@ -384,6 +394,28 @@ def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[to
             or not _floats(out_norm):
         return None
     return FusedStep(layers, ils, counters, out_norm, eps, head, embd)  # type: ignore[arg-type]
+
+
+def fuse_mtp_step(layer: FusedLayer | None, il: int, eh_proj: Linear, enorm: torch.Tensor, hnorm: torch.Tensor,
+                  head_norm: torch.Tensor, eps: float, embd: Weight, head: Linear) -> FusedStep | None:
+    """The MTP head's pass in one call (layer.c mtp_layers): its input rows from the tokens' embeddings and the hidden
+    rows, its layer, the shared head norm, and the head's product where drafts use it whole (a head with a sketch
+    stays with the caller: a draft scores the sketch); None where a piece is not native or not a float32 CPU
+    tensor."""
+    from engine.ops.draft_head import sketch_of
+
+    if layer is None or layer.backend.observer is not None or not isinstance(eh_proj, NativeLinear) \
+            or eh_proj.weight.device.type != "cpu" or not _floats(enorm, hnorm, head_norm):
+        return None
+    keep: list = []
+    mtp = native.MtpIn()
+    mtp.enorm, mtp.hnorm, mtp.eh, mtp.eps = _vec(enorm, keep), _vec(hnorm, keep), _stack(eh_proj, keep), eps
+    whole = isinstance(head, NativeLinear) and head.weight.device.type == "cpu" and sketch_of(head) is None
+    step = FusedStep([layer], [il], [None], head_norm, eps, head if whole else None, embd, mtp)
+    if not step.embeds:
+        return None
+    step._keep += keep
+    return step
 
 
 def _step_in(embd: Weight, d: int, keep: list) -> native.StepIn | None:

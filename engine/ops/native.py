@@ -79,13 +79,20 @@ class StepIn(ctypes.Structure):
                 ("pad", ctypes.c_int32)]
 
 
+class MtpIn(ctypes.Structure):
+    """layer.h's MtpIn: the MTP head's input rows, eh [RMSNorm(e; enorm) ; RMSNorm(hidden; hnorm)]."""
+
+    _fields_ = [("enorm", _P), ("hnorm", _P), ("hidden", _P), ("eh", ExpertStack), ("eps", ctypes.c_float),
+                ("pad", ctypes.c_int32)]
+
+
 class StepOut(ctypes.Structure):
     """layer.h's StepOut: the output norm and LM head after a step's layers, and where their rows go."""
 
     _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", _STACK), ("h", _P), ("logits", _P)]
 
 
-MIRRORS = (ExpertStack, Parts, GdnW, AttnW, FfnW, LayerW, LayerPass, StepIn, StepOut)  # checked against the library at load
+MIRRORS = (ExpertStack, Parts, GdnW, AttnW, FfnW, LayerW, LayerPass, StepIn, MtpIn, StepOut)  # checked against the library at load
 
 
 class LayoutError(RuntimeError):
@@ -152,6 +159,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "decoder_layer": ([_P, _P], _C),
     "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P], _C),
     "decoder_layers_many": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P], _C),
+    "mtp_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P], _C),
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
@@ -570,6 +578,16 @@ def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int
                             ctypes.byref(inp) if inp is not None else None,
                             ctypes.byref(out) if out is not None else None, ctypes.byref(failed))
     _check(rc, "the embedding table" if failed.value == -1 else f"layer {failed.value}")
+
+
+def mtp_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int, cos_t: int, sin_t: int, inp: StepIn,
+               mtp: MtpIn, out: StepOut) -> None:
+    """engine/native/layer.c mtp_layers: decoder_layers for the MTP head, its input rows made from the embeddings of
+    inp's ids and mtp's hidden rows first."""
+    failed = ctypes.c_int64(-1)
+    rc = LIB.mtp_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
+                        ctypes.byref(inp), ctypes.byref(mtp), ctypes.byref(out), ctypes.byref(failed))
+    _check(rc, "the embedding table or the head's input" if failed.value == -1 else f"layer {failed.value}")
 
 
 def decoder_layers_many(ws: ctypes.Array, ps: ctypes.Array, seqs: ctypes.Array, n_seq: int, x: torch.Tensor,
