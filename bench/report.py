@@ -493,6 +493,18 @@ def _server_parallel(d: dict) -> list[str]:
     return out + [""]
 
 
+def _mtp_ab(d: dict) -> list[str]:
+    out = ["## MTP head's pass in one native call, before and after (`bench/mtp.py`, alternating)", "",
+           f"{d['what']}. Command: `{d['command']}`.", "",
+           "| run | off tok/s | k3 tok/s | k3 × off | auto × off |", "|---|---|---|---|---|"]
+    for name, r in d["runs"].items():
+        for model, m in r["models"].items():
+            st = m["settings"]
+            out.append(f"| {name} ({model}) | {st['off']['decode_tok_s']:.0f} | {st['k3']['decode_tok_s']:.0f} | "
+                       f"{st['k3']['speedup_over_off']:.2f} | {st['auto']['speedup_over_off']:.2f} |")
+    return out + [""]
+
+
 def _scale(d: dict) -> list[str]:
     out = ["## Real scale: Qwen3.6-35B-A3B and Qwen3.5-9B shapes (`bench/scale.py`)", "",
            f"`{d['command']}` ({d['date']}, {d['machine'].get('cpu_model', '')}, {d['machine']['threads']} threads, "
@@ -643,7 +655,7 @@ def main() -> None:
                      ("sweep_kquant_avx512", sweep_section),
                      ("sweep_08b", sweep_section), ("sweep_more", sweep_section),
                      ("products_avxvnni", _products), ("sweep_avxvnni", sweep_section), ("sampling", _sampling),
-                     ("server_parallel", _server_parallel)):
+                     ("server_parallel", _server_parallel), ("mtp_fused_draft_ab", _mtp_ab)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
