@@ -528,3 +528,17 @@ def test_auto_probes_without_verifying_when_drafts_never_match() -> None:
     # measure decoding (one early miss must not decide), then every THIN_GAP-th until THIN_EVIDENCE drafts were
     # compared, then no more: misses in a row put the next 256 away
     assert drafts == [1] * DepthController.THIN_EVIDENCE
+
+
+def test_a_greedy_draft_takes_torch_argmax_s_token() -> None:
+    """The drafter's greedy token (numpy's argmax on a CPU float32 row) is torch.argmax's: the first maximum on a tie,
+    the first NaN where there is one; other rows go through torch."""
+    from engine.speculative.drafter import _first_max
+
+    g = torch.Generator().manual_seed(2)
+    tie, nan = torch.zeros(9), torch.arange(9, dtype=torch.float32)
+    tie[[2, 6]] = 1.0
+    nan[[3, 5]] = float("nan")
+    for row in [torch.randn(5000, generator=g), tie, nan, torch.randn(3, 50, generator=g)[1], torch.randn(40).half()]:
+        assert _first_max(row) == int(torch.argmax(row))
+    assert _first_max(tie) == 2 and _first_max(nan) == 3

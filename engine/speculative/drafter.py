@@ -91,7 +91,7 @@ class MTPDrafter:
                 logits = res.logits[-1]
                 if sampler.cfg.greedy:
                     q = None
-                    tok = int(torch.argmax(sampler.penalized(logits, hist))) if matcher is None else \
+                    tok = _first_max(sampler.penalized(logits, hist)) if matcher is None else \
                         sampler.pick(logits, hist, matcher)
                 else:
                     q = sampler.distribution(logits, hist, matcher)
@@ -124,3 +124,11 @@ class MTPDrafter:
         self.cache.truncate(self._committed)
         self.last_hidden = verify_hidden[0]
         self.push(tokens[1:kept + 1], verify_hidden[1:kept + 1])
+
+
+def _first_max(row: torch.Tensor) -> int:
+    """torch.argmax's index of a logit row (a NaN counts as a maximum: a draft from such a row is simply rejected),
+    through numpy where the row is a CPU float32 vector (a draft's ops run with the interpreter's caches cold)."""
+    if row.is_cpu and row.dtype == torch.float32 and row.dim() == 1 and not row.requires_grad:
+        return int(row.numpy().argmax())
+    return int(torch.argmax(row))
