@@ -655,7 +655,8 @@ def main() -> None:
                      ("sweep_kquant_avx512", sweep_section),
                      ("sweep_08b", sweep_section), ("sweep_more", sweep_section),
                      ("products_avxvnni", _products), ("sweep_avxvnni", sweep_section), ("sampling", _sampling),
-                     ("server_parallel", _server_parallel), ("mtp_fused_draft_ab", _mtp_ab)):
+                     ("server_parallel", _server_parallel), ("mtp_fused_draft_ab", _mtp_ab),
+                     ("mtp_speedup_p099_fused", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
