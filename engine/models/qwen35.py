@@ -272,7 +272,10 @@ class RoutingStats:
             return self._counts
         out = dict(self._counts)
         for layer, c in self._live.items():
-            out[layer] = out[layer] + c.cpu() if layer in out else c.cpu().clone()
+            if layer in out:
+                out[layer] = out[layer] + c.cpu()
+            elif bool(c.any()):  # a counter made where passes will count (a fused step's) holds nothing until they do
+                out[layer] = c.cpu().clone()
         return out
 
 

@@ -89,8 +89,8 @@ class HeadRunner:
         self.fused = fused if isinstance(fused, ops.FusedLayer) else None
         # a draft pass in one native call where every piece is native and on the CPU (its input rows, the layer, the
         # shared head norm): the dozen small ops around the layer were most of a draft's time on small models
-        self.step = ops.fuse_mtp_step(self.fused, head.il, head.eh_proj, head.enorm, head.hnorm, head.head_norm,
-                                      head.hp.rms_eps, head.embed, head.head) \
+        self.step = ops.fuse_mtp_step(self.fused, head.il, head.layer.routing_counter(), head.eh_proj, head.enorm,
+                                      head.hnorm, head.head_norm, head.hp.rms_eps, head.embed, head.head) \
             if head.device.type == "cpu" and not head.enorm.requires_grad else None
         ops.prepare_draft_logits(head.head)  # the head's sketch, made with the model (1 s for a 248k vocabulary)
 
@@ -117,7 +117,6 @@ class HeadRunner:
             res = head.finish(x, logit_rows)
         cache.pos = pos + n
         return res
-
 
     def _step(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache,
               logit_rows: str) -> ForwardResult:

@@ -396,12 +396,13 @@ def fuse_step(layers: list[FusedLayer | None], ils: list[int], counters: list[to
     return FusedStep(layers, ils, counters, out_norm, eps, head, embd)  # type: ignore[arg-type]
 
 
-def fuse_mtp_step(layer: FusedLayer | None, il: int, eh_proj: Linear, enorm: torch.Tensor, hnorm: torch.Tensor,
-                  head_norm: torch.Tensor, eps: float, embd: Weight, head: Linear) -> FusedStep | None:
+def fuse_mtp_step(layer: FusedLayer | None, il: int, counter: torch.Tensor | None, eh_proj: Linear,
+                  enorm: torch.Tensor, hnorm: torch.Tensor, head_norm: torch.Tensor, eps: float, embd: Weight,
+                  head: Linear) -> FusedStep | None:
     """The MTP head's pass in one call (layer.c mtp_layers): its input rows from the tokens' embeddings and the hidden
     rows, its layer, the shared head norm, and the head's product where drafts use it whole (a head with a sketch
     stays with the caller: a draft scores the sketch); None where a piece is not native or not a float32 CPU
-    tensor."""
+    tensor. `counter`: where its MoE layer counts its routed ids (as fuse_step's counters)."""
     from engine.ops.draft_head import sketch_of
 
     if layer is None or layer.backend.observer is not None or not isinstance(eh_proj, NativeLinear) \
@@ -411,7 +412,7 @@ def fuse_mtp_step(layer: FusedLayer | None, il: int, eh_proj: Linear, enorm: tor
     mtp = native.MtpIn()
     mtp.enorm, mtp.hnorm, mtp.eh, mtp.eps = _vec(enorm, keep), _vec(hnorm, keep), _stack(eh_proj, keep), eps
     whole = isinstance(head, NativeLinear) and head.weight.device.type == "cpu" and sketch_of(head) is None
-    step = FusedStep([layer], [il], [None], head_norm, eps, head if whole else None, embd, mtp)
+    step = FusedStep([layer], [il], [counter], head_norm, eps, head if whole else None, embd, mtp)
     if not step.embeds:
         return None
     step._keep += keep
