@@ -34,9 +34,10 @@ SETTINGS = {  # name: the setting (a Qwen3.5 card's recommendation, llama.cpp's 
 }
 
 
-def whole_row(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], gen: torch.Generator) -> int:
-    """One token by the definition over the whole row (tests/test_sampling.py's reference)."""
-    x = apply_repetition_penalty(logits, history, cfg).float() / cfg.temperature
+def whole_row_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The sampling distribution by its definition over the whole row: cut at the k-th logit, softmax, min-p, then the
+    whole row sorted for top-p (tests/test_sampling.py's reference too)."""
+    x = logits.float() / cfg.temperature
     if cfg.top_k and cfg.top_k < x.numel():
         x = x.masked_fill(x < torch.topk(x, cfg.top_k).values[-1], float("-inf"))
     p = torch.softmax(x, dim=-1)
@@ -45,7 +46,13 @@ def whole_row(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], gen
     if cfg.top_p < 1.0:
         sp, si = torch.sort(p, descending=True)
         p = p.index_fill(0, si[torch.cumsum(sp, 0) - sp >= cfg.top_p], 0.0)
-    return int(torch.multinomial(p / p.sum(), 1, generator=gen))
+    return p / p.sum()
+
+
+def whole_row(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], gen: torch.Generator) -> int:
+    """One token by the definition over the whole row, drawn from the whole row."""
+    p = whole_row_probs(apply_repetition_penalty(logits, history, cfg), cfg)
+    return int(torch.multinomial(p, 1, generator=gen))
 
 
 def per_call_us(fn, reps: int) -> float:  # type: ignore[no-untyped-def]

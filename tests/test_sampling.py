@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.sampling import whole_row_probs
 from engine.errors import NonFiniteLogitsError
 from engine.sampling import NUCLEUS_FIRST, Sampler, SamplingConfig, apply_repetition_penalty, candidates, probs
 
@@ -49,21 +50,6 @@ def test_top_k_top_p_min_p() -> None:
     assert torch.allclose(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
 
 
-def _whole_row(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """The sampling distribution by its definition over the whole row: cut at the k-th logit, softmax, min-p, then the
-    whole row sorted for top-p."""
-    x = logits.float() / cfg.temperature
-    if cfg.top_k and cfg.top_k < x.numel():
-        x = x.masked_fill(x < torch.topk(x, cfg.top_k).values[-1], float("-inf"))
-    p = torch.softmax(x, dim=-1)
-    if cfg.min_p > 0:
-        p = p.masked_fill(p < cfg.min_p * p.max(), 0.0)
-    if cfg.top_p < 1.0:
-        sp, si = torch.sort(p, descending=True)
-        p = p.index_fill(0, si[torch.cumsum(sp, 0) - sp >= cfg.top_p], 0.0)
-    return p / p.sum()
-
-
 @pytest.mark.parametrize("cfg", [
     SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05), SamplingConfig(temperature=0.7, top_p=0.8),
     SamplingConfig(temperature=1.3, top_p=0.99), SamplingConfig(temperature=0.6, min_p=0.1),
@@ -76,7 +62,7 @@ def test_candidates_are_the_whole_row_distribution(cfg: SamplingConfig) -> None:
     g = torch.Generator().manual_seed(5)
     for scale in (4.0, 0.05):
         logits = torch.randn(248320, generator=g) * scale
-        want = _whole_row(logits, cfg)
+        want = whole_row_probs(logits, cfg)
         ids, p = candidates(logits, cfg)
         assert set(ids.tolist()) == set(torch.nonzero(want).reshape(-1).tolist()), scale
         assert torch.allclose(p, want[ids], rtol=1e-4, atol=1e-9) and float(p.sum()) == pytest.approx(1.0, abs=1e-5)
