@@ -3,6 +3,7 @@
     python bench/mtp.py [--model PATH ...] [--prompts 48] [--tokens 64] [--rounds 2] [--threads N]
                         [--out bench/results/mtp.json]
     python bench/mtp.py --threads 1 --out bench/results/mtp_1thread.json   # one core
+    python bench/mtp.py --model resources/models/foretell-demo.gguf --settings auto --rounds 6   # auto against off
 
 Two workloads:
 * the embedded default model answering the first `--prompts` held-out evaluation prompts
@@ -125,8 +126,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads (default: every core, as the app runs)")
+    ap.add_argument("--settings", default=",".join(name for name, _, _ in SETTINGS),
+                    help="the settings to run, of " + ", ".join(name for name, _, _ in SETTINGS) + " (off always runs)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mtp.json"))
     args = ap.parse_args()
+    chosen = {"off", *args.settings.split(",")}
+    if not chosen <= {name for name, _, _ in SETTINGS}:
+        ap.error(f"--settings: unknown {sorted(chosen - {name for name, _, _ in SETTINGS})}")
     torch.set_num_threads(args.threads)
     from bench.synthetic import cached
     from engine.storage.modelfile import default_model_path
@@ -141,13 +147,13 @@ def main() -> None:
             items = eval_prompts(240)[:args.prompts]
             prompts = [[Message(m.role, m.content) for m in it.messages] for it in items]
             workload = f"first {len(prompts)} held-out evaluation prompts, replies end at EOS (≤ {args.tokens} tokens)"
-            n, settings = args.tokens, SETTINGS
+            n, settings = args.tokens, [x for x in SETTINGS if x[0] in chosen]
         else:  # random weights: fixed random prompts, full-length runs
             eng.tokenizer.eog_ids = frozenset()
             prompts = [np.random.default_rng(i).integers(0, 250, 32).tolist() for i in range(args.random_prompts)]
             n = args.random_tokens
             workload = f"{len(prompts)} random 32-token prompts, {n} new tokens each, EOS ignored"
-            settings = [x for x in SETTINGS if x[0] in ("off", "k1", "auto")]
+            settings = [x for x in SETTINGS if x[0] in ("off", "k1", "auto") and x[0] in chosen]
         print(f"{path.name}: {workload}", flush=True)
         results[path.name] = {"workload": workload, "settings": bench_model(eng, prompts, n, args.rounds, settings)}
     result = {
