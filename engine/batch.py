@@ -107,7 +107,7 @@ class Sequence:
         if self.todo:
             return
         self.prefilling = False
-        if self.use_mtp:  # the MTP head's cache over the prompt is prompt processing too
+        if self.use_mtp and self.depth.head_at_prefill():  # the head's pass over the prompt: prompt processing too
             self.slot.drafter.catch_up()  # type: ignore[union-attr]
         self.t_prefill = self.t_stats = time.perf_counter()
         logits = self.slot.last_logits

@@ -270,7 +270,8 @@ class Engine:
         if logits is None:
             yield Done("stopped")
             return
-        if use_mtp:  # the MTP head's cache over the prompt is prompt processing too: done before the first token
+        if use_mtp and depth.head_at_prefill():  # type: ignore[union-attr]
+            # the MTP head's cache over the prompt is prompt processing too: done before the first token
             self.drafter.catch_up()  # type: ignore[union-attr]
         t_prefill = time.perf_counter()
         run = Reply(ids, gen, self.tokenizer)

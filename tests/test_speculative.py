@@ -79,8 +79,8 @@ class OracleDrafter(MTPDrafter):
         self.__dict__.update(base.__dict__)
         self.truth, self.prompt_len, self.wrong_every, self.calls = truth, prompt_len, wrong_every, 0
 
-    def draft(self, x, depth, sampler, history, p_min=0.0, matcher=None, confidence=False) -> Draft:
-        d = super().draft(x, depth, sampler, history, 0.0, matcher)
+    def draft(self, x, depth, sampler, history, p_min=0.0, matcher=None, confidence=False, budget_s=None) -> Draft:
+        d = super().draft(x, depth, sampler, history, 0.0, matcher, budget_s=budget_s)
         start = len(history) - self.prompt_len  # index in `truth` of the first draft
         self.calls += 1
         toks = []
@@ -418,43 +418,72 @@ def test_auto_drafting_runs_a_plain_step_now_and_then_to_keep_its_yardstick_curr
     assert c.t_decode < 0.012 and c.choose(100) == 0  # 1.98 tokens per 18 ms lose to one per 8 ms, and deeper
 
 
-def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> None:
-    """Drafts that match on a model too small to gain from them: no shadow probes (they would learn nothing), and
-    the real depth-1 steps that re-measure the costs come after 32, 64, 128, then 256 plain steps while each
-    confirms plain decoding; one that finds drafting worth it resets the interval."""
-    from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+def _cost_check_gaps(mem, costs, verify_s: float, steps: int) -> tuple[list[int], list[bool]]:  # type: ignore[no-untyped-def]
+    """Plain steps between auto's cost checks over replies of 24 steps, each check finding a 2-row verify of
+    `verify_s` again; and which of them measured the verify alone (cost_only)."""
+    from engine.speculative import DepthController, SpecStats
 
-    small = PassCosts(0.34, 16, 4, 0.34)  # the prior of a small MoE (the embedded model's shape)
-
-    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.020 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.004)
-    mem.accepted_at[0], mem.tried_at[0] = 36.0, 40.0  # they match 9 times in 10
-    gaps, since = [], 0
-    for _reply in range(40):
-        c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=small)
+    gaps, alone, since = [], [], 0
+    for _reply in range(steps // 24):
+        c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=costs)
         for _ in range(24):
             since += 1
             assert not c.probe_now(100)
             if c.choose(100):
                 gaps.append(since)
+                alone.append(c.cost_only)
                 since = 0
-                c.observe_verify(2, 0.020, 1, 0.004)  # the same costs again: plain still wins
+                c.observe_verify(2, verify_s, 0 if c.cost_only else 1, 0.0 if c.cost_only else 0.004)
         c.remember()
-    assert gaps == [32, 64, 128, 256, 256], gaps
-    c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=small)
+    return gaps, alone
+
+
+def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> None:
+    """Drafts that match on a model too small to gain from them: no shadow probes (they would learn nothing), and
+    the real depth-1 steps that re-measure the costs come after 32, 64, 128, then 256 plain steps while each
+    confirms plain decoding near break-even; where every depth is clearly slower (the embedded model) after 32,
+    128, 512 … 2,048, and past the first they verify a stand-in draft without the head (whose catch-up over the
+    steps in between would cost ~6 % of them). One that finds drafting worth it resets the interval."""
+    from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+
+    small = PassCosts(0.34, 16, 4, 0.34)  # the prior of a small MoE (the embedded model's shape)
+
+    def memory(verify2: float, per_row: float) -> AutoMemory:
+        mem = AutoMemory(t_decode=0.010, t_verify={n: verify2 + per_row * (n - 2) for n in range(2, 10)},
+                         t_draft=0.004)
+        mem.accepted_at[0], mem.tried_at[0] = 36.0, 40.0  # they match 9 times in 10
+        return mem
+
+    # depth 1 at ~x0.93 of plain decoding (the prior, weighed in as one timing, makes the verify look cheaper)
+    near = memory(0.0185, 0.02)
+    gaps, alone = _cost_check_gaps(near, small, 0.0185, 960)
+    assert gaps == [32, 64, 128, 256, 256] and not any(alone), gaps
+    # every depth at ~x0.8 and less
+    clear = memory(0.020, 0.008)
+    gaps, alone = _cost_check_gaps(clear, small, 0.020, 2880)
+    assert gaps == [32, 128, 512, 2048] and alone == [False, True, True, True], (gaps, alone)
+    assert clear.beyond_reach
+    c = DepthController(None, SpecStats(), probe_every=32, memory=clear, costs=small)
+    assert not c.head_at_prefill()  # the head waits for the next draft to catch up on the prompt
     c._remeasure = True
-    c.observe_verify(2, 0.008, 1, 0.002)  # now a verify is cheap: drafting pays
-    assert c.choose(100) == 1 and mem.remeasures_plain == 5 and c._stays == 0
+    c.observe_verify(2, 0.008, 0, 0.0)  # now a verify is cheap: drafting pays
+    assert c.choose(100) == 1 and c._stays == 0 and not c._beyond
+    assert c.head_at_prefill() or c.memory.remeasures_plain  # (the memory learns it when the reply ends)
+
+
+def _trunk_pass(seed: int, n: int):  # type: ignore[no-untyped-def]
+    """The tiny MoE's runner, a random prompt of n tokens, the trunk's pass over it, its greedy next token, and a
+    greedy sampler."""
+    m = _engine(TINY_MOE).runner
+    prompt = np.random.default_rng(seed).integers(0, 250, n).tolist()
+    res = m.forward(prompt, m.new_cache(512), logit_rows="last")
+    return m, prompt, res, int(res.logits[-1].argmax()), Sampler(SamplingConfig())
 
 
 def test_prompt_backlog_runs_apart_from_the_drafts_with_the_same_drafts() -> None:
     """A prompt's rows are caught up by the head in a pass of their own (timed apart, so auto's draft cost is
     the cost of drafting); the drafts are those of one pass over the whole backlog."""
-    eng = _engine(TINY_MOE)
-    m = eng.runner
-    prompt = np.random.default_rng(11).integers(0, 250, 30).tolist()
-    res = m.forward(prompt, m.new_cache(512), logit_rows="last")
-    x = int(res.logits[-1].argmax())
-    sampler = Sampler(SamplingConfig())
+    m, prompt, res, x, sampler = _trunk_pass(11, 30)
     split = MTPDrafter(m.mtp, 512)
     split.push(prompt, res.hidden)
     d = split.draft(x, 3, sampler, prompt + [x])
@@ -542,3 +571,55 @@ def test_a_greedy_draft_takes_torch_argmax_s_token() -> None:
     for row in [torch.randn(5000, generator=g), tie, nan, torch.randn(3, 50, generator=g)[1], torch.randn(40).half()]:
         assert _first_max(row) == int(torch.argmax(row))
     assert _first_max(tie) == 2 and _first_max(nan) == 3
+
+
+def _dormant_memory(since: int):  # type: ignore[no-untyped-def]
+    """auto's memory where the last cost checks found every depth clearly slower than plain decoding (the embedded
+    model's case), the next check due after `since` more plain steps."""
+    from engine.speculative import AutoMemory
+
+    mem = AutoMemory(t_decode=0.001, t_verify={2: 0.004}, verify_timings={2: 20.0}, t_draft=0.001,
+                     remeasures_plain=2, beyond_reach=True, compared=100)
+    mem.accepted_at[0], mem.tried_at[0] = 90.0, 100.0
+    mem.since_probe = (32 << 4) - since
+    return mem
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temperature=0.8, top_p=0.95)], ids=["greedy", "sampled"])
+def test_a_cost_check_without_the_head_keeps_the_reply_and_leaves_the_head_asleep(sampling) -> None:  # type: ignore[no-untyped-def]
+    """Where every depth was clearly slower, auto's cost check verifies a stand-in draft without running the head:
+    a greedy reply stays token for token the plain one, a sampled one runs to its end, no draft is counted, and
+    the head never caught up on the prompt (its cache is empty)."""
+    eng = _engine(TINY_MOE)
+    prompt = np.random.default_rng(5).integers(0, 380, 20).tolist()
+    kw = {} if sampling is None else {"sampling": sampling}
+    plain, _, _, _ = _gen(eng, prompt, max_tokens=40, mtp=False, **kw)
+    eng.reset()
+    eng.auto_memory = _dormant_memory(since=6)
+    toks, _, final, done = _gen(eng, prompt, max_tokens=40, mtp=True, **kw)
+    s = final.speculative
+    assert done.reason == "max_tokens" and len(toks) == 40
+    assert s.drafted == 0 and s.time_s.verify > 0  # a verify ran, with no draft of the head's
+    assert eng.drafter.cache.pos == 0 and len(eng.drafter.pending_tokens) >= len(prompt) + 39
+    if sampling is None:
+        assert toks == plain
+
+
+def test_a_backlog_past_its_budget_restarts_the_head_on_its_latest_rows() -> None:
+    """A catch-up that would take longer than its budget keeps the latest rows the budget affords: the drafts are
+    those of a head that was given only those rows."""
+    m, prompt, res, x, sampler = _trunk_pass(12, 60)
+    cut = MTPDrafter(m.mtp, 512)
+    cut.push(prompt, res.hidden)
+    cut.row_s = 1e-3  # 10 rows fit the budget below
+    d = cut.draft(x, 3, sampler, prompt + [x], budget_s=0.0105)
+    assert cut.restarts == 1 and cut.cache.pos == 10 + 3
+    ref = MTPDrafter(m.mtp, 512)  # the head given the last 10 rows alone (each row's token and the hidden before it)
+    ref.pending_tokens, ref.pending_hidden = prompt[-10:], [res.hidden[i - 1] for i in range(50, 60)]
+    ref.last_hidden = res.hidden[-1]
+    assert ref.draft(x, 3, sampler, prompt + [x]).tokens == d.tokens
+    whole = MTPDrafter(m.mtp, 512)
+    whole.push(prompt, res.hidden)
+    whole.row_s = 1e-3
+    whole.draft(x, 3, sampler, prompt + [x], budget_s=1.0)  # within its budget: every row
+    assert whole.restarts == 0 and whole.cache.pos == 60 + 3

@@ -24,7 +24,16 @@ class PassCosts:
     n_used: int = 0
     draft: float = 0.15
 
+    # verify(n) for n = 1 … MAX_DRAFT + 1: auto weighs every depth at each new piece of evidence
+    _table: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_table", tuple(self._verify(n) for n in range(MAX_DRAFT + 2)))
+
     def verify(self, n: int) -> float:
+        return self._table[n] if n < len(self._table) else self._verify(n)
+
+    def _verify(self, n: int) -> float:
         if not self.n_expert:
             return 1.0 + ROW_COMPUTE * (n - 1)
         distinct = self.n_expert * (1.0 - (1.0 - self.n_used / self.n_expert) ** n) / self.n_used
@@ -104,18 +113,19 @@ class SpecStats:
 @dataclass
 class AutoMemory:
     """What `auto` learned on earlier replies of the same engine: step costs and acceptance by depth
-    (halved at every new reply, so it follows a change of topic). Chat replies are short; without it
+    (halved at every reply that drafted, so it follows a change of topic). Chat replies are short; without it
     every reply would spend its first steps measuring again."""
 
     t_decode: float | None = None
     t_verify: dict[int, float] = field(default_factory=dict)
-    verify_timings: dict[int, float] = field(default_factory=dict)  # the timings behind each t_verify (halved)
+    verify_timings: dict[int, float] = field(default_factory=dict)  # the timings behind each t_verify
     t_draft: float | None = None
     accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
     probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
     remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
+    beyond_reach: bool = False  # the last of them found every depth clearly slower (DepthController.DORMANT_MARGIN)
     compared: int = 0  # drafts at depth 1 ever compared with the trunk's token (not halved: ends the early probes)
     yardsticks_kept: int = 0  # plain steps in a row, taken while drafting, that found the decode cost unchanged
     below_cut: tuple[float, float] = (0.0, 0.0)  # drafts under the break-even cut in uncut chains: tried, accepted
@@ -157,6 +167,20 @@ class DepthController:
     CUT_EVIDENCE = 4  # drafts below the cut seen before their acceptance decides whether to cut
     YARDSTICK_TOLERANCE = 0.1  # a plain step taken while drafting within this share of the decode cost: unchanged
     PRIOR_WEIGHT = 1.0  # the prior's verify cost counts as this many timings (_verify_cost)
+    # Where the last re-measurement found every depth at least DORMANT_MARGIN slower than plain decoding at the
+    # acceptance seen (the embedded model: a 2-row verify costs ~2.2 decode steps, the best depth ~x0.8), they
+    # measure the verify alone (cost_only) and quadruple the interval, up to 2,048 plain steps: one with the head
+    # costs its catch-up over the steps since the last (~6 % of them on the embedded model), a draft and a verify.
+    DORMANT_BACKOFF = 6
+    DORMANT_MARGIN = 0.1
+    # The head's catch-up on the plain steps since it last ran costs at most this many decode steps: a longer backlog
+    # is cut to its latest rows (MTPDrafter.draft's budget), so a probe or re-measurement after a long plain stretch
+    # costs what one after a short stretch does.
+    CATCH_UP_STEPS = 4.0
+    # Plain steps in a row that choose() takes without weighing anything, where no probe or re-measurement can fall
+    # due among them: between probes nothing but the decode cost's average moves, and weighing it every step cost
+    # ~6 us of the embedded model's ~0.2 ms step (auto at x0.94 of MTP off there).
+    QUIET_STEPS = 16
 
     def __init__(self, depth: int | None, stats: SpecStats, p_min: float = 0.75, probe_every: int = 32,
                  reproducible: bool = False, memory: AutoMemory | None = None, costs: PassCosts = PassCosts()):
@@ -184,12 +208,18 @@ class DepthController:
             self._prior_acc = [0.0] * MAX_DRAFT
             self._prior_tried = [0.0] * MAX_DRAFT
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
+        self._quiet = 0  # plain steps choose() still takes without weighing (_quiet_steps)
+        self._quiet_now = False  # this step is one of them: no probe either
         self._misses = self.memory.probe_misses if self.memory is not None else 0
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
+        self._beyond = self.memory.beyond_reach if self.memory is not None else False
         self._compared = max(self.memory.compared, int(self.memory.tried_at[0])) if self.memory is not None else 0
         self._remeasure = False  # this step re-measures a verify cost that kept auto plain
-        # the timings behind each t_verify (what _verify_cost weighs against the prior), the memory's halved
-        self._timings = {n: c / 2 for n, c in self.memory.verify_timings.items()} if self.memory is not None else {}
+        # the timings behind each t_verify (what _verify_cost weighs against the prior), the memory's
+        # not halved as acceptance is: a pass's cost does not change with the topic (halved, a size re-measured every
+        # ~20 replies weighed 1/2^20 against the prior, which on the embedded model said a verify costs half what
+        # it does, and auto kept re-measuring it)
+        self._timings = dict(self.memory.verify_timings) if self.memory is not None else {}
         self._once: set[int] = set()  # verify sizes timed once in this reply, not remembered: maybe a cold first pass
         self._drafting = 0  # steps in a row at depth ≥ 1 (every yardstick_interval()-th runs plain, re-measuring it)
         self._kept = self.memory.yardsticks_kept if self.memory is not None else 0
@@ -197,6 +227,8 @@ class DepthController:
         self._costs = 0  # bumped when a verify or draft cost changes (what _best_depth keeps depends on them)
         self._best_key: tuple | None = None
         self._best: tuple[int, float] = (0, 0.0)
+        self._vc_key: tuple | None = None  # _verify_cost's figures, by size, and what they hold for
+        self._vc: dict[int, float] = {}
         self._alpha_key: tuple | None = None
         self._alpha: list[float] = []
         self._decodes = 0
@@ -219,11 +251,15 @@ class DepthController:
         m.t_decode, m.t_draft = self.t_decode, self.t_draft
         m.t_verify = dict(self.t_verify)
         m.verify_timings = dict(self._timings)
-        acc, tried = self._evidence()
-        m.accepted_at, m.tried_at = acc, tried
+        if self._probe_tried or any(self.stats.tried_at):
+            # halved as new evidence comes, not with every reply: replies decoded plain would otherwise fade what
+            # auto knows to nothing (a reply of the embedded model runs ~13 steps), and it would re-learn it each
+            # time at the cost of the head's catch-up
+            m.accepted_at, m.tried_at = self._evidence()
         m.since_probe = self._since_probe
         m.probe_misses = self._misses
         m.remeasures_plain = self._stays
+        m.beyond_reach = self._beyond
         m.compared = self._compared_total()
         m.yardsticks_kept = self._kept
         m.below_cut = (self._low_tried, self._low_acc)
@@ -276,12 +312,22 @@ class DepthController:
             # steps since the last and a verify): drafts that match on a model too small to gain from them
             depth1 = (1.0 + self._alphas()[0]) / (self._verify_cost(n) + self.t_draft)
             self._stays = self._stays + 1 if depth1 <= 1.0 / self.t_decode else 0
+            # judged here, where the decode cost and the verify's are fresh: between re-measurements the decode cost
+            # moves with the host's load and the verify's does not
+            self._beyond = self._stays > 0 and \
+                self._best_depth(MAX_DRAFT)[1] < (1.0 - self.DORMANT_MARGIN) / self.t_decode
         self._remeasure = False
 
     def choose(self, room: int) -> int:
         """Depth for the next step, given `room` free positions in the context after the next token."""
         if self.fixed is not None:
             return max(0, min(self.fixed, room))
+        if self._quiet:
+            self._quiet -= 1
+            self._quiet_now = True
+            self._since_probe += 1
+            return 0
+        self._quiet_now = False
         if self.t_decode is None or (self.memory is None or self.memory.t_decode is None) and \
                 0 < self._decodes < self.FIRST_DECODES:
             return 0  # measure plain decoding first
@@ -300,7 +346,7 @@ class DepthController:
         best_k = k_draft if rate > (1.0 - slack) * plain else 0
         if best_k == 0:
             self._since_probe += 1
-            if self._since_probe >= self.probe_every << min(self._stays, self.MAX_PROBE_BACKOFF) and \
+            if self._since_probe >= self._remeasure_interval() and \
                     room >= 1 and not self.reproducible and self._alphas()[0] >= 0.5:
                 # Drafts do match, only the measured costs say no: re-measure them with one real step at depth 1
                 # instead of a shadow probe (a first verify runs cold and can keep auto plain for good); spaced out
@@ -308,6 +354,7 @@ class DepthController:
                 self._since_probe = 0
                 self._remeasure = True
                 return 1
+            self._quiet = self._quiet_steps(room)
         elif not self.reproducible:
             self._drafting += 1
             if self._drafting >= self.yardstick_interval():  # a plain step keeps the cost it is weighed against current
@@ -320,6 +367,55 @@ class DepthController:
                 # rejection at depth 2 of a head right 9 times in 10 kept auto at depth 1 for a whole reply)
                 return best_k + 1
         return best_k
+
+    def _remeasure_interval(self) -> int:
+        """Plain steps between re-measurements (choose): `probe_every`, doubled for each in a row that confirmed plain
+        decoding, up to 8×; where every depth was clearly slower (DORMANT_MARGIN), quadrupled, up to 64×."""
+        if self._stays and self._beyond:
+            return self.probe_every << min(2 * self._stays, self.DORMANT_BACKOFF)
+        return self.probe_every << min(self._stays, self.MAX_PROBE_BACKOFF)
+
+    @property
+    def cost_only(self) -> bool:
+        """Whether this step (depth 1) re-measures the verify's cost alone: where every depth was clearly slower than
+        plain decoding, a verify of the step's token and a stand-in draft tells auto what it needs without the head,
+        which would first have to catch up on every plain step since it last ran (~0.06 of a decode step a row on
+        the embedded model: ~6 % of the steps in between, whatever the interval). The acceptance it knows is kept
+        (replies decoded plain do not fade it)."""
+        return self._remeasure and bool(self._stays) and self._beyond
+
+    def catch_up_budget(self) -> float | None:
+        """Seconds the head may spend catching up before this step's draft (None: no limit; a fixed depth drafts every
+        step, so its backlog is never long)."""
+        if self.fixed is not None or self.t_decode is None:
+            return None
+        return self.CATCH_UP_STEPS * self.t_decode
+
+    def head_at_prefill(self) -> bool:
+        """Whether the MTP head should run over the prompt with prefill (the prompt's share of drafting, before the
+        first token). Not while auto's last re-measurement kept plain decoding: the next probe or re-measurement
+        catches it up instead (timed apart from its draft), and until then the trunk's first steps find its weights
+        still in the caches (on the embedded model the head's pass over a chat prompt left the next steps ~10 % slower,
+        ~4 % of a short reply's decode). Nor while the last shadow probe missed (a head that is never right)."""
+        return self.fixed is not None or self.reproducible or not (self._stays or self._misses)
+
+    @property
+    def quiet(self) -> bool:
+        """Whether this step is one of the plain steps taken without weighing (set by choose): no probe either."""
+        return self._quiet_now
+
+    def _quiet_steps(self, room: int) -> int:
+        """How many plain steps after this one can be taken without weighing: none while the early probes run, else
+        up to QUIET_STEPS, ending before the next shadow probe or re-measurement falls due (their conditions change only
+        with new evidence, which ends the quiet steps) and well before the context's end."""
+        if self.t_draft is None or self._compared_total() < self.EARLY_PROBES:
+            return 0
+        due = self.QUIET_STEPS + self._since_probe + 1
+        if self._alphas()[0] < 0.5 or self._thin():  # as probe_now
+            due = min(due, self._probe_gap())
+        if self._alphas()[0] >= 0.5 and not self.reproducible:  # as choose
+            due = min(due, self._remeasure_interval())
+        return max(0, min(self.QUIET_STEPS, due - self._since_probe - 1, room - MAX_DRAFT - 1))
 
     @property
     def learns_cut(self) -> bool:
@@ -364,7 +460,7 @@ class DepthController:
         own next token (a shadow probe: it costs one head pass, not a verify). Taken when depth 1 has no
         evidence yet and then every `probe_every` plain steps while drafts miss, so acceptance can recover after
         a bad stretch while a model whose drafts never match (random weights) pays almost nothing for speculation."""
-        if self.fixed is not None or room < 1 or self.t_decode is None:
+        if self.fixed is not None or room < 1 or self.t_decode is None or self._quiet_now:
             return False
         if (self.memory is None or self.memory.t_decode is None) and 0 < self._decodes < self.FIRST_DECODES:
             return False
@@ -406,6 +502,7 @@ class DepthController:
         its draft waited on the disk for weights (verify.major_faults)."""
         self._probe_acc += accepted
         self._probe_tried += 1
+        self._quiet = 0  # new evidence is weighed at the next step
         self._misses = self._misses + 1 if accepted < 0.5 else 0
         if not self.reproducible:
             self._observe_draft(draft_seconds, faulted)
@@ -487,9 +584,17 @@ class DepthController:
     def _verify_cost(self, n: int) -> float:
         """A verify of n rows: as timed, weighed against the prior as PRIOR_WEIGHT timings (on a shared host one
         pass can take twice another of the same size: the first few timings must not decide alone, and a cold first
-        pass must not keep auto from timing the size again); else extrapolated."""
-        if n not in self.t_verify:
-            return self._extrapolate(n)
+        pass must not keep auto from timing the size again); else extrapolated. Kept while the costs and the decode
+        step stay as they are (weighing every depth asks for each size, and the sizes measured again for each)."""
+        key = (self._costs, self.t_decode)
+        if key != self._vc_key:
+            self._vc_key, self._vc = key, {}
+        cost = self._vc.get(n)
+        if cost is None:
+            cost = self._vc[n] = self._weighed(n) if n in self.t_verify else self._extrapolate(n)
+        return cost
+
+    def _weighed(self, n: int) -> float:
         c = self._timings.get(n, 1.0)  # a remembered cost of unknown count: one timing
         if self.t_decode is None or self.reproducible:
             return self.t_verify[n]
@@ -504,7 +609,8 @@ class DepthController:
         units of the measured decode step."""
         step = self.t_decode or 0.0
         if self.t_verify:
-            m = min(self.t_verify, key=lambda m: (abs(m - n), m > n))
+            m = min(self.t_verify, key=lambda m: (abs(m - n), m > n)) if len(self.t_verify) > 1 else \
+                next(iter(self.t_verify))
             extra = max(self._verify_cost(m) - step, 0.0)
             return step + extra * (self.costs.verify(n) - 1.0) / (self.costs.verify(m) - 1.0)
         return step * self.costs.verify(n)

@@ -15,6 +15,7 @@ from engine.sampling import Sampler
 from engine.events import MAX_DRAFT
 
 CATCH_UP_CHUNK = 256
+ROW_TIMING_MIN = 8  # catch-ups of at least this many rows time the head's pass per row
 
 
 @dataclass
@@ -41,6 +42,8 @@ class MTPDrafter:
         self.pending_tokens: list[int] = []
         self.pending_hidden: list[torch.Tensor] = []
         self._committed = 0  # head positions computed from true trunk hiddens
+        self.row_s: float | None = None  # the head's pass over a backlog row, batched (seconds; learnt)
+        self.restarts = 0  # catch-ups cut short by their budget (the head restarted on the latest rows)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -61,22 +64,42 @@ class MTPDrafter:
         a prompt (the engine calls it with prefill), or a backlog of steps decoded without drafting."""
         if not self.pending_tokens:
             return
+        t0 = time.perf_counter()
         toks, hid = self.pending_tokens, torch.stack(self.pending_hidden)
         for s in range(0, len(toks), CATCH_UP_CHUNK):
             self.head.forward(toks[s:s + CATCH_UP_CHUNK], hid[s:s + CATCH_UP_CHUNK], self.cache, logit_rows="none")
+        if len(toks) >= ROW_TIMING_MIN:
+            per_row = (time.perf_counter() - t0) / len(toks)
+            self.row_s = per_row if self.row_s is None else 0.8 * self.row_s + 0.2 * per_row
         self.pending_tokens, self.pending_hidden = [], []
         self._committed = self.cache.pos
 
+    def _restart_within(self, budget_s: float) -> None:
+        """Where catching up on the backlog would take longer than `budget_s`, start the head afresh on the latest
+        rows it can afford (at least a draft's worth): its attention then sees those rows, not the whole context, and
+        its drafts stay proposals the verify decides on. (A stretch of plain decoding leaves one row a step; on the
+        embedded model the head's pass over them costs ~6 % of the steps, whatever the stretch.)"""
+        if self.row_s is None or len(self.pending_tokens) * self.row_s <= budget_s:
+            return
+        keep = max(MAX_DRAFT + 1, int(budget_s / self.row_s))
+        self.cache.reset()
+        self.pending_tokens = self.pending_tokens[-keep:]
+        self.pending_hidden = self.pending_hidden[-keep:]
+        self.restarts += 1
+
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0,
-              matcher: Matcher | None = None, confidence: bool = False) -> Draft:
+              matcher: Matcher | None = None, confidence: bool = False, budget_s: float | None = None) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty). A draft past the first whose top
         probability is below `p_min` ends the chain; `confidence` keeps every draft's top probability. Under a constraint (`matcher`,
         moved ahead over the chain and back) each draft is chosen from the head's masked row, so every draft is one
-        the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it."""
+        the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it. A backlog
+        the head would take longer than `budget_s` to catch up on is cut to its latest rows (_restart_within)."""
         out = Draft([], [])
         if len(self.pending_tokens) > MAX_DRAFT + 1:  # a backlog (steps decoded without drafting): caught up on
             t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
+            if budget_s is not None:
+                self._restart_within(budget_s)
             self.catch_up()
             out.catch_up_s = time.perf_counter() - t0
         toks = self.pending_tokens + [x]

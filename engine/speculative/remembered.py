@@ -1,8 +1,8 @@
 """auto's memory kept across processes: what runs of a model learned about its draft and verify costs and its
 acceptance by depth (depth.AutoMemory), one small JSON file per model file, backend and thread count in a directory
 (EngineConfig.auto_memory_dir), so the next process that opens the same model starts drafting at the depth that
-paid instead of spending its first replies measuring again. The memory halves its evidence at every reply, so what a
-file holds fades as new replies come. A file that cannot be read is set aside (a fresh memory instead, and a
+paid instead of spending its first replies measuring again. The memory halves its evidence at every reply that drafts,
+so what a file holds fades as new replies come. A file that cannot be read is set aside (a fresh memory instead, and a
 warning); one that cannot be written costs only the next run's head start."""
 from __future__ import annotations
 

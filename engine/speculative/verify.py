@@ -40,6 +40,8 @@ class SpeculativeDecoder:
         """Decode after x (emitted, not yet processed by the trunk); returns the new last token, emitted."""
         k = self.depth.choose(room)
         if k == 0:
+            if self.depth.quiet:
+                return (yield from self._quiet(x, run))
             return (yield from self._plain(x, run, room))
         return (yield from self._speculative(x, k, run))
 
@@ -48,7 +50,8 @@ class SpeculativeDecoder:
         probe = None
         if depth.probe_now(room):  # shadow probe: one draft, no verify
             t_probe, f_probe = time.perf_counter(), major_faults()
-            probe = self.drafter.draft(x, 1, sampler, run.history, matcher=run.matcher)
+            probe = self.drafter.draft(x, 1, sampler, run.history, matcher=run.matcher,
+                                       budget_s=depth.catch_up_budget())
             probe_s, probe_faulted = time.perf_counter() - t_probe, major_faults() > f_probe
             spec.draft_s += probe_s
         t_step = time.perf_counter()
@@ -66,15 +69,31 @@ class SpeculativeDecoder:
         yield from run.emit([(nxt, False)], logits)
         return nxt
 
+    def _quiet(self, x: int, run: Reply) -> Generator[Event, None, int]:
+        """A plain step with nothing to weigh: only its time is recorded."""
+        t_step = time.perf_counter()
+        nxt, logits = self.plain.next_token(x, run)
+        dt = time.perf_counter() - t_step
+        self.stats.plain_steps += 1
+        self.stats.decode_s += dt
+        self.depth.observe_decode(dt)
+        yield from run.emit([(nxt, False)], logits)
+        return nxt
+
     def _after_probe(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
         self.drafter.commit(0, tokens, hidden)
 
     def _speculative(self, x: int, k: int, run: Reply) -> Generator[Event, None, int]:
         """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
+        cost_only = depth.cost_only
         t0, f0 = time.perf_counter(), major_faults()
-        cut = depth.chain_p_min(k)
-        draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut)
+        if cost_only:  # a stand-in draft (x again): the pass costs what a verify of two rows costs, the head sleeps
+            draft = Draft([x], [None if sampler.cfg.greedy else _one_hot(x, self.runner.hp.n_vocab)])
+        else:
+            cut = depth.chain_p_min(k)
+            draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut,
+                                       budget_s=depth.catch_up_budget())
         t1, faulted = time.perf_counter(), major_faults() > f0
         pos0 = cache.pos
         seq = [x] + draft.tokens
@@ -98,19 +117,31 @@ class SpeculativeDecoder:
             c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
             cache.commit(res.captured, c)  # type: ignore[arg-type]
             cache.truncate(pos0 + c + 1)
-            self.drafter.commit(c, seq, res.hidden)
+            if cost_only:  # the head never saw the pass: the kept rows join its backlog, as a plain step's do
+                self.drafter.push(seq[:c + 1], res.hidden)
+            else:
+                self.drafter.commit(c, seq, res.hidden)
             self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
         t4 = time.perf_counter()
-        spec.record(len(draft.tokens), n_acc)
-        depth.observe_chain(draft.confidence, n_acc)
+        if not cost_only:  # a stand-in's fate says nothing of the head's acceptance
+            spec.record(len(draft.tokens), n_acc)
+            depth.observe_chain(draft.confidence, n_acc)
         spec.draft_s += t1 - t0
         spec.verify_s += t2 - t1
         spec.commit_s += t4 - t3
         # auto weighs a verify step as all it costs beside the drafts: the pass, acceptance and the commit (a plain
         # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
-        depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), len(draft.tokens), t1 - t0 - draft.catch_up_s,
-                             faulted)
+        depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), 0 if cost_only else len(draft.tokens),
+                             t1 - t0 - draft.catch_up_s, faulted)
         return emitted[kept - 1][0]
+
+
+def _one_hot(token: int, n_vocab: int) -> torch.Tensor:
+    """The distribution of a draft chosen without a model: all its mass on the token (rejection sampling against it
+    keeps the emitted tokens distributed as plain sampling)."""
+    q = torch.zeros(n_vocab)
+    q[token] = 1.0
+    return q
 
 
 def major_faults() -> int:
