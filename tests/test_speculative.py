@@ -467,7 +467,7 @@ def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> No
     assert not c.head_at_prefill()  # the head waits for the next draft to catch up on the prompt
     c._remeasure = True
     c.observe_verify(2, 0.008, 0, 0.0)  # now a verify is cheap: drafting pays
-    assert c.choose(100) == 1 and c._stays == 0 and not c._beyond
+    assert c.choose(100) >= 1 and c._stays == 0 and not c._beyond
     assert c.head_at_prefill() or c.memory.remeasures_plain  # (the memory learns it when the reply ends)
 
 
@@ -589,18 +589,20 @@ def _dormant_memory(since: int):  # type: ignore[no-untyped-def]
 def test_a_cost_check_without_the_head_keeps_the_reply_and_leaves_the_head_asleep(sampling) -> None:  # type: ignore[no-untyped-def]
     """Where every depth was clearly slower, auto's cost check verifies a stand-in draft without running the head:
     a greedy reply stays token for token the plain one, a sampled one runs to its end, no draft is counted, and
-    the head never caught up on the prompt (its cache is empty)."""
+    the head never caught up on the prompt (its cache is empty). The reply ends at the check: what auto does after
+    it depends on the costs this host measures."""
     eng = _engine(TINY_MOE)
     prompt = np.random.default_rng(5).integers(0, 380, 20).tolist()
     kw = {} if sampling is None else {"sampling": sampling}
-    plain, _, _, _ = _gen(eng, prompt, max_tokens=40, mtp=False, **kw)
+    n = 7  # the first token, 5 plain steps, and the check at the 6th step
+    plain, _, _, _ = _gen(eng, prompt, max_tokens=n, mtp=False, **kw)
     eng.reset()
     eng.auto_memory = _dormant_memory(since=6)
-    toks, _, final, done = _gen(eng, prompt, max_tokens=40, mtp=True, **kw)
+    toks, _, final, done = _gen(eng, prompt, max_tokens=n, mtp=True, **kw)
     s = final.speculative
-    assert done.reason == "max_tokens" and len(toks) == 40
+    assert done.reason == "max_tokens" and len(toks) == n
     assert s.drafted == 0 and s.time_s.verify > 0  # a verify ran, with no draft of the head's
-    assert eng.drafter.cache.pos == 0 and len(eng.drafter.pending_tokens) >= len(prompt) + 39
+    assert eng.drafter.cache.pos == 0 and len(eng.drafter.pending_tokens) >= len(prompt) + n - 1
     if sampling is None:
         assert toks == plain
 

@@ -346,11 +346,11 @@ class DepthController:
         best_k = k_draft if rate > (1.0 - slack) * plain else 0
         if best_k == 0:
             self._since_probe += 1
-            if self._since_probe >= self._remeasure_interval() and \
+            if (self._since_probe >= self._remeasure_interval() or self._first_timing_due()) and \
                     room >= 1 and not self.reproducible and self._alphas()[0] >= 0.5:
                 # Drafts do match, only the measured costs say no: re-measure them with one real step at depth 1
                 # instead of a shadow probe (a first verify runs cold and can keep auto plain for good); spaced out
-                # while re-measurements keep confirming plain decoding.
+                # while re-measurements keep confirming plain decoding, and soon after a size's first timing.
                 self._since_probe = 0
                 self._remeasure = True
                 return 1
@@ -367,6 +367,12 @@ class DepthController:
                 # rejection at depth 2 of a head right 9 times in 10 kept auto at depth 1 for a whole reply)
                 return best_k + 1
         return best_k
+
+    def _first_timing_due(self) -> bool:
+        """Whether a verify size timed once ever (this reply's first pass of it, maybe cold) is due a second timing:
+        THIN_GAP plain steps after it. (On the mid-size MoE a cold first 2-row verify kept auto plain for ~55 steps of
+        a head right 9 times in 10, while its probes, every 4th step, kept the re-measurement from falling due.)"""
+        return self._since_probe >= self.THIN_GAP and any(self._timings.get(n, 0.0) < 2.0 for n in self._once)
 
     def _remeasure_interval(self) -> int:
         """Plain steps between re-measurements (choose): `probe_every`, doubled for each in a row that confirmed plain
@@ -415,6 +421,8 @@ class DepthController:
             due = min(due, self._probe_gap())
         if self._alphas()[0] >= 0.5 and not self.reproducible:  # as choose
             due = min(due, self._remeasure_interval())
+            if any(self._timings.get(n, 0.0) < 2.0 for n in self._once):
+                due = min(due, self.THIN_GAP)
         return max(0, min(self.QUIET_STEPS, due - self._since_probe - 1, room - MAX_DRAFT - 1))
 
     @property
@@ -591,7 +599,15 @@ class DepthController:
             self._vc_key, self._vc = key, {}
         cost = self._vc.get(n)
         if cost is None:
-            cost = self._vc[n] = self._weighed(n) if n in self.t_verify else self._extrapolate(n)
+            if n not in self.t_verify:
+                cost = self._extrapolate(n)
+            else:  # a size timed once costs no more than its neighbours say: one slow pass on a shared host must not
+                # keep auto from ever trying it again (a 3-row verify timed once at 2.4 decode steps, against 1.9
+                # later, held the mid-size MoE at depth 1 for a whole run, x1.07 where depth 3 gave x1.3)
+                cost = self._weighed(n)
+                if self._timings.get(n, 1.0) < 2.0 and len(self.t_verify) > 1:
+                    cost = min(cost, self._extrapolate(n))
+            self._vc[n] = cost
         return cost
 
     def _weighed(self, n: int) -> float:
@@ -608,9 +624,9 @@ class DepthController:
         dense model on a fast core) does not keep deeper passes untried. Before any verify is measured, the prior in
         units of the measured decode step."""
         step = self.t_decode or 0.0
-        if self.t_verify:
-            m = min(self.t_verify, key=lambda m: (abs(m - n), m > n)) if len(self.t_verify) > 1 else \
-                next(iter(self.t_verify))
-            extra = max(self._verify_cost(m) - step, 0.0)
+        sizes = [m for m in self.t_verify if m != n]  # the other sizes, where n itself was timed once
+        if sizes:
+            m = min(sizes, key=lambda m: (abs(m - n), m > n)) if len(sizes) > 1 else sizes[0]
+            extra = max(self._weighed(m) - step, 0.0)
             return step + extra * (self.costs.verify(n) - 1.0) / (self.costs.verify(m) - 1.0)
         return step * self.costs.verify(n)
