@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.decode import git_info  # noqa: E402
 from engine.chat import Message  # noqa: E402
 from engine.generate import EngineConfig, GenerationConfig, Stats, load  # noqa: E402
 from engine.events import MAX_DRAFT  # noqa: E402
@@ -158,7 +159,7 @@ def main() -> None:
         results[path.name] = {"workload": workload, "settings": bench_model(eng, prompts, n, args.rounds, settings)}
     result = {
         "command": " ".join(["python", "bench/mtp.py", *sys.argv[1:]]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
         "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
                     "load_avg_at_start": os.getloadavg()[0]},
         "max_depth": MAX_DRAFT, "max_new_tokens": args.tokens, "rounds": args.rounds, "decoding": "greedy",

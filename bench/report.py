@@ -217,8 +217,9 @@ def _thread_choice(d: dict) -> list[str]:
 
 
 def _mtp(d: dict) -> list[str]:
+    at = f", commit {d['git']['commit'][:9]}" if "git" in d else ""
     out = [f"## MTP speculative decoding (`bench/mtp.py`, {d['machine']['threads']} thread(s))", "",
-           f"Command: `{d['command']}` ({d['date']}), greedy, at most {d['max_new_tokens']} new tokens per prompt, "
+           f"Command: `{d['command']}` ({d['date']}{at}), greedy, at most {d['max_new_tokens']} new tokens per prompt, "
            f"{d['machine']['threads']} thread(s), best of {d['rounds']} rounds.", ""]
     for model, m in d["models"].items():
         out += [f"**{model}** — {m['workload']}", "",
@@ -643,7 +644,8 @@ def main() -> None:
                       + default_model_figures(d, _load("mtp")) + [""]),
                      ("decode", _decode), ("step_profile", _step_profile), ("thread_choice_embedded", _thread_choice),
                      ("thread_choice_embedded_contended", _thread_choice), ("thread_choice_mid", _thread_choice),
-                     ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
+                     ("thread_choice_mid_contended", _thread_choice), ("verify", _verify), ("verify_default", _verify), ("mtp", _mtp), ("mtp_1thread", _mtp), ("mtp_auto_embedded_before", _mtp),
+                     ("mtp_auto_embedded", _mtp), ("quant_mix", _quant_mix), ("kquant", _kquant), ("attention", _attention), ("q8dot", _q8dot), ("quant", _quant),
                      ("tokenizer", _tokenizer), ("fuzz_gguf", _fuzz_gguf), ("products", _products), ("scale", _scale),
                      ("mtp_speedup", _mtp_speedup), ("mtp_speedup_9b", _mtp_speedup),
                      ("mtp_speedup_p0", _mtp_speedup), ("mtp_speedup_auto", _mtp_speedup),
