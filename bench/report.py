@@ -217,7 +217,8 @@ def _thread_choice(d: dict) -> list[str]:
 
 
 def _mtp(d: dict) -> list[str]:
-    at = f", commit {d['git']['commit'][:9]}" if "git" in d else ""
+    at = f", commit {d['git']['commit'][:9]}" + (f": {d['git']['note']}" if "note" in d["git"] else "") \
+        if "git" in d else ""
     out = [f"## MTP speculative decoding (`bench/mtp.py`, {d['machine']['threads']} thread(s))", "",
            f"Command: `{d['command']}` ({d['date']}{at}), greedy, at most {d['max_new_tokens']} new tokens per prompt, "
            f"{d['machine']['threads']} thread(s), best of {d['rounds']} rounds.", ""]
