@@ -586,7 +586,8 @@ def _dormant_memory(since: int):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("sampling", [None, SamplingConfig(temperature=0.8, top_p=0.95)], ids=["greedy", "sampled"])
-def test_a_cost_check_without_the_head_keeps_the_reply_and_leaves_the_head_asleep(sampling) -> None:  # type: ignore[no-untyped-def]
+def test_a_cost_check_without_the_head_keeps_the_reply_and_leaves_the_head_asleep(
+        sampling: SamplingConfig | None) -> None:
     """Where every depth was clearly slower, auto's cost check verifies a stand-in draft without running the head:
     a greedy reply stays token for token the plain one, a sampled one runs to its end, no draft is counted, and
     the head never caught up on the prompt (its cache is empty). The reply ends at the check: what auto does after

@@ -106,7 +106,7 @@ class SpeculativeDecoder:
         else:
             n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history, run.matcher)  # type: ignore[arg-type]
         t_acc = time.perf_counter()
-        emitted = [(d, True) for d in draft.tokens[:n_acc]] + [(nxt, False)]
+        emitted = [(d, not cost_only) for d in draft.tokens[:n_acc]] + [(nxt, False)]  # a stand-in is no draft
         n_out = len(run.out_ids)
         kept = 0
         try:
