@@ -147,6 +147,7 @@ def test_copy_is_confirmed_and_the_expert_map_has_the_models_layers_and_a_scale(
     win = _window(qtbot, tmp_path)
     _focus(qtbot, win)
     win.settings.max_tokens = 8
+    win.settings.draft = "2"  # the head drafts (auto may leave a random head asleep): the MTP block routes too
     _send(qtbot, win, "Hello!")
     win.chat.anchorClicked.emit(QUrl("copymsg:0"))  # the message's Copy link
     assert QGuiApplication.clipboard().text() == "Hello!" and win.statusBar().currentMessage() == "Copied"
