@@ -372,7 +372,11 @@ class DepthController:
         """Whether a verify size timed once ever (this reply's first pass of it, maybe cold) is due a second timing:
         THIN_GAP plain steps after it. (On the mid-size MoE a cold first 2-row verify kept auto plain for ~55 steps of
         a head right 9 times in 10, while its probes, every 4th step, kept the re-measurement from falling due.)"""
-        return self._since_probe >= self.THIN_GAP and any(self._timings.get(n, 0.0) < 2.0 for n in self._once)
+        return self._since_probe >= self.THIN_GAP and self._timed_once()
+
+    def _timed_once(self) -> bool:
+        """Whether a verify size this reply timed was timed once ever."""
+        return any(self._timings.get(n, 0.0) < 2.0 for n in self._once)
 
     def _remeasure_interval(self) -> int:
         """Plain steps between re-measurements (choose): `probe_every`, doubled for each in a row that confirmed plain
@@ -417,12 +421,11 @@ class DepthController:
         if self.t_draft is None or self._compared_total() < self.EARLY_PROBES:
             return 0
         due = self.QUIET_STEPS + self._since_probe + 1
-        if self._alphas()[0] < 0.5 or self._thin():  # as probe_now
+        matching = self._alphas()[0] >= 0.5
+        if not matching or self._thin():  # as probe_now
             due = min(due, self._probe_gap())
-        if self._alphas()[0] >= 0.5 and not self.reproducible:  # as choose
-            due = min(due, self._remeasure_interval())
-            if any(self._timings.get(n, 0.0) < 2.0 for n in self._once):
-                due = min(due, self.THIN_GAP)
+        if matching and not self.reproducible:  # as choose
+            due = min(due, self.THIN_GAP if self._timed_once() else self._remeasure_interval())
         return max(0, min(self.QUIET_STEPS, due - self._since_probe - 1, room - MAX_DRAFT - 1))
 
     @property
