@@ -28,8 +28,8 @@ heads, experts, FFN widths and the whole vocabulary kept; the JSON records the l
 and its quantizations fit a 45 GB disk and 24 GB of memory. Each synthetic shape is written once in F16 with random
 weights (bench/synthetic.write_synthetic(float_source=True)) and quantized by llama.cpp itself
 (`llama_model_quantize`, tests/quantized.py), so every type choice is llama.cpp's, its fallbacks on odd row widths
-included: Q8_0, Q6_K, Q5_K_M, Q4_K_M, IQ4_XS, Q3_K_M, Q2_K, MXFP4_MOE (MoE shapes only) and UD-Q4_K_XL-like
-(UD_Q4_K_XL below). The JSON records per file the types each role holds and what takes no native product.
+included: Q8_0, Q6_K, Q5_K_M, Q4_K_M, IQ4_XS, Q3_K_M, Q2_K, MXFP4_MOE (MoE shapes only), UD-Q4_K_XL-like
+(UD_Q4_K_XL below) and Q4_0 (the 32-value 4-bit type many downloads still are). The JSON records per file the types each role holds and what takes no native product.
 
 Per cell (bench/quant_mix.run_mix, through bench/decode.py's child runners): every (engine, form) run is a process
 of its own from a fresh load with `--threads` threads, 4 untimed warm-up tokens, one random `--prompt`-token prompt,
@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K", "MXFP4_MOE", "UD-Q4_K_XL")
+QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K", "MXFP4_MOE", "UD-Q4_K_XL", "Q4_0")
 AS_IS = "as-is"  # the embedded model's one cell: the file as shipped
 MOE_ONLY = frozenset({"MXFP4_MOE"})
 ISA_FORMS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the hardware forms; portable C is no host's form

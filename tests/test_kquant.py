@@ -1,6 +1,7 @@
 """Native Q4_K / Q6_K / Q8_0 products (engine/native, through engine.ops) in every instruction-set form the
 machine runs: packed for AVX512-VNNI, AVX-VNNI and AVX2, stored order on AVX512 (and wherever weights stay mapped),
-portable C."""
+portable C. The packed forms of the 4-bit 32-value types (Q4_0, Q4_1, IQ4_NL, MXFP4: packed_nib.c) are checked here
+beside them; their stored forms and products against the dequantized weight in tests/test_quant_products.py."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,6 +20,7 @@ from engine.storage.quantize import random_blocks
 from tests.conftest import backend_params
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
+PACKED_TYPES = TYPES + [T.Q4_0, T.Q4_1, T.IQ4_NL, T.MXFP4]  # every type a packing backend packs
 NATIVE = backend_params(native_only=True)
 
 
@@ -146,7 +148,7 @@ def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> 
             assert torch.equal(out[p], one[0]), (e, p)
 
 
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q4_1, T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
 def test_packed_weights_are_the_stored_ones_reordered(qt: T) -> None:
     """The packed products agree with the stored-order ones of the same form to float32 rounding (the same integers,
     the float sums grouped differently); a backend without copies (weights left mapped) packs nothing; packing
@@ -205,7 +207,7 @@ def test_q8_0_stored_products_have_the_same_bits_in_every_form() -> None:
     assert all(lin.packed is None for lin in (first, *rest))
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
 def test_packed_products_have_the_same_bits_in_every_form(qt: T) -> None:
     """The packed products in AVX512-VNNI, AVX-VNNI (VEX dpbusd/dpwssd on each 64-byte vector's two 8-row halves) and
     AVX2 (maddubs over the halves) give the same bits: for one activation row, a verify pass's few and more than the
@@ -227,7 +229,7 @@ def test_packed_products_have_the_same_bits_in_every_form(qt: T) -> None:
         assert torch.equal(g, got[0]), b.name
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", PACKED_TYPES, ids=lambda t: t.name)
 def test_packing_chunk_by_chunk_gives_the_whole_packing(qt: T) -> None:
     """NativeLinear.pack packs a few 16-row groups at a time (and drops each chunk's file pages): chunks of one group,
     of a few, and the whole matrix at once give the same bytes; an expert stack's groups too."""

@@ -18,10 +18,13 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
-/* Q4_K, Q6_K and Q8_0 weights packed by repack_x16, GROUP rows interleaved (not ggml types: ours, for the VNNI
- * and AVX2 packed products) */
-enum { T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114 };
+/* Q4_K, Q6_K, Q8_0 and the 4-bit 32-value types' weights packed by repack_x16, GROUP rows interleaved (not ggml
+ * types: ours, for the VNNI and AVX2 packed products): PACKED_BASE + the ggml type */
+#define PACKED_BASE 100
+enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114,
+       T_IQ4_NL_PACKED = 120, T_MXFP4_PACKED = 139 };
 #define GROUP 16
+#define X16_TILE 4  /* activation rows per pass over a packed group block (their sums stay in registers) */
 
 /* What the exported calls return on failure (0 on success; group_expert_pairs a count). A call returns the failure
  * it meets as it is, in a call it makes too, so a code means the same whichever call returns it; engine/ops/native.py
@@ -181,8 +184,9 @@ void trace_restart(void);
 enum { ACT_Q8_K = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_F16 = 3, ACT_BF16 = 4 };
 static inline int act_format(int code) {
     switch (code) {
-    case T_Q8_0: case T_Q8_0_PACKED: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_MXFP4: return ACT_Q8_0;
-    case T_Q4_1: case T_Q5_1: return ACT_Q8_1;
+    case T_Q8_0: case T_Q8_0_PACKED: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_MXFP4: case T_Q4_0_PACKED:
+    case T_IQ4_NL_PACKED: case T_MXFP4_PACKED: return ACT_Q8_0;
+    case T_Q4_1: case T_Q5_1: case T_Q4_1_PACKED: return ACT_Q8_1;
     case T_F16: return ACT_F16;
     case T_BF16: return ACT_BF16;
     default: return ACT_Q8_K;
@@ -318,6 +322,7 @@ typedef struct {
     const int8_t *q;  /* the row's quants, block 0 */
     const float *d;  /* its block scales */
     const int16_t *bs;  /* its sums of 16 quants */
+    const float *s;  /* Q8_1: its sums s (Q4_1's minimums multiply them) */
 } Row;
 
 /* A Q4_K (or Q5_K) block's 6-bit scales and mins, 8 of each, as bytes sc0..7, mn0..7 */
@@ -357,6 +362,17 @@ static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *
 void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m256 *acc);
 void rows_k_more_avx512(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc);
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
+
+/* packed_nib.c: the packed 4-bit 32-value types (Q4_0, Q4_1, IQ4_NL, MXFP4): bytes per row and block, one group's
+ * repacking, and tn ≤ 4 activation rows times one group in each form (VNNI, AVX-VNNI, AVX2: the same bits) */
+int64_t packed_nib_bytes(int qtype);
+void repack_nib_group(int qtype, const uint8_t *src, int64_t nb, uint8_t *dst);
+void nib_x16_group_vnni(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                        Ahead *ah);
+void nib_x16_group_avxvnni(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                           Ahead *ah);
+void nib_x16_group_avx2(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                        Ahead *ah);
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),
  * prefetching `ahead` as it goes, in the best form isa allows (VNNI, else AVX-VNNI, else AVX2: the same bits) */

@@ -413,7 +413,7 @@ static void rows_times(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r
         return;
     }
 #if defined(__x86_64__)
-    if (qtype >= T_Q8_0_PACKED) {  /* packed weights come with VNNI or AVX2 */
+    if (qtype > PACKED_BASE) {  /* packed weights come with VNNI or AVX2 */
         rows_times_x16(qtype, w, row_bytes, r0, r1, a, xrow, m, out, ldo, ahead, isa);
         return;
     }

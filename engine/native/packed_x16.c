@@ -32,7 +32,6 @@ _Static_assert(GROUP == ROW_CHUNK, "the products' row chunks are the packed grou
 #define Q6K_GROUP_BYTES 3392
 /* where the bytes of values 32u … 32u+31 start in a packed Q6_K group block: pairs of them (832 bytes, whole lines) */
 #define Q6K_UNIT(u) (832 * ((u) / 2) + 256 * ((u) & 1))
-#define X16_TILE 4  /* activation rows per pass over a group block (their sums stay in registers) */
 
 /* The 16 bytes (as two words) of a packed nibble vector row: for t < 16, nibble `shift` of q[t] | of q[16 + t] << 4
  * (values t and 16 + t of a 32-value run: the four dwords go to vectors p = 0…3 of the run) */
@@ -106,16 +105,26 @@ static void repack_q8_0_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
 
 /* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (the native-avx512vnni and
  * native-avx2 backends); dst holds packed_x16_bytes(qtype) per row and block. */
-int64_t packed_x16_bytes(int qtype) { return qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : Q6K_GROUP_BYTES / GROUP; }
+static int nibble_type(int qtype) { return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_IQ4_NL || qtype == T_MXFP4; }
+
+int64_t packed_x16_bytes(int qtype) {
+    return nibble_type(qtype) ? packed_nib_bytes(qtype) : qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144
+                                                                                     : Q6K_GROUP_BYTES / GROUP;
+}
 
 void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
-    const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144 : 210, n_groups = n_rows / GROUP;
-    if (qtype == T_Q8_0) {  /* a Q8_0 group is laid out whole (its scales first) */
+    const int64_t n_groups = n_rows / GROUP;
+    if (qtype == T_Q8_0 || nibble_type(qtype)) {  /* a group laid out whole (its scales first) */
+        const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_Q4_1 ? 20 : qtype == T_MXFP4 ? 17 : 18;
+        const int64_t packed = packed_x16_bytes(qtype);
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
-        for (int64_t g = 0; g < n_groups; g++)
-            repack_q8_0_group(src + g * GROUP * nb * bytes, nb, dst + g * GROUP * nb * bytes);
+        for (int64_t g = 0; g < n_groups; g++) {
+            if (qtype == T_Q8_0) repack_q8_0_group(src + g * GROUP * nb * bytes, nb, dst + g * GROUP * nb * packed);
+            else repack_nib_group(qtype, src + g * GROUP * nb * bytes, nb, dst + g * GROUP * nb * packed);
+        }
         return;
     }
+    const int64_t bytes = qtype == T_Q4_K ? 144 : 210;
     const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t gb = 0; gb < n_groups * nb; gb++) {
@@ -743,12 +752,12 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
     }
 
 /* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL), in one
- * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2). */
-#define X16_DRIVER(NAME, TARGET, SUFFIX)                                                                          \
+ * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2; NIB: packed_nib.c's). */
+#define X16_DRIVER(NAME, TARGET, SUFFIX, NIB)                                                                      \
     __attribute__((target(TARGET))) static void NAME(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0,   \
                                                      int64_t r1, const Acts *a, const int64_t *xrow, int64_t m,     \
                                                      float *out, int64_t ldo, Ahead *ahead) {                     \
-        const int64_t nb = a->k / (qtype == T_Q8_0_PACKED ? 32 : QK_K);                                           \
+        const int64_t nb = a->k / (act_format(qtype) == ACT_Q8_K ? QK_K : 32);                                    \
         Row rows[X16_TILE];                                                                                       \
         for (int64_t rc = r0; rc < r1; rc += GROUP) {                                                             \
             const uint8_t *g = w + rc * row_bytes;                                                                \
@@ -756,10 +765,13 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                 const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;                                         \
                 for (int64_t i = 0; i < tn; i++) {                                                                \
                     const int64_t xr = xrow ? xrow[t0 + i] : t0 + i;                                              \
-                    rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL};       \
+                    rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL,        \
+                                    a->s ? a->s + xr * nb : NULL};                                                \
                 }                                                                                                 \
                 float *o = out + t0 * ldo + rc;                                                                   \
-                if (qtype == T_Q4_K_PACKED) {                                                                     \
+                if (nibble_type(qtype - PACKED_BASE)) {                                                           \
+                    NIB(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);              \
+                } else if (qtype == T_Q4_K_PACKED) {                                                              \
                     X16_CASES(q4_k##SUFFIX)                                                                       \
                 } else if (qtype == T_Q8_0_PACKED) {                                                              \
                     X16_CASES(q8_0##SUFFIX)                                                                       \
@@ -769,9 +781,9 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
             }                                                                                                     \
         }                                                                                                         \
     }
-X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16)
-X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2)
-X16_DRIVER(rows_times_x16_avxvnni, AVXVNNI_TARGET, _x16_avxvnni)
+X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16, nib_x16_group_vnni)
+X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2, nib_x16_group_avx2)
+X16_DRIVER(rows_times_x16_avxvnni, AVXVNNI_TARGET, _x16_avxvnni, nib_x16_group_avxvnni)
 
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                     const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa) {

@@ -101,7 +101,7 @@ class NativeLinear(Linear):
                 or len(w.shape) < 2 or w.shape[-2] % native.GROUP:
             return
         raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-        nb = w.n_cols // (native.QK_8_0 if w.qtype == QT.Q8_0 else native.QK_K)
+        nb = w.n_cols // (native.QK_K if self.fmt == "Q8_K" else native.QK_8_0)
         packed = huge_empty(native.packed_bytes(w.qtype, w.n_rows, nb))  # streamed every step: in huge pages
         # Chunk by chunk, each chunk's file pages dropped as soon as it is packed: packing a big matrix whole held
         # both copies at once (a 9B model's 0.8 GB output head raised the peak RSS by as much).
