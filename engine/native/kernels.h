@@ -18,10 +18,11 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
-/* Q4_K, Q6_K, Q8_0 and the 4-bit 32-value types' weights packed by repack_x16, GROUP rows interleaved (not ggml
+/* Q4_K, Q6_K, Q8_0 and the 32-value nibble types' weights packed by repack_x16, GROUP rows interleaved (not ggml
  * types: ours, for the VNNI and AVX2 packed products): PACKED_BASE + the ggml type */
 #define PACKED_BASE 100
-enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q8_0_PACKED = 108, T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114,
+enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q5_0_PACKED = 106, T_Q5_1_PACKED = 107, T_Q8_0_PACKED = 108,
+       T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114,
        T_IQ4_NL_PACKED = 120, T_MXFP4_PACKED = 139 };
 #define GROUP 16
 #define X16_TILE 4  /* activation rows per pass over a packed group block (their sums stay in registers) */
@@ -185,8 +186,8 @@ enum { ACT_Q8_K = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_F16 = 3, ACT_BF16 = 4 };
 static inline int act_format(int code) {
     switch (code) {
     case T_Q8_0: case T_Q8_0_PACKED: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_MXFP4: case T_Q4_0_PACKED:
-    case T_IQ4_NL_PACKED: case T_MXFP4_PACKED: return ACT_Q8_0;
-    case T_Q4_1: case T_Q5_1: case T_Q4_1_PACKED: return ACT_Q8_1;
+    case T_Q5_0_PACKED: case T_IQ4_NL_PACKED: case T_MXFP4_PACKED: return ACT_Q8_0;
+    case T_Q4_1: case T_Q5_1: case T_Q4_1_PACKED: case T_Q5_1_PACKED: return ACT_Q8_1;
     case T_F16: return ACT_F16;
     case T_BF16: return ACT_BF16;
     default: return ACT_Q8_K;
@@ -363,7 +364,8 @@ void rows_k_more_avx2(int qtype, const uint8_t *row, int64_t nb, const Row *rows
 void rows_k_more_avx512(int qtype, const uint8_t *row, int64_t nb, const Row *rows, int64_t tn, __m512 *acc);
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,f16c,avx512vnni"
 
-/* packed_nib.c: the packed 4-bit 32-value types (Q4_0, Q4_1, IQ4_NL, MXFP4): bytes per row and block, one group's
+/* packed_nib.c: the packed 32-value nibble types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): bytes per row and block
+ * (the stored blocks' but MXFP4's 17, 18 packed), one group's
  * repacking, and tn ≤ 4 activation rows times one group in each form (VNNI, AVX-VNNI, AVX2: the same bits) */
 int64_t packed_nib_bytes(int qtype);
 void repack_nib_group(int qtype, const uint8_t *src, int64_t nb, uint8_t *dst);

@@ -1,5 +1,6 @@
 /* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI, AVX-VNNI and AVX2:
- * repacking the stored blocks, and the products over the packed groups in the three forms (the same bits). */
+ * repacking the stored blocks, and the products over the packed groups in the three forms (the same bits); the
+ * 32-value nibble types' groups are packed_nib.c's, repacked and driven from here. */
 #include <omp.h>
 #include "kernels.h"
 
@@ -105,7 +106,10 @@ static void repack_q8_0_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
 
 /* n_rows (a multiple of 16) rows of nb blocks each, stored, into the packed layout (the native-avx512vnni and
  * native-avx2 backends); dst holds packed_x16_bytes(qtype) per row and block. */
-static int nibble_type(int qtype) { return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_IQ4_NL || qtype == T_MXFP4; }
+static int nibble_type(int qtype) {
+    return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_IQ4_NL ||
+           qtype == T_MXFP4;
+}
 
 int64_t packed_x16_bytes(int qtype) {
     return nibble_type(qtype) ? packed_nib_bytes(qtype) : qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144
@@ -115,7 +119,7 @@ int64_t packed_x16_bytes(int qtype) {
 void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8_t *dst, int n_threads) {
     const int64_t n_groups = n_rows / GROUP;
     if (qtype == T_Q8_0 || nibble_type(qtype)) {  /* a group laid out whole (its scales first) */
-        const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_Q4_1 ? 20 : qtype == T_MXFP4 ? 17 : 18;
+        const int64_t bytes = qtype == T_Q8_0 ? 34 : qtype == T_MXFP4 ? 17 : packed_nib_bytes(qtype);  /* stored */
         const int64_t packed = packed_x16_bytes(qtype);
         #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
         for (int64_t g = 0; g < n_groups; g++) {
