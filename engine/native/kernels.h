@@ -18,11 +18,11 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
-/* Q4_K, Q6_K, Q8_0 and the 32-value nibble types' weights packed by repack_x16, GROUP rows interleaved (not ggml
+/* Q4_K, Q5_K, Q6_K, Q8_0 and the 32-value nibble types' weights packed by repack_x16, GROUP rows interleaved (not ggml
  * types: ours, for the VNNI and AVX2 packed products): PACKED_BASE + the ggml type */
 #define PACKED_BASE 100
 enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q5_0_PACKED = 106, T_Q5_1_PACKED = 107, T_Q8_0_PACKED = 108,
-       T_Q4_K_PACKED = 112, T_Q6_K_PACKED = 114,
+       T_Q4_K_PACKED = 112, T_Q5_K_PACKED = 113, T_Q6_K_PACKED = 114,
        T_IQ4_NL_PACKED = 120, T_MXFP4_PACKED = 139 };
 #define GROUP 16
 #define X16_TILE 4  /* activation rows per pass over a packed group block (their sums stay in registers) */
@@ -356,6 +356,21 @@ static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *
     const __m512i p2 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[2], _mm512_loadu_si512(x + 128)), s[2]);
     const __m512i p3 = _mm512_madd_epi16(_mm512_maddubs_epi16(v[3], _mm512_loadu_si512(x + 192)), s[3]);
     return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
+}
+
+/* bit `bit` of every byte of a packed fifth-bit vector (packed_nib.c's Q5_0 / Q5_1, packed_x16.c's Q5_K), as 0x10
+ * (a value's fifth bit); shifts of 16-bit words move no other
+ * byte's bit there for shifts of at most 4 */
+__attribute__((target(AVX512_TARGET), always_inline))
+static inline __m512i fifth512(__m512i h, const int bit) {
+    const __m512i at4 = bit < 4 ? _mm512_slli_epi16(h, 4 - bit) : bit > 4 ? _mm512_srli_epi16(h, bit - 4) : h;
+    return _mm512_and_si512(at4, _mm512_set1_epi8(0x10));
+}
+
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i fifth256(__m256i h, const int bit) {
+    const __m256i at4 = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : bit > 4 ? _mm256_srli_epi16(h, bit - 4) : h;
+    return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
 }
 
 /* kquant_more.c: a Q5_K / Q3_K / Q2_K / IQ4_XS weight row's nb blocks times the tile's activation rows into their

@@ -105,20 +105,6 @@ static inline int32_t offset_of(int qtype) {
 
 #define BCAST4(p) _mm512_set1_epi32(*(const int32_t *)(p))
 
-/* bit `bit` of every byte of a fifth-bit vector, as 0x10 (a value's fifth bit); shifts of 16-bit words move no other
- * byte's bit there for shifts of at most 4 */
-__attribute__((target(NIB_VNNI_TARGET), always_inline))
-static inline __m512i fifth512(__m512i h, const int bit) {
-    const __m512i at4 = bit < 4 ? _mm512_slli_epi16(h, 4 - bit) : bit > 4 ? _mm512_srli_epi16(h, bit - 4) : h;
-    return _mm512_and_si512(at4, _mm512_set1_epi8(0x10));
-}
-
-__attribute__((target(AVX2_TARGET), always_inline))
-static inline __m256i fifth256(__m256i h, const int bit) {
-    const __m256i at4 = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : bit > 4 ? _mm256_srli_epi16(h, bit - 4) : h;
-    return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
-}
-
 /* T activation rows times one packed group of type qtype (constants once inlined): o[i · ldo + l] */
 __attribute__((target(NIB_VNNI_TARGET), always_inline))
 static inline void nib_x16(const int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,

@@ -1,4 +1,4 @@
-/* The 16-row interleaved ("packed") layout of Q4_K, Q6_K and Q8_0 weights for AVX512-VNNI, AVX-VNNI and AVX2:
+/* The 16-row interleaved ("packed") layout of Q4_K, Q5_K, Q6_K and Q8_0 weights for AVX512-VNNI, AVX-VNNI and AVX2:
  * repacking the stored blocks, and the products over the packed groups in the three forms (the same bits); the
  * 32-value nibble types' groups are packed_nib.c's, repacked and driven from here. */
 #include <omp.h>
@@ -19,6 +19,9 @@
  * Q4_K group block (16 · 144 bytes): d [16] fp16, dmin [16] fp16; the 12 scale bytes of each row as three 32-bit
  * words, word w of row l at 64 + 4 (16 w + l); then per sub-block j (32 values) four 64-byte vectors p, byte 4l + e
  * = value 32j + 4p + e of row l | value 32j + 16 + 4p + e << 4.
+ * Q5_K group block (16 · 176 bytes): Q4_K's, then per sub-block j a 64-byte vector of the values' fifth bits, byte
+ * 4l + e holding those of values 32j + 4p + e at bit 2p and 32j + 16 + 4p + e at bit 2p + 1 (p < 4): one shift and
+ * mask puts each under its nibble.
  * Q6_K group block (Q6K_GROUP_BYTES: 16 · 210 bytes and 32 of padding, 212 per row and block): per 32 values u
  * (sub-blocks 2u, 2u+1), in pairs of u in the order the kernel reads them (Q6K_UNIT: with the low nibbles, the high
  * bits and the scales in three regions of the block, products reading from memory ran at about half the speed),
@@ -49,17 +52,28 @@ static inline void to_lanes(const uint64_t o[2], uint8_t *vec, int l) {
     for (int p = 0; p < 4; p++) memcpy(vec + 64 * p + 4 * l, (const uint8_t *)o + 4 * p, 4);
 }
 
-static void repack_q4k_group(const uint8_t *src, int64_t nb, uint8_t *dst) {
+/* a packed Q4_K (five = 0) or Q5_K (five = 1) group block's bytes, and a stored block's */
+#define QK_GROUP_BYTES(five) (GROUP * (144 + 32 * (five)))
+
+static void repack_q4k_group(const uint8_t *src, int64_t nb, uint8_t *dst, int five) {
+    const int64_t bytes = 144 + 32 * five;
     for (int l = 0; l < GROUP; l++) {
-        const uint8_t *b = src + l * nb * 144;
+        const uint8_t *b = src + l * nb * bytes, *qs = b + 16 + 32 * five;
         memcpy(dst + 2 * l, b, 2);
         memcpy(dst + 32 + 2 * l, b + 2, 2);
         for (int w = 0; w < 3; w++) memcpy(dst + 64 + 4 * (GROUP * w + l), b + 4 + 4 * w, 4);
         /* sub-block j: the low (j even) or high nibbles of quant bytes 32 (j / 2) … */
         for (int j = 0; j < 8; j++) {
             uint64_t o[2];
-            nibble_pairs(b + 16 + 32 * (j / 2), 4 * (j % 2), o);
+            nibble_pairs(qs + 32 * (j / 2), 4 * (j % 2), o);
             to_lanes(o, dst + 256 + 256 * j, l);
+            /* Q5_K: value 32j + t's fifth bit is bit j of qh[t] */
+            for (int e = 0; five && e < 4; e++) {
+                uint8_t h = 0;
+                for (int p = 0; p < 4; p++)
+                    h |= (uint8_t)((((b[16 + 4 * p + e] >> j) & 1) << (2 * p)) | (((b[32 + 4 * p + e] >> j) & 1) << (2 * p + 1)));
+                dst[GROUP * 144 + 64 * j + 4 * l + e] = h;
+            }
         }
     }
 }
@@ -113,6 +127,7 @@ static int nibble_type(int qtype) {
 
 int64_t packed_x16_bytes(int qtype) {
     return nibble_type(qtype) ? packed_nib_bytes(qtype) : qtype == T_Q8_0 ? 34 : qtype == T_Q4_K ? 144
+                                                                                     : qtype == T_Q5_K ? 176
                                                                                      : Q6K_GROUP_BYTES / GROUP;
 }
 
@@ -128,14 +143,15 @@ void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8
         }
         return;
     }
-    const int64_t bytes = qtype == T_Q4_K ? 144 : 210;
-    const int64_t group_bytes = qtype == T_Q4_K ? GROUP * 144 : Q6K_GROUP_BYTES;
+    const int64_t bytes = qtype == T_Q4_K ? 144 : qtype == T_Q5_K ? 176 : 210;
+    const int64_t group_bytes = qtype == T_Q4_K ? QK_GROUP_BYTES(0) : qtype == T_Q5_K ? QK_GROUP_BYTES(1)
+                                                                                      : Q6K_GROUP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t gb = 0; gb < n_groups * nb; gb++) {
         const int64_t g = gb / nb, b = gb % nb;
         const uint8_t *s = src + (g * GROUP * nb + b) * bytes;
         uint8_t *d = dst + (g * nb + b) * group_bytes;
-        if (qtype == T_Q4_K) repack_q4k_group(s, nb, d);
+        if (qtype == T_Q4_K || qtype == T_Q5_K) repack_q4k_group(s, nb, d, qtype == T_Q5_K);
         else repack_q6k_group(s, nb, d);
     }
 }
@@ -154,16 +170,17 @@ static inline __m512i dot16_x16(const __m512i *v, const int8_t *x) {
     return _mm512_add_epi32(s0, s1);
 }
 
-/* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows: o[i · ldo + l]. */
+/* T activation rows (a constant once inlined) times one group of 16 packed Q4_K rows (five: Q5_K's, their values'
+ * fifth bits or'ed in): o[i · ldo + l]. */
 __attribute__((target(VNNI_TARGET), always_inline))
-static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
-                            Ahead *ah) {
+static inline void qk_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                          Ahead *ah, const int five) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f),
                   m03 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
     __m512 acc[X16_TILE];
     for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * GROUP * 144;
+        const uint8_t *blk = g + b * QK_GROUP_BYTES(five);
         const __m512i u0 = _mm512_loadu_si512(blk + 64), u1 = _mm512_loadu_si512(blk + 128),
                       u2 = _mm512_loadu_si512(blk + 192);
         /* per lane (row): bytes sc0..3, sc4..7, mn0..3, mn4..7, as q4_k_scales decodes one row */
@@ -176,13 +193,18 @@ static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
         __m512i isum[X16_TILE];
         for (int i = 0; i < T; i++) isum[i] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
-            ahead_step(ah, GROUP * 144 / 8);
+            ahead_step(ah, QK_GROUP_BYTES(five) / 8);
             const uint8_t *qv = blk + 256 + 256 * j;
             __m512i v[8];
             for (int p = 0; p < 4; p++) {
                 const __m512i q = _mm512_loadu_si512(qv + 64 * p);
                 v[p] = _mm512_and_si512(q, m4);
                 v[p + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                if (five) {
+                    const __m512i hb = _mm512_loadu_si512(blk + GROUP * 144 + 64 * j);
+                    v[p] = _mm512_or_si512(v[p], fifth512(hb, 2 * p));
+                    v[p + 4] = _mm512_or_si512(v[p + 4], fifth512(hb, 2 * p + 1));
+                }
             }
             const __m512i scj = _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff);
             for (int i = 0; i < T; i++) {
@@ -212,6 +234,13 @@ static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float
     }
     for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
 }
+
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q4_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                            Ahead *ah) { qk_x16(g, nb, rows, o, ldo, T, ah, 0); }
+__attribute__((target(VNNI_TARGET), always_inline))
+static inline void q5_k_x16(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                            Ahead *ah) { qk_x16(g, nb, rows, o, ldo, T, ah, 1); }
 
 /* The same for packed Q6_K: values q (0…63) against the quants, times the sub-block's scale, less 32 · the
  * sub-blocks' sums of 16 quants times their scales: Σ_j sc_j dot_j − 32 Σ_j sc_j bsum_j, the integer of the stored
@@ -327,38 +356,46 @@ static inline void store_x16_avx2(__m256 acc[][2], float *o, int64_t ldo, const 
     }
 }
 
-/* q4_k_x16 in AVX2: per sub-block, each vector's two halves against the same broadcast quants */
+/* qk_x16 in AVX2: per sub-block, each vector's two halves against the same broadcast quants (Q5_K: the int16 sums
+ * of four maddubs each, widened in two runs: five-bit values' pairs reach 2·31·127) */
 __attribute__((target(AVX2_TARGET), always_inline))
-static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
-                                 Ahead *ah) {
+static inline void qk_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                               Ahead *ah, const int five) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f),
                   m03 = _mm256_set1_epi32(0x03030303), ones = _mm256_set1_epi16(1);
     __m256 acc[X16_TILE][2];
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * GROUP * 144;
+        const uint8_t *blk = g + b * QK_GROUP_BYTES(five);
         __m256i isum[X16_TILE][2];
         for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
         /* not unrolled: unrolled, the compiler unpacked all 8 sub-blocks ahead and spilled them */
         _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
-            ahead_step(ah, GROUP * 144 / 8);
+            ahead_step(ah, QK_GROUP_BYTES(five) / 8);
             const uint8_t *qv = blk + 256 + 256 * j;
-            __m256i s16[X16_TILE][2];
-            for (int i = 0; i < T; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+            __m256i s16[X16_TILE][4];  /* [h]: vectors 0-3 (Q5_K: 0-1), [2 + h]: Q5_K's 2-3 */
+            for (int i = 0; i < T; i++) s16[i][0] = s16[i][1] = s16[i][2] = s16[i][3] = _mm256_setzero_si256();
             for (int p = 0; p < 4; p++) {
                 __m256i lo[2], hi[2];
+                const int run = five && p >= 2 ? 2 : 0;
                 for (int h = 0; h < 2; h++) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p + 32 * h));
                     lo[h] = _mm256_and_si256(q, m4);
                     hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if (five) {
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + GROUP * 144 + 64 * j + 32 * h));
+                        lo[h] = _mm256_or_si256(lo[h], fifth256(hb, 2 * p));
+                        hi[h] = _mm256_or_si256(hi[h], fifth256(hb, 2 * p + 1));
+                    }
                 }
                 for (int i = 0; i < T; i++) {
                     const int8_t *x = rows[i].q + b * QK_K + 32 * j + 4 * p;
                     const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x),
                                   xh = _mm256_set1_epi32(*(const int32_t *)(x + 16));
                     for (int h = 0; h < 2; h++)
-                        s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
-                                                                                 _mm256_maddubs_epi16(hi[h], xh)));
+                        s16[i][run + h] = _mm256_add_epi16(s16[i][run + h],
+                                                           _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                                            _mm256_maddubs_epi16(hi[h], xh)));
                 }
             }
             for (int h = 0; h < 2; h++) {
@@ -370,7 +407,10 @@ static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
                                                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6),
                                                                                               m03), 4));
                 const __m256i scj = _mm256_shuffle_epi8(sc, SPREAD16(j % 4));
-                for (int i = 0; i < T; i++) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], scj));
+                for (int i = 0; i < T; i++) {
+                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], scj));
+                    if (five) isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][2 + h], scj));
+                }
             }
         }
         for (int h = 0; h < 2; h++) {
@@ -400,6 +440,13 @@ static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
     }
     store_x16_avx2(acc, o, ldo, T);
 }
+
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q4_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) { qk_x16_avx2(g, nb, rows, o, ldo, T, ah, 0); }
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void q5_k_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,
+                                 Ahead *ah) { qk_x16_avx2(g, nb, rows, o, ldo, T, ah, 1); }
 
 /* q6_k_x16 in AVX2 for one activation row (a decode step): per 32 values, each vector's two halves against the same
  * broadcast quants (more rows keep their sums in registers better one half at a time, as q6_k_x16_avx2 goes) */
@@ -585,19 +632,19 @@ static inline void q8_0_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, 
 /* q4_k_x16 in AVX-VNNI: per sub-block, each row's values against its 32 quants in int32 lanes by dpbusd (two chains
  * where few activation rows leave the latency uncovered), times the sub-block's scale */
 __attribute__((target(AVXVNNI_TARGET), always_inline))
-static inline void q4_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
-                                    const int T, Ahead *ah) {
+static inline void qk_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                  const int T, Ahead *ah, const int five) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3f = _mm256_set1_epi32(0x3f3f3f3f), m0f = _mm256_set1_epi32(0x0f0f0f0f),
                   m03 = _mm256_set1_epi32(0x03030303), ff = _mm256_set1_epi32(0xFF), ones = _mm256_set1_epi16(1);
     const int chains = T <= 2 ? 2 : 1;
     __m256 acc[X16_TILE][2];
     for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * GROUP * 144;
+        const uint8_t *blk = g + b * QK_GROUP_BYTES(five);
         __m256i isum[X16_TILE][2];
         for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
         _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
-            ahead_step(ah, GROUP * 144 / 8);
+            ahead_step(ah, QK_GROUP_BYTES(five) / 8);
             const uint8_t *qv = blk + 256 + 256 * j;
             __m256i s32[X16_TILE][2][2];
             for (int i = 0; i < T; i++)
@@ -608,6 +655,11 @@ static inline void q4_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(qv + 64 * p + 32 * h));
                     lo[h] = _mm256_and_si256(q, m4);
                     hi[h] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if (five) {
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + GROUP * 144 + 64 * j + 32 * h));
+                        lo[h] = _mm256_or_si256(lo[h], fifth256(hb, 2 * p));
+                        hi[h] = _mm256_or_si256(hi[h], fifth256(hb, 2 * p + 1));
+                    }
                 }
                 for (int i = 0; i < T; i++) {
                     const int8_t *x = rows[i].q + b * QK_K + 32 * j + 4 * p;
@@ -659,6 +711,13 @@ static inline void q4_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
     }
     store_x16_avx2(acc, o, ldo, T);
 }
+
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline void q4_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                    const int T, Ahead *ah) { qk_x16_avxvnni(g, nb, rows, o, ldo, T, ah, 0); }
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline void q5_k_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
+                                    const int T, Ahead *ah) { qk_x16_avxvnni(g, nb, rows, o, ldo, T, ah, 1); }
 
 /* q6_k_x16 in AVX-VNNI: half h (rows 8h … 8h+7) of each group block in turn; per 32 values, each row's values against
  * its quants by dpbusd into one int32 sum per sub-block (the AVX2 form's int16 pairs, widened), times the sub-block's
@@ -777,6 +836,8 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                     NIB(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);              \
                 } else if (qtype == T_Q4_K_PACKED) {                                                              \
                     X16_CASES(q4_k##SUFFIX)                                                                       \
+                } else if (qtype == T_Q5_K_PACKED) {                                                              \
+                    X16_CASES(q5_k##SUFFIX)                                                                       \
                 } else if (qtype == T_Q8_0_PACKED) {                                                              \
                     X16_CASES(q8_0##SUFFIX)                                                                       \
                 } else {                                                                                          \
