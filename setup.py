@@ -8,7 +8,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "engine.native._native",
     sources=["engine/native/cpu.c", "engine/native/act_quant.c", "engine/native/kquant.c",
-             "engine/native/packed_x16.c", "engine/native/packed_nib.c", "engine/native/packed_iq4_xs.c", "engine/native/q8_0.c", "engine/native/gdn.c", "engine/native/group.c",
+             "engine/native/packed_x16.c", "engine/native/packed_nib.c", "engine/native/packed_iq4_xs.c", "engine/native/packed_q23_k.c", "engine/native/q8_0.c", "engine/native/gdn.c", "engine/native/group.c",
              "engine/native/attention.c", "engine/native/moe.c", "engine/native/pool.c",
              "engine/native/norm.c", "engine/native/layer.c", "engine/native/kquant_more.c", "engine/native/legacy.c",
              "engine/native/half.c", "engine/native/iq_grid.c", "engine/native/trace.c", "engine/native/sketch.c",

@@ -1,4 +1,4 @@
-"""Native Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS products (engine/native, through engine.ops) in every instruction-set form the
+"""Native K-quant (Q2_K … Q6_K), Q8_0 and IQ4_XS products (engine/native, through engine.ops) in every instruction-set form the
 machine runs: packed for AVX512-VNNI, AVX-VNNI and AVX2, stored order on AVX512 (and wherever weights stay mapped),
 portable C. The packed forms of the 32-value nibble types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: packed_nib.c) are checked here
 beside them; their stored forms and products against the dequantized weight in tests/test_quant_products.py."""
@@ -19,7 +19,7 @@ from engine.storage.qtensor import QTensor
 from engine.storage.quantize import random_blocks
 from tests.conftest import backend_params
 
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS]
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q2_K, T.Q3_K]
 PACKED_TYPES = TYPES + [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.MXFP4]  # every type a packing backend packs
 NATIVE = backend_params(native_only=True)
 
@@ -148,8 +148,7 @@ def test_expert_pairs_equal_products_per_expert(qt: T, backend: ops.Backend) -> 
             assert torch.equal(out[p], one[0]), (e, p)
 
 
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL,
-                                T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [t for t in PACKED_TYPES if t != T.Q8_0], ids=lambda t: t.name)
 def test_packed_weights_are_the_stored_ones_reordered(qt: T) -> None:
     """The packed products agree with the stored-order ones of the same form to float32 rounding (the same integers,
     the float sums grouped differently); a backend without copies (weights left mapped) packs nothing; packing

@@ -18,11 +18,11 @@
 #define ROW_CHUNK 16  /* weight rows per work item, and per cross-lane sum (sum16) */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39 };  /* ggml type ids */
-/* Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS and the 32-value nibble types' weights packed by repack_x16, GROUP rows interleaved (not ggml
+/* the K-quants', Q8_0's, IQ4_XS's and the 32-value nibble types' weights packed by repack_x16, GROUP rows interleaved (not ggml
  * types: ours, for the VNNI and AVX2 packed products): PACKED_BASE + the ggml type */
 #define PACKED_BASE 100
 enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q5_0_PACKED = 106, T_Q5_1_PACKED = 107, T_Q8_0_PACKED = 108,
-       T_Q4_K_PACKED = 112, T_Q5_K_PACKED = 113, T_Q6_K_PACKED = 114,
+       T_Q2_K_PACKED = 110, T_Q3_K_PACKED = 111, T_Q4_K_PACKED = 112, T_Q5_K_PACKED = 113, T_Q6_K_PACKED = 114,
        T_IQ4_NL_PACKED = 120, T_IQ4_XS_PACKED = 123, T_MXFP4_PACKED = 139 };
 #define GROUP 16
 #define X16_TILE 4  /* activation rows per pass over a packed group block (their sums stay in registers) */
@@ -399,6 +399,16 @@ void iq4_xs_x16_group_vnni(const uint8_t *g, int64_t nb, const Row *rows, float 
 void iq4_xs_x16_group_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
                               Ahead *ah);
 void iq4_xs_x16_group_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn, Ahead *ah);
+
+/* packed_q23_k.c: packed Q2_K and Q3_K, as packed_iq4_xs.c's (the type an argument) */
+int64_t packed_q23_k_bytes(int qtype);
+void repack_q23_k_group(int qtype, const uint8_t *src, int64_t nb, uint8_t *dst);
+void q23_k_x16_group_vnni(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                          Ahead *ah);
+void q23_k_x16_group_avxvnni(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                             Ahead *ah);
+void q23_k_x16_group_avx2(int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, int tn,
+                          Ahead *ah);
 
 /* packed_x16.c: packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL),
  * prefetching `ahead` as it goes, in the best form isa allows (VNNI, else AVX-VNNI, else AVX2: the same bits) */

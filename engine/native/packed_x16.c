@@ -1,6 +1,7 @@
 /* The 16-row interleaved ("packed") layout of Q4_K, Q5_K, Q6_K and Q8_0 weights for AVX512-VNNI, AVX-VNNI and AVX2:
  * repacking the stored blocks, and the products over the packed groups in the three forms (the same bits); the
- * 32-value nibble types' groups are packed_nib.c's, repacked and driven from here. */
+ * 32-value nibble types', IQ4_XS's and Q2_K / Q3_K's groups are packed_nib.c's, packed_iq4_xs.c's and
+ * packed_q23_k.c's, repacked and driven from here. */
 #include <omp.h>
 #include "kernels.h"
 
@@ -132,6 +133,7 @@ int64_t packed_x16_bytes(int qtype) {
     case T_Q4_K: return QK_GROUP_BYTES(0) / GROUP;
     case T_Q5_K: return QK_GROUP_BYTES(1) / GROUP;
     case T_IQ4_XS: return packed_iq4_xs_bytes();
+    case T_Q2_K: case T_Q3_K: return packed_q23_k_bytes(qtype);
     default: return Q6K_GROUP_BYTES / GROUP;
     }
 }
@@ -148,7 +150,8 @@ void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8
         }
         return;
     }
-    const int64_t bytes = qtype == T_Q4_K ? 144 : qtype == T_Q5_K ? 176 : qtype == T_IQ4_XS ? 136 : 210;
+    const int64_t bytes = qtype == T_Q4_K ? 144 : qtype == T_Q5_K ? 176 : qtype == T_IQ4_XS ? 136 : qtype == T_Q2_K ? 84
+                        : qtype == T_Q3_K ? 110 : 210;
     const int64_t group_bytes = GROUP * packed_x16_bytes(qtype);
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t gb = 0; gb < n_groups * nb; gb++) {
@@ -157,6 +160,7 @@ void repack_x16(int qtype, const uint8_t *src, int64_t n_rows, int64_t nb, uint8
         uint8_t *d = dst + (g * nb + b) * group_bytes;
         if (qtype == T_Q4_K || qtype == T_Q5_K) repack_q4k_group(s, nb, d, qtype == T_Q5_K);
         else if (qtype == T_IQ4_XS) repack_iq4_xs_group(s, nb, d);
+        else if (qtype == T_Q2_K || qtype == T_Q3_K) repack_q23_k_group(qtype, s, nb, d);
         else repack_q6k_group(s, nb, d);
     }
 }
@@ -821,8 +825,8 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
 
 /* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL), in one
  * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2; NIB: packed_nib.c's, IQ4:
- * packed_iq4_xs.c's). */
-#define X16_DRIVER(NAME, TARGET, SUFFIX, NIB, IQ4)                                                                      \
+ * packed_iq4_xs.c's, Q23: packed_q23_k.c's). */
+#define X16_DRIVER(NAME, TARGET, SUFFIX, NIB, IQ4, Q23)                                                                      \
     __attribute__((target(TARGET))) static void NAME(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0,   \
                                                      int64_t r1, const Acts *a, const int64_t *xrow, int64_t m,     \
                                                      float *out, int64_t ldo, Ahead *ahead) {                     \
@@ -840,6 +844,8 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                 float *o = out + t0 * ldo + rc;                                                                   \
                 if (nibble_type(qtype - PACKED_BASE)) {                                                           \
                     NIB(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);              \
+                } else if (qtype == T_Q2_K_PACKED || qtype == T_Q3_K_PACKED) {                                    \
+                    Q23(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);                                \
                 } else if (qtype == T_IQ4_XS_PACKED) {                                                            \
                     IQ4(g, nb, rows, o, ldo, (int)tn, ahead);                                                     \
                 } else if (qtype == T_Q4_K_PACKED) {                                                              \
@@ -854,10 +860,11 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
             }                                                                                                     \
         }                                                                                                         \
     }
-X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16, nib_x16_group_vnni, iq4_xs_x16_group_vnni)
-X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2, nib_x16_group_avx2, iq4_xs_x16_group_avx2)
+X16_DRIVER(rows_times_x16_vnni, VNNI_TARGET, _x16, nib_x16_group_vnni, iq4_xs_x16_group_vnni, q23_k_x16_group_vnni)
+X16_DRIVER(rows_times_x16_avx2, AVX2_TARGET, _x16_avx2, nib_x16_group_avx2, iq4_xs_x16_group_avx2,
+           q23_k_x16_group_avx2)
 X16_DRIVER(rows_times_x16_avxvnni, AVXVNNI_TARGET, _x16_avxvnni, nib_x16_group_avxvnni,
-           iq4_xs_x16_group_avxvnni)
+           iq4_xs_x16_group_avxvnni, q23_k_x16_group_avxvnni)
 
 void rows_times_x16(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                     const int64_t *xrow, int64_t m, float *out, int64_t ldo, Ahead *ahead, int isa) {

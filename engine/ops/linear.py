@@ -4,8 +4,8 @@ Every product is batch-invariant: row i of a multi-token pass gets exactly the b
 speculative verify and prefill rely on to be token-identical to plain decoding. The kinds of product:
   - NativeLinear: the native products (native.PRODUCT_TYPES: K-quants, IQ4_XS, the 32-value legacy types, MXFP4,
     F16/BF16; activations quantized or rounded as llama.cpp does, exact integer block sums, each output's float work
-    in a fixed order whatever the rows or threads); Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS and the 32-value nibble types
-    (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) packed 16 rows interleaved on first use where the backend packs;
+    in a fixed order whatever the rows or threads); the K-quants, Q8_0, IQ4_XS and the 32-value nibble types (Q4_0,
+    Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) packed 16 rows interleaved on first use where the backend packs;
   - TritonLinear: Q4_K/Q5_K/Q6_K/Q8_0/IQ4_XS on CUDA in engine.ops.triton_q's kernels over the stored blocks
     (float32 activations): up to GEMV_ROWS rows a GEMV whose rows are independent programs, more rows (prefill
     chunks) as bfloat16 tiles of the weight fed to torch.matmul;

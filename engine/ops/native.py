@@ -216,7 +216,7 @@ MAX_DV = _number("MAX_DV")  # the widest GDN value head gdn_recurrence takes
 GROUP = _number("GROUP")  # rows interleaved in a packed weight
 SKETCH_BLOCK = _number("SKETCH_BLOCK")  # values per block of a head sketch (sketch.c)
 PACKED_CODE = {t: _number(f"T_{t.name}_PACKED")  # kernels.h's T_*_PACKED
-               for t in (QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.MXFP4,
+               for t in (QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.MXFP4,
                                                                  QT.IQ4_XS)}
 # cpu_features() bits
 _CPU_AVX512, _CPU_VNNI, _CPU_AVX2, _CPU_AVXVNNI = (_number(f"CPU_{n}") for n in ("AVX512", "VNNI", "AVX2", "AVXVNNI"))
