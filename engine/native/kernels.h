@@ -358,6 +358,15 @@ static inline __m512i row_sum(const __m512i *v, const __m512i *s, const int8_t *
     return _mm512_add_epi32(_mm512_add_epi32(p0, p1), _mm512_add_epi32(p2, p3));
 }
 
+/* the T rows' sums of a packed group in the 256-bit forms, rows 0-7 and 8-15, to o[i · ldo + l] */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void store_x16_avx2(__m256 acc[][2], float *o, int64_t ldo, const int T) {
+    for (int i = 0; i < T; i++) {
+        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
+        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
+    }
+}
+
 /* bit `bit` of every byte of a packed fifth-bit vector (packed_nib.c's Q5_0 / Q5_1, packed_x16.c's Q5_K), as 0x10
  * (a value's fifth bit); shifts of 16-bit words move no other
  * byte's bit there for shifts of at most 4 */
@@ -372,6 +381,9 @@ static inline __m256i fifth256(__m256i h, const int bit) {
     const __m256i at4 = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : bit > 4 ? _mm256_srli_epi16(h, bit - 4) : h;
     return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
 }
+
+/* kquant_more.c: Q3_K's 16 signed 6-bit scales (stored + 32, returned − 32) from its block b */
+void q3_k_scales(const uint8_t *b, int8_t sc[16]);
 
 /* kquant_more.c: a Q5_K / Q3_K / Q2_K / IQ4_XS weight row's nb blocks times the tile's activation rows into their
  * 8-lane (AVX2) or 16-lane (AVX512) float sums */

@@ -41,7 +41,7 @@ void unpack_q5_k(const uint8_t *b, Block *o) {
 }
 
 /* Q3_K's 16 signed 6-bit scales (stored + 32) from their 12 bytes: low nibbles in bytes 0-7, high pairs in 8-11 */
-static void q3_k_scales(const uint8_t *b, int8_t sc[16]) {
+void q3_k_scales(const uint8_t *b, int8_t sc[16]) {
     uint32_t a[4];
     memcpy(a, b + 96, 12);
     const uint32_t t = a[2];

@@ -94,93 +94,76 @@ static inline void iq4_xs_half(const uint8_t *blk, int j, int h, __m256i tab, __
     }
 }
 
-/* The same in AVX-VNNI: each 64-byte vector's two 8-row halves, dpbusd on 256 bits */
-__attribute__((target(AVXVNNI_TARGET), always_inline))
-static inline void iq4_xs_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
-                                      const int T, Ahead *ah) {
-    const __m256i tab = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV_IQ4NL)),
-                                        _mm256_set1_epi8((char)0x80));
-    __m256 acc[X16_TILE][2];
-    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * IQ4_XS_GROUP_BYTES;
-        __m256i isum[X16_TILE][2];
-        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
-            ahead_step(ah, IQ4_XS_GROUP_BYTES / 8);
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i v[8];
-                iq4_xs_half(blk, j, h, tab, v);
-                const __m256i sc = _mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(blk + IQ4_XS_SCALES + GROUP * j + 8 * h)));
-                for (int i = 0; i < T; i++) {
-                    const int8_t *x = rows[i].q + b * QK_K + 32 * j;
-                    __m256i s0 = _mm256_set1_epi32(-128 * sub_sum(&rows[i], b, j)), s1 = _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++) {
-                        s0 = _mm256_dpbusd_avx_epi32(s0, v[p], _mm256_set1_epi32(*(const int32_t *)(x + 4 * p)));
-                        s1 = _mm256_dpbusd_avx_epi32(s1, v[p + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * p)));
-                    }
-                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc));
-                }
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + IQ4_XS_D + 16 * h)));
-            for (int i = 0; i < T; i++)
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
-                                            acc[i][h]);
-        }
-    }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
+/* The 256-bit forms' float step at the end of block b: acc = fma(float(Σ), d_w·d_x, acc), half by half */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline void iq4_xs_float256(const uint8_t *blk, const Row *rows, int64_t b, __m256i isum[][2], __m256 acc[][2],
+                                   const int T) {
+    for (int h = 0; h < 2; h++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + IQ4_XS_D + 16 * h)));
+        for (int i = 0; i < T; i++)
+            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
+                                        acc[i][h]);
     }
 }
 
-/* The same in AVX2: |v| and x·sign(v) into maddubs, madd by the sub-block's scale in both int16 halves of a lane */
-__attribute__((target(AVX2_TARGET), always_inline))
-static inline void iq4_xs_x16_avx2(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
-                                   const int T, Ahead *ah) {
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV_IQ4NL));
-    __m256 acc[X16_TILE][2];
-    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * IQ4_XS_GROUP_BYTES;
-        __m256i isum[X16_TILE][2];
-        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {
-            ahead_step(ah, IQ4_XS_GROUP_BYTES / 8);
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i v[8], u[8];
-                iq4_xs_half(blk, j, h, tab, v);
-                for (int p = 0; p < 8; p++) u[p] = _mm256_abs_epi8(v[p]);
-                const __m256i s32 = _mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(blk + IQ4_XS_SCALES + GROUP * j + 8 * h)));
-                const __m256i sc = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
-                                                   _mm256_slli_epi32(s32, 16));
-                for (int i = 0; i < T; i++) {
-                    const int8_t *x = rows[i].q + b * QK_K + 32 * j;
-                    __m256i s = isum[i][h];
-                    for (int p = 0; p < 8; p++) {  /* v[p]: values 4p … (p < 4), 16 + 4(p − 4) … */
-                        const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x + 4 * p));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[p], _mm256_sign_epi8(xb, v[p])), sc));
-                    }
-                    isum[i][h] = s;
-                }
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + IQ4_XS_D + 16 * h)));
-            for (int i = 0; i < T; i++)
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
-                                            acc[i][h]);
-        }
+/* One activation row's step on one 8-row half of sub-block j in each 256-bit form: the values v (`tab`'s entries)
+ * against its 32 quants x (their sum sx), times the scales sc (int32 lanes), into isum */
+__attribute__((target(AVXVNNI_TARGET), always_inline))
+static inline __m256i iq4_xs_step_avxvnni(const __m256i *v, __m256i sc, const int8_t *x, int32_t sx, __m256i isum) {
+    __m256i s0 = _mm256_set1_epi32(-128 * sx), s1 = _mm256_setzero_si256();  /* the values went in + 128 */
+    for (int p = 0; p < 4; p++) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, v[p], _mm256_set1_epi32(*(const int32_t *)(x + 4 * p)));
+        s1 = _mm256_dpbusd_avx_epi32(s1, v[p + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * p)));
     }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
+    return _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc));
 }
+
+/* |v| and x·sign(v) into maddubs, madd by the scale in both int16 halves of a lane (v signed; the loop-invariant
+ * parts are hoisted out of the rows' loop once inlined) */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i iq4_xs_step_avx2(const __m256i *v, __m256i sc, const int8_t *x, int32_t sx, __m256i isum) {
+    (void)sx;
+    const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+    for (int p = 0; p < 8; p++) {  /* v[p]: values 4p … (p < 4), 16 + 4(p − 4) … */
+        const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x + 4 * p));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v[p]),
+                                                                             _mm256_sign_epi8(xb, v[p])), sc16));
+    }
+    return isum;
+}
+
+/* iq4_xs_x16 in a 256-bit form (TAB: its table, STEP: its per-row step): each 64-byte vector's two 8-row halves */
+#define IQ4_256(NAME, TARGET, TAB, STEP)                                                                          \
+    __attribute__((target(TARGET), always_inline))                                                                \
+    static inline void NAME(const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo, const int T,    \
+                            Ahead *ah) {                                                                          \
+        const __m256i tab = TAB;                                                                                  \
+        __m256 acc[X16_TILE][2];                                                                                  \
+        for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < nb; b++) {                                                                        \
+            const uint8_t *blk = g + b * IQ4_XS_GROUP_BYTES;                                                      \
+            __m256i isum[X16_TILE][2];                                                                            \
+            for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = _mm256_setzero_si256();                         \
+            _Pragma("GCC unroll 1") for (int j = 0; j < 8; j++) {                                                 \
+                ahead_step(ah, IQ4_XS_GROUP_BYTES / 8);                                                           \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                    __m256i v[8];                                                                                 \
+                    iq4_xs_half(blk, j, h, tab, v);                                                               \
+                    const __m256i sc = _mm256_cvtepi8_epi32(                                                      \
+                        _mm_loadl_epi64((const __m128i *)(blk + IQ4_XS_SCALES + GROUP * j + 8 * h)));             \
+                    for (int i = 0; i < T; i++)                                                                   \
+                        isum[i][h] = STEP(v, sc, rows[i].q + b * QK_K + 32 * j, sub_sum(&rows[i], b, j), isum[i][h]); \
+                }                                                                                                 \
+            }                                                                                                     \
+            iq4_xs_float256(blk, rows, b, isum, acc, T);                                                          \
+        }                                                                                                         \
+        store_x16_avx2(acc, o, ldo, T);                                                                           \
+    }
+IQ4_256(iq4_xs_x16_avxvnni, AVXVNNI_TARGET,
+        _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV_IQ4NL)), _mm256_set1_epi8((char)0x80)),
+        iq4_xs_step_avxvnni)
+IQ4_256(iq4_xs_x16_avx2, AVX2_TARGET, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV_IQ4NL)),
+        iq4_xs_step_avx2)
 
 #define IQ4_ENTRY(NAME, TARGET, FN)                                                                               \
     __attribute__((target(TARGET))) void NAME(const uint8_t *g, int64_t nb, const Row *rows, float *o,             \

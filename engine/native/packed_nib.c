@@ -166,6 +166,15 @@ static inline void nib_values256(const int qtype, const uint8_t *q, __m256i tab,
     }
 }
 
+/* The 256-bit forms' float step for one activation row's block b: its integer sum s times d_w·d_x, then (where the type
+ * has minimums, mins: the 8 rows' f16) m_w·s_x */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256 nib_float256(__m256i s, __m256 d, const uint8_t *mins, const Row *r, int64_t b, __m256 acc) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(r->d[b])), acc);
+    if (mins) acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins)), _mm256_set1_ps(r->s[b]), acc);
+    return acc;
+}
+
 /* The same in AVX-VNNI: each 64-byte vector's two 8-row halves, dpbusd on 256 bits */
 __attribute__((target(AVXVNNI_TARGET), always_inline))
 static inline void nib_x16_avxvnni(const int qtype, const uint8_t *g, int64_t nb, const Row *rows, float *o,
@@ -192,18 +201,12 @@ static inline void nib_x16_avxvnni(const int qtype, const uint8_t *g, int64_t nb
                     s0 = _mm256_dpbusd_avx_epi32(s0, v[p], _mm256_set1_epi32(*(const int32_t *)(x + 4 * p)));
                     s1 = _mm256_dpbusd_avx_epi32(s1, v[p + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * p)));
                 }
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
-                                            _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])), acc[i][h]);
-                if (mn)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + 32 * b + 16 * h))),
-                                                _mm256_set1_ps(rows[i].s[b]), acc[i][h]);
+                acc[i][h] = nib_float256(_mm256_add_epi32(s0, s1), d, mn ? mins + 32 * b + 16 * h : NULL, &rows[i], b,
+                                         acc[i][h]);
             }
         }
     }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
+    store_x16_avx2(acc, o, ldo, T);
 }
 
 /* The same in AVX2: maddubs of the unsigned nibbles (Q4_0 from −8·Σx, Q4_1) or of |v| and x·sign(v) (the tables) */
@@ -238,18 +241,11 @@ static inline void nib_x16_avx2(const int qtype, const uint8_t *g, int64_t nb, c
                     if ((j + 1) % run == 0)
                         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16, ones)), s16 = _mm256_setzero_si256();
                 }
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(rows[i].d[b])),
-                                            acc[i][h]);
-                if (mn)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + 32 * b + 16 * h))),
-                                                _mm256_set1_ps(rows[i].s[b]), acc[i][h]);
+                acc[i][h] = nib_float256(s32, d, mn ? mins + 32 * b + 16 * h : NULL, &rows[i], b, acc[i][h]);
             }
         }
     }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
+    store_x16_avx2(acc, o, ldo, T);
 }
 
 /* one form's entry: the type and the tile's row count made constants */

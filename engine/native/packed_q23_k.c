@@ -28,27 +28,13 @@ static inline int group_bytes(int q3) { return q3 ? Q3K_GROUP_BYTES : Q2K_GROUP_
 
 int64_t packed_q23_k_bytes(int qtype) { return group_bytes(qtype == T_Q3_K) / GROUP; }
 
-/* Q3_K's 16 scales − 32 from their 12 bytes (kquant_more.c's q3_k_scales) */
-static void q3_scales(const uint8_t *b, int8_t sc[16]) {
-    uint32_t a[4];
-    memcpy(a, b + 96, 12);
-    const uint32_t t = a[2];
-    a[2] = ((a[0] >> 4) & 0x0f0f0f0f) | (((t >> 4) & 0x03030303) << 4);
-    a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
-    a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
-    a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
-    uint8_t u[16];
-    memcpy(u, a, 16);
-    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(u[j] - 32);
-}
-
 void repack_q23_k_group(int qtype, const uint8_t *src, int64_t nb, uint8_t *dst) {
     const int q3 = qtype == T_Q3_K, bytes = q3 ? 110 : 84, rb = run_bytes(q3);
     memset(dst + 8 * rb, 0, group_bytes(q3) - 8 * rb);
     for (int l = 0; l < GROUP; l++) {
         const uint8_t *b = src + l * nb * bytes, *qs = b + (q3 ? 32 : 16);
         int8_t sc3[16];
-        if (q3) q3_scales(b, sc3);
+        if (q3) q3_k_scales(b, sc3);
         /* value v = 128n + 32j + t (t < 32): low bits (qs[32n + t] >> 2j) & 3, Q3_K's high bit (hmask[t] >> (4n + j)) & 1 */
         for (int u = 0; u < 8; u++) {
             uint8_t *r = dst + rb * u;
@@ -178,91 +164,71 @@ static inline void q23_float_avx2(const int q3, const uint8_t *tail, const Row *
     }
 }
 
-/* The same in AVX-VNNI (q3 … as q23_x16): each 64-byte vector's two 8-row halves, dpbusd / dpwssd on 256 bits */
+/* One activation row's step on one 8-row half of run u in each 256-bit form: the values v against the run's 32 quants
+ * x, each sub-block's sum times its scale into isum, the scale or min pairs against the bsum pair into ssum. */
 __attribute__((target(AVXVNNI_TARGET), always_inline))
-static inline void q23_x16_avxvnni(const int q3, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
-                                   const int T, Ahead *ah) {
-    const int rb = run_bytes(q3), gb = group_bytes(q3);
-    const __m256i m4 = _mm256_set1_epi32(0xF), mpair = _mm256_set1_epi32(0x000F000F);
-    __m256 acc[X16_TILE][2];
-    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * gb;
-        __m256i isum[X16_TILE][2], ssum[X16_TILE][2];
-        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = ssum[i][0] = ssum[i][1] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {
-            ahead_step(ah, gb / 8);
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i v[8];
-                const __m256i pairs = q23_half(q3, blk + rb * u, rb, h, v);
-                const __m256i sca = q3 ? _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16) : _mm256_and_si256(pairs, m4);
-                const __m256i scb = q3 ? _mm256_srai_epi32(pairs, 16) : _mm256_and_si256(_mm256_srli_epi32(pairs, 16), m4);
-                const __m256i spair = q3 ? pairs : _mm256_and_si256(_mm256_srli_epi16(pairs, 4), mpair);
-                for (int i = 0; i < T; i++) {
-                    const int8_t *x = rows[i].q + b * QK_K + 32 * u;
-                    __m256i da = _mm256_setzero_si256(), db = _mm256_setzero_si256();
-                    for (int s = 0; s < 4; s++) {
-                        da = _mm256_dpbusd_avx_epi32(da, v[s], _mm256_set1_epi32(*(const int32_t *)(x + 4 * s)));
-                        db = _mm256_dpbusd_avx_epi32(db, v[s + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * s)));
-                    }
-                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_add_epi32(_mm256_mullo_epi32(da, sca),
-                                                                               _mm256_mullo_epi32(db, scb)));
-                    ssum[i][h] = _mm256_dpwssd_avx_epi32(ssum[i][h], spair, _mm256_set1_epi32(bs_pair(&rows[i], b, u)));
-                }
-            }
-        }
-        q23_float_avx2(q3, blk + 8 * rb, rows, b, isum, ssum, acc, T);
+static inline void q23_step_avxvnni(const int q3, const __m256i *v, __m256i pairs, const int8_t *x, int32_t bsp,
+                                    __m256i *isum, __m256i *ssum) {
+    const __m256i m4 = _mm256_set1_epi32(0xF);
+    /* each sub-block's scale as an int32 lane, and the pairs dpwssd takes */
+    const __m256i sca = q3 ? _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16) : _mm256_and_si256(pairs, m4);
+    const __m256i scb = q3 ? _mm256_srai_epi32(pairs, 16) : _mm256_and_si256(_mm256_srli_epi32(pairs, 16), m4);
+    const __m256i spair = q3 ? pairs : _mm256_and_si256(_mm256_srli_epi16(pairs, 4), _mm256_set1_epi32(0x000F000F));
+    __m256i da = _mm256_setzero_si256(), db = _mm256_setzero_si256();
+    for (int s = 0; s < 4; s++) {
+        da = _mm256_dpbusd_avx_epi32(da, v[s], _mm256_set1_epi32(*(const int32_t *)(x + 4 * s)));
+        db = _mm256_dpbusd_avx_epi32(db, v[s + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * s)));
     }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
+    *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(_mm256_mullo_epi32(da, sca), _mm256_mullo_epi32(db, scb)));
+    *ssum = _mm256_dpwssd_avx_epi32(*ssum, spair, _mm256_set1_epi32(bsp));
 }
 
-/* The same in AVX2: maddubs of each sub-block's four vectors summed in int16, madd by its scale in both halves */
+/* maddubs of each sub-block's four vectors summed in int16, madd by its scale in both int16 halves of a lane */
 __attribute__((target(AVX2_TARGET), always_inline))
-static inline void q23_x16_avx2(const int q3, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
-                                const int T, Ahead *ah) {
-    const int rb = run_bytes(q3), gb = group_bytes(q3);
-    const __m256i lo16 = _mm256_set1_epi32(0xFFFF), m4 = _mm256_set1_epi32(0xF), mpair = _mm256_set1_epi32(0x000F000F);
-    __m256 acc[X16_TILE][2];
-    for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * gb;
-        __m256i isum[X16_TILE][2], ssum[X16_TILE][2];
-        for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = ssum[i][0] = ssum[i][1] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {
-            ahead_step(ah, gb / 8);
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i v[8];
-                const __m256i pairs = q23_half(q3, blk + rb * u, rb, h, v);
-                /* each sub-block's scale in both int16 halves of its lane */
-                const __m256i a = q3 ? _mm256_and_si256(pairs, lo16) : _mm256_and_si256(pairs, m4);
-                const __m256i bb = q3 ? _mm256_srli_epi32(pairs, 16) : _mm256_and_si256(_mm256_srli_epi32(pairs, 16), m4);
-                const __m256i sca = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), scb = _mm256_or_si256(bb, _mm256_slli_epi32(bb, 16));
-                const __m256i spair = q3 ? pairs : _mm256_and_si256(_mm256_srli_epi16(pairs, 4), mpair);
-                for (int i = 0; i < T; i++) {
-                    const int8_t *x = rows[i].q + b * QK_K + 32 * u;
-                    __m256i da = _mm256_setzero_si256(), db = _mm256_setzero_si256();
-                    for (int s = 0; s < 4; s++) {
-                        da = _mm256_add_epi16(da, _mm256_maddubs_epi16(v[s], _mm256_set1_epi32(*(const int32_t *)(x + 4 * s))));
-                        db = _mm256_add_epi16(db, _mm256_maddubs_epi16(v[s + 4],
-                                                                       _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * s))));
-                    }
-                    isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_add_epi32(_mm256_madd_epi16(da, sca),
-                                                                               _mm256_madd_epi16(db, scb)));
-                    ssum[i][h] = _mm256_add_epi32(ssum[i][h],
-                                                  _mm256_madd_epi16(spair, _mm256_set1_epi32(bs_pair(&rows[i], b, u))));
-                }
-            }
-        }
-        q23_float_avx2(q3, blk + 8 * rb, rows, b, isum, ssum, acc, T);
+static inline void q23_step_avx2(const int q3, const __m256i *v, __m256i pairs, const int8_t *x, int32_t bsp,
+                                 __m256i *isum, __m256i *ssum) {
+    const __m256i m4 = _mm256_set1_epi32(0xF);
+    const __m256i a = q3 ? _mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)) : _mm256_and_si256(pairs, m4);
+    const __m256i bb = q3 ? _mm256_srli_epi32(pairs, 16) : _mm256_and_si256(_mm256_srli_epi32(pairs, 16), m4);
+    const __m256i sca = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), scb = _mm256_or_si256(bb, _mm256_slli_epi32(bb, 16));
+    const __m256i spair = q3 ? pairs : _mm256_and_si256(_mm256_srli_epi16(pairs, 4), _mm256_set1_epi32(0x000F000F));
+    __m256i da = _mm256_setzero_si256(), db = _mm256_setzero_si256();
+    for (int s = 0; s < 4; s++) {
+        da = _mm256_add_epi16(da, _mm256_maddubs_epi16(v[s], _mm256_set1_epi32(*(const int32_t *)(x + 4 * s))));
+        db = _mm256_add_epi16(db, _mm256_maddubs_epi16(v[s + 4], _mm256_set1_epi32(*(const int32_t *)(x + 16 + 4 * s))));
     }
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
+    *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(_mm256_madd_epi16(da, sca), _mm256_madd_epi16(db, scb)));
+    *ssum = _mm256_add_epi32(*ssum, _mm256_madd_epi16(spair, _mm256_set1_epi32(bsp)));
 }
+
+/* q23_x16 in a 256-bit form (STEP: its per-row step): each 64-byte vector's two 8-row halves in turn */
+#define Q23_256(NAME, TARGET, STEP)                                                                               \
+    __attribute__((target(TARGET), always_inline))                                                                \
+    static inline void NAME(const int q3, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,   \
+                            const int T, Ahead *ah) {                                                             \
+        const int rb = run_bytes(q3), gb = group_bytes(q3);                                                       \
+        __m256 acc[X16_TILE][2];                                                                                  \
+        for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < nb; b++) {                                                                        \
+            const uint8_t *blk = g + b * gb;                                                                      \
+            __m256i isum[X16_TILE][2], ssum[X16_TILE][2];                                                         \
+            for (int i = 0; i < T; i++) isum[i][0] = isum[i][1] = ssum[i][0] = ssum[i][1] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 1") for (int u = 0; u < 8; u++) {                                                 \
+                ahead_step(ah, gb / 8);                                                                           \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                             \
+                    __m256i v[8];                                                                                 \
+                    const __m256i pairs = q23_half(q3, blk + rb * u, rb, h, v);                                   \
+                    for (int i = 0; i < T; i++)                                                                   \
+                        STEP(q3, v, pairs, rows[i].q + b * QK_K + 32 * u, bs_pair(&rows[i], b, u), &isum[i][h],   \
+                             &ssum[i][h]);                                                                        \
+                }                                                                                                 \
+            }                                                                                                     \
+            q23_float_avx2(q3, blk + 8 * rb, rows, b, isum, ssum, acc, T);                                        \
+        }                                                                                                         \
+        store_x16_avx2(acc, o, ldo, T);                                                                           \
+    }
+Q23_256(q23_x16_avxvnni, AVXVNNI_TARGET, q23_step_avxvnni)
+Q23_256(q23_x16_avx2, AVX2_TARGET, q23_step_avx2)
 
 #define Q23_CASES(FN, Q3)                                                                                         \
     switch (tn) {                                                                                                 \

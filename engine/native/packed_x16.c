@@ -356,15 +356,6 @@ static inline __m256i dot8_x8(const __m256i *v, const int8_t *x) {
                             _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(*(const int32_t *)(x + 4))));
 }
 
-/* the T rows' sums of a group, rows 0-7 and 8-15, to o[i · ldo + l] */
-__attribute__((target(AVX2_TARGET), always_inline))
-static inline void store_x16_avx2(__m256 acc[][2], float *o, int64_t ldo, const int T) {
-    for (int i = 0; i < T; i++) {
-        _mm256_storeu_ps(o + i * ldo, acc[i][0]);
-        _mm256_storeu_ps(o + i * ldo + 8, acc[i][1]);
-    }
-}
-
 /* qk_x16 in AVX2: per sub-block, each vector's two halves against the same broadcast quants (Q5_K: the int16 sums
  * of four maddubs each, widened in two runs: five-bit values' pairs reach 2·31·127) */
 __attribute__((target(AVX2_TARGET), always_inline))
