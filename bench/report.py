@@ -659,7 +659,12 @@ def main() -> None:
                      ("sweep_08b", sweep_section), ("sweep_more", sweep_section),
                      ("products_avxvnni", _products), ("sweep_avxvnni", sweep_section), ("sampling", _sampling),
                      ("server_parallel", _server_parallel), ("mtp_fused_draft_ab", _mtp_ab),
-                     ("mtp_speedup_p099_fused", _mtp_speedup)):
+                     ("mtp_speedup_p099_fused", _mtp_speedup),
+                     ("products_nib_before", _products), ("products_nib", _products),
+                     ("products_q5k_before", _products), ("products_q5k", _products),
+                     ("products_iq4_xs_before", _products), ("products_iq4_xs", _products),
+                     ("products_q23_k_before", _products), ("products_q23_k", _products),
+                     ("sweep_nib", sweep_section), ("sweep_packed", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
