@@ -64,24 +64,39 @@ def test_activations_quantize_as_ggml_q8_k() -> None:
                                rtol=1e-6, atol=0)
 
 
-def test_activations_quantize_the_same_in_avx512_and_portable_c() -> None:
+@pytest.mark.parametrize("form", ["avx512", "avx2"])
+def test_activations_quantize_the_same_in_every_form_as_in_portable_c(form: str) -> None:
+    """The Q8_K quantizer's AVX512 and AVX2 forms give the portable loop's quants, scales and sums (NaNs passed over
+    by the maximum and quantized to 0, equal magnitudes: the first one's sign sets the scale)."""
+    if form not in {b.name.removeprefix("native-") for b in ops.available_backends()}:
+        pytest.skip(f"this CPU has no {form} form")
     x = _x(7, 2048, seed=3)
     x[2, 512:768] = float("nan")
     x[2, 600] = 3.0  # NaNs are passed over by the maximum
-    got = {portable: _q8_k(x.clone(), portable) for portable in (False, True)}
+    x[3, 1024 + 5], x[3, 1024 + 77] = 7.5, -7.5
+    got = ops.quantize(x.clone(), "Q8_K", on_native=True, level=ops.backend_named(f"native-{form}").level)
+    want = _q8_k(x.clone(), portable=True)
     for f in ("q", "d", "bsums"):
-        assert torch.equal(getattr(got[False], f), getattr(got[True], f)), f
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
-def test_activations_quantize_as_ggml_q8_0() -> None:
-    """Q8_0 activation quants and f16-rounded scales of the native quantizer equal the torch twin's, bit for bit."""
+@pytest.mark.parametrize("form", ["avx512vnni", "avx2", "portable"])
+def test_activations_quantize_as_ggml_q8_0(form: str) -> None:
+    """Q8_0 activation quants and f16-rounded scales of the native quantizer equal the torch twin's, bit for bit, in
+    each form (the VNNI one where the CPU has it, AVX2, the portable loop); Q8_1's sums alike."""
+    if form not in {b.name.removeprefix("native-") for b in ops.available_backends()}:
+        pytest.skip(f"this CPU has no {form} form")
+    level = ops.backend_named(f"native-{form}").level
     x = _x(5, 1024)
     x[1, 32:64] *= 1e-3  # a block whose scale is an f16 subnormal
     x[1, 64:96] *= 1e-9  # and one whose scale rounds to zero in f16
-    xr = ops.quantize(x, "Q8_0", on_native=True)
+    xr = ops.quantize(x, "Q8_0", on_native=True, level=level)
     ref = ops.quantize(x.clone(), "Q8_0", on_native=False)
     assert xr.bsums is None and ref.bsums is None and xr.d.shape == (5, 32)
     assert torch.equal(xr.q, ref.q) and torch.equal(xr.d, ref.d)
+    q1 = ops.quantize(x.clone(), "Q8_1", on_native=True, level=level)
+    p1 = ops.quantize(x.clone(), "Q8_1", on_native=True, level=0)
+    assert torch.equal(q1.q, ref.q) and torch.equal(q1.d, ref.d) and torch.equal(q1.s, p1.s)
 
 
 def _packed_as_expected(w: NativeLinear) -> None:

@@ -1,6 +1,7 @@
 /* Activations quantized as llama.cpp's CPU backend quantizes them before an integer product: Q8_K (blocks of 256,
- * for K- and IQ-quant weights) and Q8_0 (blocks of 32), each with an AVX512 form giving the portable loop's
- * quants and scales; and the Q8_K quants in the order Q4_K blocks hold their values. */
+ * for K- and IQ-quant weights; AVX512 and AVX2 forms, chosen by the backend's level) and Q8_0 (blocks of 32; an
+ * AVX512 form wherever the CPU has VNNI), each form giving the portable loop's quants and scales; and the Q8_K quants
+ * in the order Q4_K blocks hold their values. */
 #include "kernels.h"
 
 /* ---- activations -------------------------------------------------------------------------------- */
@@ -66,12 +67,67 @@ static void quantize_q8k_block_avx512(const float *xb, int8_t *qb, float *d, int
 }
 #endif
 
+#if defined(__x86_64__)
+/* The same block with AVX2: max(|x|, m) keeps m where x is a NaN, as the scalar loop passes NaNs over; the quants are
+ * the low bytes of the conversions (a NaN's INT_MIN gives 0, as the scalar cast), and each 16's sum is of those. */
+__attribute__((target(AVX2_TARGET)))
+static void quantize_q8k_block_avx2(const float *xb, int8_t *qb, float *d, int16_t *bsums) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int g = 0; g < 32; g++) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * g)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (amax == 0.f) {
+        quantize_q8k_block(xb, qb, d, bsums);
+        return;
+    }
+    int first = 0;
+    for (int g = 0; g < 32; g++) {
+        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * g)),
+                                                        _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (eq) {
+            first = 8 * g + __builtin_ctz((unsigned)eq);
+            break;
+        }
+    }
+    const float iscale = -127.f / xb[first];
+    *d = 1.f / iscale;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    /* byte 0 of each int32 lane, to the low 4 bytes of each 128-bit half */
+    const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int g = 0; g < 16; g++) {
+        int8_t *o = qb + 16 * g;
+        for (int h2 = 0; h2 < 2; h2++) {
+            const __m256i v = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * g + 8 * h2), vs)),
+                                               _mm256_set1_epi32(127));
+            const __m256i b = _mm256_shuffle_epi8(v, low);
+            const int32_t lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(b)),
+                          hi = _mm_cvtsi128_si32(_mm256_extracti128_si256(b, 1));
+            memcpy(o + 8 * h2, &lo, 4);
+            memcpy(o + 8 * h2 + 4, &hi, 4);
+        }
+        const __m128i s = _mm_madd_epi16(_mm_add_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)o)),
+                                                       _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(o + 8)))),
+                                         _mm_set1_epi16(1));
+        const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        bsums[g] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    }
+}
+#endif
+
 void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa) {
     const int64_t nb = k / QK_K;
 #if defined(__x86_64__)
     if (isa_runs(isa, ISA_AVX512)) {
         for (int64_t i = 0; i < m_rows * nb; i++)
             quantize_q8k_block_avx512(x + i * QK_K, q + i * QK_K, d + i, bsums + i * 16);
+        return;
+    }
+    if (isa_runs(isa, ISA_AVX2)) {
+        for (int64_t i = 0; i < m_rows * nb; i++)
+            quantize_q8k_block_avx2(x + i * QK_K, q + i * QK_K, d + i, bsums + i * 16);
         return;
     }
 #endif
@@ -95,12 +151,17 @@ void q8_k_to_q4_k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out) {
  * and the scale stored as f16: d is returned rounded to f16 (as a float), which is what the products use. */
 #if defined(__x86_64__)
 static void quantize_q8_0_vnni(const float *x, int64_t n_blocks, int8_t *q, float *d);
+static void quantize_q8_0_avx2(const float *x, int64_t n_blocks, int8_t *q, float *d);
 #endif
 
-void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d) {
+void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int isa) {
 #if defined(__x86_64__)
-    if (cpu_features() & CPU_VNNI) {
+    if (isa_runs(isa, ISA_AVX512) && (cpu_features() & CPU_VNNI)) {
         quantize_q8_0_vnni(x, m_rows * (k / QK8_0), q, d);
+        return;
+    }
+    if (isa_runs(isa, ISA_AVX2)) {
+        quantize_q8_0_avx2(x, m_rows * (k / QK8_0), q, d);
         return;
     }
 #endif
@@ -119,8 +180,8 @@ void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *
 
 /* ggml quantize_row_q8_1: Q8_0's quants and f16-rounded scales, and per block s = fp16(d · Σq) with d = amax/127
  * before its rounding (what Q4_1 / Q5_1 products add m_w · s of), returned as a float. */
-void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s) {
-    quantize_q8_0(x, m_rows, k, q, d);
+void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s, int isa) {
+    quantize_q8_0(x, m_rows, k, q, d, isa);
     for (int64_t i = 0; i < m_rows * (k / QK8_0); i++) {
         float amax = 0.f;
         int32_t sum = 0;
@@ -147,6 +208,29 @@ static void quantize_q8_0_vnni(const float *x, int64_t n_blocks, int8_t *q, floa
         const __m512 v = _mm512_set1_ps(id);
         _mm_storeu_si128((__m128i *)(q + i * QK8_0), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, v))));
         _mm_storeu_si128((__m128i *)(q + i * QK8_0 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, v))));
+        d[i] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+
+/* The same in AVX2: the maximum of |x| over the block's four 8-lane vectors, the same scale and conversions; the
+ * int32 quants packed to bytes with saturation, as the VNNI form's cvtsepi32. */
+__attribute__((target(AVX2_TARGET)))
+static void quantize_q8_0_avx2(const float *x, int64_t n_blocks, int8_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* packs interleave the 128-bit halves */
+    for (int64_t i = 0; i < n_blocks; i++) {
+        const float *xb = x + i * QK8_0;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j), m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const float dd = amax / 127.0f, id = dd != 0.f ? 1.0f / dd : 0.f;
+        const __m256 vs = _mm256_set1_ps(id);
+        __m256i w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vs));
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+        _mm256_storeu_si256((__m256i *)(q + i * QK8_0), _mm256_permutevar8x32_epi32(b, order));
         d[i] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
 }

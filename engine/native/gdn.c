@@ -81,13 +81,74 @@ static void head_dv##NV(const float *q, const float *k, const float *v, const fl
 
 DEFINE_HEAD(4)
 DEFINE_HEAD(8)
+
+/* The same in AVX2, whose 16 registers do not hold a head's d_v columns three times over: the columns in chunks of
+ * 32 (4 registers each of e, o and Sᵀk), each chunk through all the pass's tokens before the next — a column's
+ * operations never read another column's, so element by element still the loop's, in its order. */
+#define SWEEP8(NEXT)                                                                                              \
+    for (int64_t i = 0; i < dk; i++) {                                                                            \
+        float *row = Sh + i * dv + c0;                                                                            \
+        const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);                                     \
+        const __m256 kni = _mm256_set1_ps(NEXT ? kn[i] : 0.f);                                                    \
+        for (int c = 0; c < 4; c++) {                                                                             \
+            __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + 8 * c), _mm256_mul_ps(ki, e[c]));                      \
+            acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(r, qi));                                                 \
+            if (NEXT) {                                                                                           \
+                r = _mm256_mul_ps(r, decn);                                                                       \
+                u[c] = _mm256_add_ps(u[c], _mm256_mul_ps(r, kni));                                                \
+            }                                                                                                     \
+            _mm256_storeu_ps(row + 8 * c, r);                                                                     \
+        }                                                                                                         \
+    }
+
+__attribute__((target("avx2")))
+static void head_avx2(const float *q, const float *k, const float *v, const float *beta, const float *decay,
+                      const float *S_in, float *Sh, float *o, int64_t n, int64_t H, int64_t Hk, int64_t h, int64_t dk,
+                      int64_t dv) {
+    const int64_t kh = h % Hk;
+    const __m256 dec0 = _mm256_set1_ps(decay[h]);
+    for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+        __m256 u[4], e[4], acc[4];
+        for (int c = 0; c < 4; c++) u[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dk; i++) {
+            const __m256 ki = _mm256_set1_ps(k[kh * dk + i]);
+            for (int c = 0; c < 4; c++) {
+                const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(S_in + i * dv + c0 + 8 * c), dec0);
+                _mm256_storeu_ps(Sh + i * dv + c0 + 8 * c, r);
+                u[c] = _mm256_add_ps(u[c], _mm256_mul_ps(r, ki));
+            }
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t th = t * H + h, tk = t * Hk + kh;
+            const float *kt = k + tk * dk, *qt = q + tk * dk, *vt = v + th * dv + c0;
+            const __m256 bt = _mm256_set1_ps(beta[th]);
+            for (int c = 0; c < 4; c++) {
+                e[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vt + 8 * c), u[c]), bt);
+                acc[c] = _mm256_setzero_ps();
+            }
+            if (t + 1 < n) {
+                const float *kn = k + (tk + Hk) * dk;
+                const __m256 decn = _mm256_set1_ps(decay[th + H]);
+                for (int c = 0; c < 4; c++) u[c] = _mm256_setzero_ps();
+                SWEEP8(1)
+            } else {
+                const float *kn = NULL;
+                const __m256 decn = _mm256_setzero_ps();
+                (void)kn;
+                (void)decn;
+                SWEEP8(0)
+            }
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + th * dv + c0 + 8 * c, acc[c]);
+        }
+    }
+}
 #endif
 
 typedef struct {
     const float *q, *k, *v, *beta, *decay, *S_in;
     float *S_out, *o;
     int64_t n, H, Hk, dk, dv;
-    int avx512;
+    int avx512, avx2;
 } Gdn;
 
 /* one value head's tokens: a pool item */
@@ -97,7 +158,7 @@ static void gdn_head(void *ctx, int64_t h) {
     const float *q = job->q, *k = job->k, *v = job->v, *beta = job->beta, *decay = job->decay;
     float *o = job->o;
     const int64_t n = job->n, H = job->H, Hk = job->Hk, dk = job->dk, dv = job->dv;
-    const int avx512 = job->avx512;
+    const int avx512 = job->avx512, avx2 = job->avx2;
     const float *Sin = job->S_in + h * dk * dv;
     float *Sh = job->S_out + h * dk * dv;
 #if defined(__x86_64__)
@@ -105,8 +166,12 @@ static void gdn_head(void *ctx, int64_t h) {
         (dv == 128 ? head_dv8 : head_dv4)(q, k, v, beta, decay, Sin, Sh, o, n, H, Hk, h, dk);
         return;
     }
+    if (avx2 && dv % 32 == 0) {
+        head_avx2(q, k, v, beta, decay, Sin, Sh, o, n, H, Hk, h, dk, dv);
+        return;
+    }
 #endif
-    (void)avx512;
+    (void)avx512, (void)avx2;
     const int64_t kh = h % Hk;
     float u[MAX_DV], e[MAX_DV];
     /* token 0's decay and Sᵀk; later tokens' are done in the previous token's update sweep */
@@ -154,14 +219,16 @@ static void gdn_head(void *ctx, int64_t h) {
 }
 
 /* q, k [n, Hk, dk] (value head h reads key head h mod Hk: GGUF's tiled order); v [n, H, dv]; beta, decay
- * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: below ISA_AVX512, the loop above
- * even where the register form could run (tests compare the two). Heads are the threads' items.
+ * [n, H]; S_in, S_out [H, dk, dv] (may be the same buffer); o [n, H, dv]. isa: the AVX512 register form from
+ * ISA_AVX512, the AVX2 one from ISA_AVX2, else the loop above even where a register form could run (tests compare
+ * them). Heads are the threads' items.
  * Returns 0, or RC_MAX_DV if dv > MAX_DV. */
 int gdn_recurrence(const float *q, const float *k, const float *v, const float *beta, const float *decay,
                      const float *S_in, float *S_out, float *o, int64_t n, int64_t H, int64_t Hk, int64_t dk,
                      int64_t dv, int n_threads, int isa) {
     if (dv > MAX_DV) return RC_MAX_DV;
-    Gdn j = {q, k, v, beta, decay, S_in, S_out, o, n, H, Hk, dk, dv, isa_runs(isa, ISA_AVX512)};
+    Gdn j = {q, k, v, beta, decay, S_in, S_out, o, n, H, Hk, dk, dv, isa_runs(isa, ISA_AVX512),
+             isa_runs(isa, ISA_AVX2)};
     pool_run(n_threads, H, gdn_head, &j);
     return 0;
 }

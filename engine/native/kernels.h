@@ -267,8 +267,8 @@ void round_half(const float *x, int64_t n, int bf16, uint16_t *out);
 
 /* act_quant.c: activation rows [m_rows, k] quantized for the integer products */
 void quantize_q8_k(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int16_t *bsums, int isa);
-void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d);
-void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s);
+void quantize_q8_0(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int isa);
+void quantize_q8_1(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, float *s, int isa);
 void q8_k_to_q4_k_order(const int8_t *q, int64_t m, int64_t k, int8_t *out);
 
 /* 8 float lanes summed in hsum8's order (halves, then pairs, then the last two): the portable forms' twin of it */

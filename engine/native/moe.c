@@ -42,10 +42,10 @@ static void act_fill(const ExpertStack *s, const float *x, int64_t r0, int64_t r
         round_half(xr, m * k, act_format(s->code) == ACT_BF16, (uint16_t *)r->q + r0 * k);
         return;
     case ACT_Q8_0:
-        quantize_q8_0(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0));
+        quantize_q8_0(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0), isa);
         return;
     case ACT_Q8_1:
-        quantize_q8_1(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0), r->s + r0 * (k / QK8_0));
+        quantize_q8_1(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK8_0), r->s + r0 * (k / QK8_0), isa);
         return;
     default:
         quantize_q8_k(xr, m, k, r->q + r0 * k, r->d + r0 * (k / QK_K), r->bs + r0 * (k / 16), isa);

@@ -118,11 +118,11 @@ def quantize(x: torch.Tensor, fmt: str, on_native: bool, level: int = ISA_LEVEL[
         return memo.put(x, QuantRows(h.view(torch.int16), None, None))
     if fmt == "Q8_0":
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_8_0), None)
-        native.quantize_q8_0(xc, r.q, r.d)
+        native.quantize_q8_0(xc, r.q, r.d, level)
     elif fmt == "Q8_1":
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_8_0), None,
                       torch.empty(m, k // native.QK_8_0))
-        native.quantize_q8_1(xc, r.q, r.d, r.s)  # type: ignore[arg-type]
+        native.quantize_q8_1(xc, r.q, r.d, r.s, level)  # type: ignore[arg-type]
     else:
         r = QuantRows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // native.QK_K),
                       torch.empty(m, k // 16, dtype=torch.int16))

@@ -136,8 +136,8 @@ def check_mirror(mirror: type[ctypes.Structure], border: dict[str, tuple[int, in
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "cpu_features": ([], _C),
     "quantize_q8_k": ([_P, _I, _I, _P, _P, _P, _C], None),
-    "quantize_q8_0": ([_P, _I, _I, _P, _P], None),
-    "quantize_q8_1": ([_P, _I, _I, _P, _P, _P], None),
+    "quantize_q8_0": ([_P, _I, _I, _P, _P, _C], None),
+    "quantize_q8_1": ([_P, _I, _I, _P, _P, _P, _C], None),
     "round_half": ([_P, _I, _C, _P], None),
     "q8_k_to_q4_k_order": ([_P, _I, _I, _P], None),
     "quant_matmul": ([_C, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C], None),
@@ -310,14 +310,15 @@ def quantize_q8_k(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bsums: torc
                         isa)
 
 
-def quantize_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
+def quantize_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, isa: int) -> None:
     """Rows x [M, K] float32 to Q8_0: quants q [M, K], f16-rounded scales d [M, K/32]."""
-    LIB.quantize_q8_0(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr())  # type: ignore[union-attr]
+    LIB.quantize_q8_0(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), isa)  # type: ignore[union-attr]
 
 
-def quantize_q8_1(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> None:
+def quantize_q8_1(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: torch.Tensor, isa: int) -> None:
     """Rows x [M, K] float32 to Q8_1: Q8_0's quants q [M, K] and scales d [M, K/32], and s = fp16(d·Σq) [M, K/32]."""
-    LIB.quantize_q8_1(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), s.data_ptr())  # type: ignore[union-attr]
+    LIB.quantize_q8_1(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), s.data_ptr(),  # type: ignore[union-attr]
+                      isa)
 
 
 def q4_k_order(q: torch.Tensor) -> torch.Tensor:
