@@ -54,10 +54,13 @@ def test_every_form_of_the_sketch_product_gives_the_portable_bits(wide_head: QTe
         assert torch.equal(native.sketch_scores(sketch.codes, sketch.scales, x, 2, backend.level), portable)
 
 
+@pytest.mark.parametrize("rows", [WIDE[0], WIDE[0] - 5], ids=["whole-groups", "partial-group"])
 @pytest.mark.parametrize("backend", NATIVE)
-def test_draft_logits_decide_a_draft_as_the_head_does(wide_head: QTensor, backend: ops.Backend) -> None:
-    """The real head's argmax, and its bits on the candidates' rows; estimates elsewhere that track the logits."""
-    head = ops.bind(wide_head, backend)
+def test_draft_logits_decide_a_draft_as_the_head_does(wide_head: QTensor, backend: ops.Backend, rows: int) -> None:
+    """The real head's argmax, and its bits on the candidates' rows; estimates elsewhere that track the logits. A head
+    whose rows are not whole groups of 16 (packed: its last group padded with zero rows) too."""
+    w = wide_head if rows == WIDE[0] else QTensor(wide_head.raw[:rows].clone(), T.Q6_K, (rows, WIDE[1]))
+    head = ops.bind(w, backend)
     for x in _rows(24, 2):
         full = ops.linear(x.unsqueeze(0), head)[0]
         draft = ops.draft_logits(x.unsqueeze(0), head)[0]

@@ -814,17 +814,21 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
     default: FN(g, nb, rows, o, ldo, 4, ahead); break;                                                            \
     }
 
-/* Packed weight rows [r0, r1) (whole groups of 16) times activation rows xrow[0..m) (0..m when NULL), in one
- * instruction-set form (the suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2; NIB: packed_nib.c's, IQ4:
- * packed_iq4_xs.c's, Q23: packed_q23_k.c's). */
-#define X16_DRIVER(NAME, TARGET, SUFFIX, NIB, IQ4, Q23)                                                                      \
+/* Packed weight rows [r0, r1) times activation rows xrow[0..m) (0..m when NULL), in one instruction-set form (the
+ * suffix of its products: _x16 VNNI, _x16_avxvnni, _x16_avx2; NIB: packed_nib.c's, IQ4: packed_iq4_xs.c's, Q23:
+ * packed_q23_k.c's). Groups of 16 rows; a matrix whose rows are not whole groups ends in one packed with zero rows
+ * (NativeLinear.pack), its real rows' outputs copied out of a group's worth. */
+#define X16_DRIVER(NAME, TARGET, SUFFIX, NIB, IQ4, Q23)                                                            \
     __attribute__((target(TARGET))) static void NAME(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0,   \
                                                      int64_t r1, const Acts *a, const int64_t *xrow, int64_t m,     \
-                                                     float *out, int64_t ldo, Ahead *ahead) {                     \
+                                                     float *out, int64_t ldy, Ahead *ahead) {                     \
         const int64_t nb = a->k / (act_format(qtype) == ACT_Q8_K ? QK_K : 32);                                    \
         Row rows[X16_TILE];                                                                                       \
+        float part[X16_TILE * GROUP];                                                                             \
         for (int64_t rc = r0; rc < r1; rc += GROUP) {                                                             \
             const uint8_t *g = w + rc * row_bytes;                                                                \
+            const int64_t real = r1 - rc < GROUP ? r1 - rc : GROUP;                                               \
+            const int64_t ldo = real < GROUP ? GROUP : ldy;                                                       \
             for (int64_t t0 = 0; t0 < m; t0 += X16_TILE) {                                                        \
                 const int64_t tn = m - t0 < X16_TILE ? m - t0 : X16_TILE;                                         \
                 for (int64_t i = 0; i < tn; i++) {                                                                \
@@ -832,9 +836,9 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                     rows[i] = (Row){a->q + xr * a->k, a->d + xr * nb, a->bs ? a->bs + xr * nb * 16 : NULL,        \
                                     a->s ? a->s + xr * nb : NULL};                                                \
                 }                                                                                                 \
-                float *o = out + t0 * ldo + rc;                                                                   \
+                float *o = real < GROUP ? part : out + t0 * ldy + rc;                                             \
                 if (nibble_type(qtype - PACKED_BASE)) {                                                           \
-                    NIB(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);              \
+                    NIB(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);                                \
                 } else if (qtype == T_Q2_K_PACKED || qtype == T_Q3_K_PACKED) {                                    \
                     Q23(qtype - PACKED_BASE, g, nb, rows, o, ldo, (int)tn, ahead);                                \
                 } else if (qtype == T_IQ4_XS_PACKED) {                                                            \
@@ -848,6 +852,8 @@ static inline void q8_0_x16_avxvnni(const uint8_t *g, int64_t nb, const Row *row
                 } else {                                                                                          \
                     X16_CASES(q6_k##SUFFIX)                                                                       \
                 }                                                                                                 \
+                for (int64_t i = 0; real < GROUP && i < tn; i++)                                                  \
+                    memcpy(out + (t0 + i) * ldy + rc, part + i * GROUP, (size_t)real * sizeof(float));            \
             }                                                                                                     \
         }                                                                                                         \
     }

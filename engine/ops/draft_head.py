@@ -107,11 +107,14 @@ def draft_logits(x: torch.Tensor, head: Linear) -> torch.Tensor:
     scores = native.sketch_scores(sketch.codes, sketch.scales, xf, b.n_threads(n * k // 8), b.level)
     raw, code = head.kernel_bytes()
     unit = native.GROUP if head.packed is not None else 1  # packed rows are multiplied 16 at a time
-    groups = torch.unique(torch.topk(scores, candidates(n)).indices // unit)
+    if head.packed_full is not None:  # a last group padded with zero rows: the scores are, too
+        raw = head.packed_full
+        scores = torch.cat([scores, scores.new_zeros(-n % unit)])
+    groups = torch.unique(torch.topk(scores[:n], candidates(n)).indices // unit)
     xr = quantize(xf.unsqueeze(0), head.fmt, on_native=True, level=b.level)
     exact = torch.empty(groups.numel(), unit)
-    native.matmul_pairs(code, raw, n // unit, unit, xr.q, xr.d, xr.bsums, xr.s, head.perm(xr, code), k,
+    native.matmul_pairs(code, raw, scores.numel() // unit, unit, xr.q, xr.d, xr.bsums, xr.s, head.perm(xr, code), k,
                         indices.zeros(groups.numel(), xf.device), groups,
                         indices.arange(groups.numel() + 1, xf.device), exact, b.n_threads(exact.numel() * k), b.level)
     scores.view(-1, unit).index_copy_(0, groups, exact)
-    return scores.unsqueeze(0)
+    return scores[:n].unsqueeze(0)

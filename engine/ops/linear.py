@@ -88,33 +88,43 @@ class NativeLinear(Linear):
         super().__init__(weight, backend)
         self.fmt = act_format(weight.qtype.name)
         self.packed: torch.Tensor | None = None
+        self.packed_full: torch.Tensor | None = None  # packed, with the zero rows of a last partial group
 
     def pack(self, chunk_bytes: int = PACK_CHUNK_BYTES) -> None:
         """Interleave the weight's blocks 16 rows at a time for the packed products (the same bytes in number, Q6_K with
-        1 % of padding), for the products to read instead of the stored ones. Only matrices of whole groups (rows
-        per matrix, per expert in a stack, a multiple of 16) are packed. Where the stored bytes are a view of the
+        1 % of padding), for the products to read instead of the stored ones. A matrix whose rows are not whole groups
+        of 16 (a 50,259-token output head) ends in a group padded with zero rows: `packed` is a view of its real rows'
+        bytes, `packed_full` the whole (the products read the last group whole and keep its real rows' outputs); an
+        expert stack is packed only where each expert's rows are whole groups. Where the stored bytes are a view of the
         model file their resident pages are dropped (engine.storage.pages.release_pages) as each chunk of about
         chunk_bytes is packed: the file keeps them, and other readers (an embedding lookup, a copy to an
         accelerator) still find them there."""
         w = self.weight
         if self.packed is not None or not self.backend.packs or w.qtype not in native.PACKED_CODE \
-                or len(w.shape) < 2 or w.shape[-2] % native.GROUP:
+                or len(w.shape) < 2 or (w.shape[-2] % native.GROUP and len(w.shape) != 2):
             return
         raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
         nb = w.n_cols // (native.QK_K if self.fmt == "Q8_K" else native.QK_8_0)
-        packed = huge_empty(native.packed_bytes(w.qtype, w.n_rows, nb))  # streamed every step: in huge pages
+        n, whole = w.n_rows, w.n_rows // native.GROUP
+        groups = -(-n // native.GROUP)
+        packed = huge_empty(native.packed_bytes(w.qtype, groups * native.GROUP, nb))  # streamed every step: huge pages
         # Chunk by chunk, each chunk's file pages dropped as soon as it is packed: packing a big matrix whole held
         # both copies at once (a 9B model's 0.8 GB output head raised the peak RSS by as much).
-        flat, groups = raw.reshape(-1), w.n_rows // native.GROUP
-        src_g, dst_g = flat.numel() // groups, packed.numel() // groups  # bytes of one 16-row group, each layout
+        flat = raw.reshape(-1)
+        src_g, dst_g = flat.numel() // n * native.GROUP, packed.numel() // groups  # one 16-row group, each layout
         per = max(1, chunk_bytes // src_g)
-        for g0 in range(0, groups, per):
-            g1 = min(groups, g0 + per)
+        for g0 in range(0, whole, per):
+            g1 = min(whole, g0 + per)
             src = flat[g0 * src_g:g1 * src_g]
             native.repack(w.qtype, src, (g1 - g0) * native.GROUP, nb, packed[g0 * dst_g:g1 * dst_g],
                           torch.get_num_threads())
             release_pages(src)
-        self.packed = packed
+        if whole < groups:  # the last rows, with zero rows (zero scales: zero values) to a whole group
+            tail = torch.zeros(src_g, dtype=torch.uint8)
+            tail[:flat.numel() - whole * src_g] = flat[whole * src_g:]
+            native.repack(w.qtype, tail, native.GROUP, nb, packed[whole * dst_g:], 1)
+        self.packed_full = packed
+        self.packed = packed[:native.packed_bytes(w.qtype, n, nb)]
         release_pages(w.raw)
 
     def kernel_bytes(self) -> tuple[torch.Tensor, int]:
