@@ -677,7 +677,8 @@ def main() -> None:
                      ("products_iq4_xs_before", _products), ("products_iq4_xs", _products),
                      ("products_q23_k_before", _products), ("products_q23_k", _products),
                      ("sweep_nib", sweep_section), ("sweep_packed", sweep_section),
-                     ("recurrence_before", _recurrence), ("recurrence", _recurrence)):
+                     ("recurrence_before", _recurrence), ("recurrence", _recurrence),
+                     ("sweep_avx2", sweep_section), ("sweep_vocab50k", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
