@@ -118,7 +118,8 @@ def run_ours(spec: dict) -> dict:
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     backend = ops.backend_named(spec["backend"]) if spec.get("backend") else None  # None: the default
-    eng = load(spec["model"], EngineConfig(n_ctx=spec["n_ctx"], n_threads=threads, backend=backend))
+    eng = load(spec["model"], EngineConfig(n_ctx=spec["n_ctx"], n_threads=threads, backend=backend,
+                                           auto_memory_dir=spec.get("auto_memory_dir")))
     load_s = time.perf_counter() - t0
     eng.tokenizer.eog_ids = frozenset()  # EOS ignored: every run decodes exactly n tokens
     greedy = SamplingConfig(temperature=0.0, top_k=1)

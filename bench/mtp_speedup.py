@@ -2,12 +2,14 @@
 
     python bench/mtp_speedup.py [--shapes mid,qwen35-9b,qwen36-35b] [--p 0,0.6,0.8,0.9,0.99] [--rounds 2]
                                 [--depths 1,...,8] [--llama-depths 1,2,3,4] [--prompts 2] [--tokens N] [--threads 2]
-                                [--out bench/results/mtp_speedup.json]
+                                [--warm-auto] [--out bench/results/mtp_speedup.json]
     python bench/mtp_speedup.py --quick   # tiny-mtp, P 0.9, one prompt of 16 tokens, one round, K ≤ 2
 
 Per shape, the agreement file (bench/mtp_agreement.py's agreement_file, the shape's own depth, in --dir) is written
 at the first P and only its eh_proj rewritten for each next one (P = 0: a random head). Per P, in `--rounds` rounds: our plain decode, our
-auto depth and our fixed depths K (`--depths`), llama.cpp plain and its draft-mtp at n_max K (`--llama-depths`; the
+auto depth (and with `--warm-auto` auto starting from the auto memory an unmeasured run on two other prompts left in a
+temporary directory, as a model opened a second time starts: EngineConfig.auto_memory_dir, the CLI's and the app's
+default) and our fixed depths K (`--depths`), llama.cpp plain and its draft-mtp at n_max K (`--llama-depths`; the
 xllamacpp server, `speculative.types = [COMMON_SPECULATIVE_TYPE_DRAFT_MTP]`). Every (engine, setting) is a process of
 its own, bench/decode.py's child: a fresh load, a 4-token warm-up, `--threads` threads, greedy, EOS ignored,
 `--prompts` random prompts of `--tokens` tokens (default per shape: TOKENS). Settings go in an order rotated round
@@ -24,8 +26,10 @@ distinct experts, each read once; the op-by-op path, untimed).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -45,9 +49,14 @@ ENGINES = ("ours", "llama_cpp")
 INSTRUMENTED_TOKENS = 24  # per K, for the routed-expert bytes
 
 
-def settings(depths: list[int], llama_depths: list[int]) -> dict[str, list[tuple[str, bool, int | None]]]:
+WARM = "auto-warm"  # auto with the auto memory an earlier process left (--warm-auto)
+
+
+def settings(depths: list[int], llama_depths: list[int],
+             warm: bool = False) -> dict[str, list[tuple[str, bool, int | None]]]:
     """(name, mtp, draft) per engine; llama.cpp has no automatic depth."""
-    return {"ours": [("off", False, None), ("auto", True, None)] + [(f"k{k}", True, k) for k in depths],
+    return {"ours": [("off", False, None), ("auto", True, None)] + ([(WARM, True, None)] if warm else [])
+            + [(f"k{k}", True, k) for k in depths],
             "llama_cpp": [("off", False, None)] + [(f"k{k}", True, k) for k in llama_depths]}
 
 
@@ -70,10 +79,15 @@ def costs_in_steps(res: dict, plain: dict) -> dict:
 
 def run_p(label: str, path: Path, prompts: list[list[int]], n: int, args: argparse.Namespace) -> dict:
     """One shape at one P: every setting of both engines, in rounds."""
-    table = settings(args.depths, args.llama_depths)
+    table = settings(args.depths, args.llama_depths, args.warm_auto)
     names = [s[0] for s in table["ours"]]  # ours ⊇ llama.cpp's
     base = {"model": str(path), "prompts": prompts, "warmup_prompt": random_prompts(len(prompts) + 1)[-1], "n": n,
             "threads": args.threads, "warmup": True, "n_ctx": PROMPT_TOKENS + n + 64}
+    memory = None
+    if args.warm_auto:  # an unmeasured process on other prompts leaves the auto memory the measured ones start from
+        memory = tempfile.mkdtemp(prefix="auto-memory-")
+        run_child("ours", {**base, "mtp": True, "draft": None, "auto_memory_dir": memory,
+                           "prompts": random_prompts(len(prompts) + 3)[-2:]}, False, args.child_timeout)
     rounds: list[dict] = []
     for r in range(args.rounds):
         order = ENGINES if r % 2 == 0 else ENGINES[::-1]
@@ -83,7 +97,8 @@ def run_p(label: str, path: Path, prompts: list[list[int]], n: int, args: argpar
             for eng in order:
                 match = [s for s in table[eng] if s[0] == setting]
                 if match:
-                    spec = {**base, "mtp": match[0][1], "draft": match[0][2]}
+                    spec = {**base, "mtp": match[0][1], "draft": match[0][2],
+                            "auto_memory_dir": memory if setting == WARM else None}
                     raw[eng][setting] = run_child("ours" if eng == "ours" else "llama", spec, False,
                                                   args.child_timeout)
                     s = summarise(raw[eng][setting])
@@ -105,6 +120,8 @@ def run_p(label: str, path: Path, prompts: list[list[int]], n: int, args: argpar
                 entry["cost_in_decode_steps_by_round"] = by_round
         out[e] = side
     out["rounds"] = [{"order": rd["order"], **{e: rd[e] for e in ENGINES}} for rd in rounds]
+    if memory is not None:
+        shutil.rmtree(memory, ignore_errors=True)
     return out
 
 
@@ -157,6 +174,9 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one engine run may take")
     ap.add_argument("--dir", default=str(ROOT / "build/bench"), help="where the agreement files are written")
     ap.add_argument("--out", help="default: bench/results/mtp_speedup.json (--quick: build/bench/mtp_speedup_quick.json)")
+    ap.add_argument("--warm-auto", action="store_true",
+                    help=f"also {WARM}: auto starting from the auto memory (EngineConfig.auto_memory_dir, the CLI's "
+                         "and app's default) an unmeasured run on two other prompts left, as a model opened again")
     ap.add_argument("--quick", action="store_true", help="tiny-mtp, P 0.9, one 16-token prompt, one round, K <= 2: "
                     "a check of the script, no figures")
     args = ap.parse_args()

@@ -635,6 +635,10 @@ def _mtp_speedup(d: dict) -> list[str]:
                 line += f"; best fixed {best_k} ×{fixed[best_k]:.2f} (auto / best {ours['auto']['speedup'] / max(fixed[best_k], 1.0):.2f})"
             if ll_best:
                 line += f"; llama.cpp's best ×{ll_best:.2f} (our auto's gain / its best gain {ours['auto']['speedup'] / ll_best:.2f})"
+            if "auto-warm" in ours:
+                warm = ours["auto-warm"]["speedup"]
+                line += f"; auto from remembered memory ×{warm:.2f}" + \
+                    (f" (/ best {warm / max(fixed[best_k], 1.0):.2f})" if best_k else "")
             out += ["", line + ".", ""]
     return out
 
@@ -678,7 +682,8 @@ def main() -> None:
                      ("products_q23_k_before", _products), ("products_q23_k", _products),
                      ("sweep_nib", sweep_section), ("sweep_packed", sweep_section),
                      ("recurrence_before", _recurrence), ("recurrence", _recurrence),
-                     ("sweep_avx2", sweep_section), ("sweep_vocab50k", sweep_section)):
+                     ("sweep_avx2", sweep_section), ("sweep_vocab50k", sweep_section),
+                     ("mtp_speedup_warm", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
