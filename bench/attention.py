@@ -6,8 +6,8 @@ the torch twin (`engine.ops.attention.attention_torch`).
 Head shapes of the mid-size benchmark model (8 query heads, 2 KV heads, 256 dims) and of Qwen3.6-35B-A3B (16, 2,
 256); contexts of 512, 4096 and 8192 keys; 1 query (a decode step) and 4 (a verify pass). "native" is `ops.attention`
 on the default backend (the engine's call), "plain" the same kernel on the `native-portable` backend (its plain C
-loops: scores one key at a time, each output value loaded and stored per key), "torch" the torch backend; the three
-alternate rep by rep (each evicts the others' data, as the other layers of a decode step do), median counts.
+loops: scores one key at a time, each output value loaded and stored per key), "avx2" the `native-avx2` backend
+where the CPU has it (its AVX2 register forms), "torch" the torch backend; they alternate rep by rep (each evicts the others' data, as the other layers of a decode step do), median counts.
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     backends = {"native": ops.default_backend(), "plain": ops.Backend("native", "portable"), "torch": ops.TORCH}
+    if "native-avx2" in {b.name for b in ops.available_backends()}:  # what an AVX2-only desktop runs
+        backends["avx2"] = ops.backend_named("native-avx2")
     for what, h, h_kv, d in SHAPES:
         scale = d ** -0.5
         for ctx in CONTEXTS:
@@ -64,7 +66,8 @@ def main() -> None:
                              "queries": n, **{f"{p}_ms": v * 1e3 for p, v in med.items()},
                              "native_kv_gb_s": kv_bytes / med["native"] / 1e9,
                              "over_plain": med["plain"] / med["native"],
-                             "over_torch": med["torch"] / med["native"]})
+                             "over_torch": med["torch"] / med["native"],
+                             **({"avx2_over_plain": med["plain"] / med["avx2"]} if "avx2" in med else {})})
                 print(json.dumps(rows[-1]), flush=True)
     result = {
         "command": " ".join(["python", "bench/attention.py", *sys.argv[1:]]),

@@ -5,7 +5,8 @@
  * one thread's work), so a verify pass gives the bits of one-token steps. The dot products sum in 16 lanes
  * (a fixed order the compiler may vectorise without reassociating), the weighted sum of values in key order.
  * Built for AVX512 and AVX2 besides the baseline (target_clones): the lanes' operations are the same, and the
- * build contracts no multiply-add (-ffp-contract=off), so every clone gives the same bits.
+ * build contracts no multiply-add (-ffp-contract=off), so every clone gives the same bits; the scores and the
+ * weighted sum have register forms for AVX512 and AVX2 (the same operations per lane: the same bits, tested).
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,6 +91,59 @@ static void values_avx512(const float *p, int64_t t_max, const float *sum, int64
         }
     }
 }
+
+/* scores_avx512 in AVX2: each key's 16-lane accumulator as two 8-lane halves (lanes 0-7, 8-15), the same operations
+ * per lane, summed in lane order */
+__attribute__((target("avx2")))
+static void scores_avx2(const float *q, int64_t per, const float *k, int64_t stride, int64_t t_n, int64_t dk,
+                        float scale, float *p, int64_t t_max) {
+    float buf[4][LANES];
+    int64_t t = 0;
+    for (; t + 4 <= t_n; t += 4) {
+        const float *k0 = k + t * stride;
+        for (int64_t g = 0; g < per; g++) {
+            const float *qh = q + g * dk;
+            __m256 a[4][2];
+            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < dk; j += LANES)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 x = _mm256_loadu_ps(qh + j + 8 * h);
+                    for (int r = 0; r < 4; r++)
+                        a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(x, _mm256_loadu_ps(k0 + r * stride + j + 8 * h)));
+                }
+            for (int r = 0; r < 4; r++) {
+                _mm256_storeu_ps(buf[r], a[r][0]);
+                _mm256_storeu_ps(buf[r] + 8, a[r][1]);
+                p[g * t_max + t + r] = lane_sum(buf[r]) * scale;
+            }
+        }
+    }
+    for (; t < t_n; t++)
+        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
+}
+
+/* values_avx512 in AVX2: 64 output values of a head in registers at a time (its 16 registers) */
+__attribute__((target("avx2")))
+static void values_avx2(const float *p, int64_t t_max, const float *sum, int64_t per, const float *v, int64_t stride,
+                        int64_t t_n, int64_t dv, float *o) {
+    for (int64_t t0 = 0; t0 < t_n; t0 += 16) {
+        const int64_t t1 = t0 + 16 < t_n ? t0 + 16 : t_n;
+        for (int64_t g = 0; g < per; g++) {
+            const float *pg = p + g * t_max;
+            float *og = o + g * dv;
+            for (int64_t jb = 0; jb < dv; jb += 64) {
+                __m256 acc[8];
+                for (int z = 0; z < 8; z++) acc[z] = _mm256_loadu_ps(og + jb + 8 * z);
+                for (int64_t t = t0; t < t1; t++) {
+                    const __m256 w = _mm256_set1_ps(pg[t] / sum[g]);
+                    const float *vt = v + t * stride + jb;
+                    for (int z = 0; z < 8; z++) acc[z] = _mm256_add_ps(acc[z], _mm256_mul_ps(w, _mm256_loadu_ps(vt + 8 * z)));
+                }
+                for (int z = 0; z < 8; z++) _mm256_storeu_ps(og + jb + 8 * z, acc[z]);
+            }
+        }
+    }
+}
 #endif
 
 typedef struct {
@@ -97,7 +151,7 @@ typedef struct {
     float *out;
     int64_t n, pos, n_head, n_kv, dk, dv, group, per, runs;
     float scale;
-    int wide, wide_v;
+    int wide, wide_v;  /* the register forms: 0 none, 1 AVX2, 2 AVX512 */
     _Atomic int failed;
 } Attn;
 
@@ -134,7 +188,8 @@ static void attention_item(void *ctx, int64_t item) {
     for (int64_t g = 0; g < per; g++) m[g] = -INFINITY, sum[g] = 0.f;
 #if defined(__x86_64__)
     if (job->wide) {
-        scores_avx512(q + (i * n_head + h0) * dk, per, k + hk * dk, n_kv * dk, t_n, dk, scale, p, t_max);
+        (job->wide == 2 ? scores_avx512 : scores_avx2)(q + (i * n_head + h0) * dk, per, k + hk * dk, n_kv * dk, t_n, dk,
+                                                       scale, p, t_max);
     } else
 #endif
     {
@@ -156,7 +211,8 @@ static void attention_item(void *ctx, int64_t item) {
     }
 #if defined(__x86_64__)
     if (job->wide_v) {  /* the group's heads are adjacent in out */
-        values_avx512(p, t_max, sum, per, v + hk * dv, n_kv * dv, t_n, dv, out + (i * n_head + h0) * dv);
+        (job->wide_v == 2 ? values_avx512 : values_avx2)(p, t_max, sum, per, v + hk * dv, n_kv * dv, t_n, dv,
+                                                         out + (i * n_head + h0) * dv);
         return;
     }
 #endif
@@ -178,8 +234,8 @@ static void attention_item(void *ctx, int64_t item) {
 int attention_causal(const float *q, const float *k, const float *v, float *out, int64_t n, int64_t pos, int64_t n_head,
                  int64_t n_kv, int64_t dk, int64_t dv, float scale, int n_threads, int isa) {
 #if defined(__x86_64__)
-    const int avx512 = isa_runs(isa, ISA_AVX512);
-    const int wide = avx512 && dk % LANES == 0, wide_v = avx512 && dv % 128 == 0;
+    const int form = isa_runs(isa, ISA_AVX512) ? 2 : isa_runs(isa, ISA_AVX2) ? 1 : 0;
+    const int wide = dk % LANES == 0 ? form : 0, wide_v = dv % (form == 2 ? 128 : 64) == 0 ? form : 0;
 #else
     const int wide = 0, wide_v = 0;
     (void)isa;
