@@ -66,32 +66,6 @@ static void scores_avx512(const float *q, int64_t per, const float *k, int64_t s
         for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
 }
 
-/* o_g += Σ_t (p_g[t] / sum_g) · v_t over keys 0 … t_n−1 for the `per` heads g (probabilities p + g · t_max, outputs
- * o + g · dv): the plain loop's operations per element (the weight divided, then multiplied, then added, keys in
- * order), with 128 output values of a head held in registers over 16 keys whose value rows stay in L1 for all the
- * heads; the plain loop loaded and stored every output value once per key. Needs dv % 128 == 0. */
-__attribute__((target("avx512f")))
-static void values_avx512(const float *p, int64_t t_max, const float *sum, int64_t per, const float *v, int64_t stride,
-                          int64_t t_n, int64_t dv, float *o) {
-    for (int64_t t0 = 0; t0 < t_n; t0 += 16) {
-        const int64_t t1 = t0 + 16 < t_n ? t0 + 16 : t_n;
-        for (int64_t g = 0; g < per; g++) {
-            const float *pg = p + g * t_max;
-            float *og = o + g * dv;
-            for (int64_t jb = 0; jb < dv; jb += 128) {
-                __m512 acc[8];
-                for (int z = 0; z < 8; z++) acc[z] = _mm512_loadu_ps(og + jb + 16 * z);
-                for (int64_t t = t0; t < t1; t++) {
-                    const __m512 w = _mm512_set1_ps(pg[t] / sum[g]);
-                    const float *vt = v + t * stride + jb;
-                    for (int z = 0; z < 8; z++) acc[z] = _mm512_add_ps(acc[z], _mm512_mul_ps(w, _mm512_loadu_ps(vt + 16 * z)));
-                }
-                for (int z = 0; z < 8; z++) _mm512_storeu_ps(og + jb + 16 * z, acc[z]);
-            }
-        }
-    }
-}
-
 /* scores_avx512 in AVX2: each key's 16-lane accumulator as two 8-lane halves (lanes 0-7, 8-15), the same operations
  * per lane, summed in lane order */
 __attribute__((target("avx2")))
@@ -122,28 +96,36 @@ static void scores_avx2(const float *q, int64_t per, const float *k, int64_t str
         for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
 }
 
-/* values_avx512 in AVX2: 64 output values of a head in registers at a time (its 16 registers) */
-__attribute__((target("avx2")))
-static void values_avx2(const float *p, int64_t t_max, const float *sum, int64_t per, const float *v, int64_t stride,
-                        int64_t t_n, int64_t dv, float *o) {
-    for (int64_t t0 = 0; t0 < t_n; t0 += 16) {
-        const int64_t t1 = t0 + 16 < t_n ? t0 + 16 : t_n;
-        for (int64_t g = 0; g < per; g++) {
-            const float *pg = p + g * t_max;
-            float *og = o + g * dv;
-            for (int64_t jb = 0; jb < dv; jb += 64) {
-                __m256 acc[8];
-                for (int z = 0; z < 8; z++) acc[z] = _mm256_loadu_ps(og + jb + 8 * z);
-                for (int64_t t = t0; t < t1; t++) {
-                    const __m256 w = _mm256_set1_ps(pg[t] / sum[g]);
-                    const float *vt = v + t * stride + jb;
-                    for (int z = 0; z < 8; z++) acc[z] = _mm256_add_ps(acc[z], _mm256_mul_ps(w, _mm256_loadu_ps(vt + 8 * z)));
-                }
-                for (int z = 0; z < 8; z++) _mm256_storeu_ps(og + jb + 8 * z, acc[z]);
-            }
-        }
+/* o_g += Σ_t (p_g[t] / sum_g) · v_t over keys 0 … t_n−1 for the `per` heads g (probabilities p + g · t_max, outputs
+ * o + g · dv): the plain loop's operations per element (the weight divided, then multiplied, then added, keys in
+ * order), with 8 vectors of a head's output values (AVX512: 128, AVX2: 64) held in registers over 16 keys whose value
+ * rows stay in L1 for all the heads; the plain loop loaded and stored every output value once per key. Needs dv a
+ * multiple of 8 vectors. */
+#define VALUES_FORM(NAME, TARGET, VEC, PFX, W)                                                                    \
+    __attribute__((target(TARGET)))                                                                               \
+    static void NAME(const float *p, int64_t t_max, const float *sum, int64_t per, const float *v, int64_t stride, \
+                     int64_t t_n, int64_t dv, float *o) {                                                         \
+        for (int64_t t0 = 0; t0 < t_n; t0 += 16) {                                                                \
+            const int64_t t1 = t0 + 16 < t_n ? t0 + 16 : t_n;                                                     \
+            for (int64_t g = 0; g < per; g++) {                                                                   \
+                const float *pg = p + g * t_max;                                                                  \
+                float *og = o + g * dv;                                                                           \
+                for (int64_t jb = 0; jb < dv; jb += 8 * W) {                                                      \
+                    VEC acc[8];                                                                                   \
+                    for (int z = 0; z < 8; z++) acc[z] = PFX##_loadu_ps(og + jb + W * z);                        \
+                    for (int64_t t = t0; t < t1; t++) {                                                           \
+                        const VEC w = PFX##_set1_ps(pg[t] / sum[g]);                                              \
+                        const float *vt = v + t * stride + jb;                                                    \
+                        for (int z = 0; z < 8; z++)                                                               \
+                            acc[z] = PFX##_add_ps(acc[z], PFX##_mul_ps(w, PFX##_loadu_ps(vt + W * z)));           \
+                    }                                                                                             \
+                    for (int z = 0; z < 8; z++) PFX##_storeu_ps(og + jb + W * z, acc[z]);                         \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
     }
-}
+VALUES_FORM(values_avx512, "avx512f", __m512, _mm512, 16)
+VALUES_FORM(values_avx2, "avx2", __m256, _mm256, 8)
 #endif
 
 typedef struct {
