@@ -3,12 +3,11 @@
 file.
 
     python bench/server_parallel.py [--models embedded,mid] [--clients 1,2,4] [--rounds 3] [--tokens 64]
-                                    [--threads 2] [--out bench/results/server_parallel.json]
+                                    [--threads 2] [--mtp] [--out bench/results/server_parallel.json]
 
 Each engine is a process of its own serving HTTP on 127.0.0.1 (ours: the CLI's `serve`; llama.cpp's: this script as a
 child, `--llama-child`, holding an `xllamacpp.Server` with hostnames/port set), both started once per model and both
-idle while the other is measured. Plain decoding on both sides (ours `--no-mtp`: several sequences step plain anyway;
-llama.cpp without a draft), greedy, each client its own prompt of random token ids, streamed
+idle while the other is measured. Plain decoding on both sides (ours `--no-mtp`, llama.cpp without a draft), greedy, each client its own prompt of random token ids, streamed
 `/v1/completions` with `max_tokens` = `--tokens` (llama.cpp also `ignore_eos`). The prompts are those of a pool whose
 greedy reply on our engine runs the full count alone (tried first, which also warms our server), so both engines
 decode the same counts; llama.cpp's server then runs them alone once too (a warm-up for it as for ours). Rounds
@@ -19,7 +18,15 @@ Per request: decode tok/s = (tokens − 1) / the server's `timings.predicted_ms`
 first token; streamed chunks would not do: llama.cpp sends none for a token without text, which a synthetic file's
 tokens often are). Aggregate: all requests' decode tokens / (the last reply's end − the earliest first token, each
 first token placed `predicted_ms` before its reply ended on the client's clock).
-`--models`: `embedded` (resources/models/), `mid` (bench/synthetic.py's mid-size MoE, made once under build/bench).
+`--models`: `embedded` (resources/models/), `mid` (bench/synthetic.py's mid-size MoE, made once under build/bench), or
+`SHAPE:QUANT`, a cell of bench/sweep.py (its shape written in F16 and quantized by llama.cpp itself, made once under
+build/bench/sweep), e.g. `qwen35-0.8b:Q4_K_M`, the Qwen3.5-0.8B dense shape with its 248k vocabulary, or
+`agreement-SHAPE:P`, bench/mtp_agreement.py's agreement file of the shape whose MTP head agrees with the trunk at
+first position at rate P (e.g. `agreement-mid:0.9`).
+`--mtp`: a third side, our server with MTP on (auto depth, its default): each sequence drafts and its drafts are
+verified among the other sequences' rows in their shared pass (engine.batch). Greedy replies are the same tokens as
+without MTP; the JSON gives its aggregate against ours without MTP (`mtp_gain`, best rounds and the median of the
+rounds' ratios).
 """
 from __future__ import annotations
 
@@ -70,10 +77,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def start_ours(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
+def start_ours(model: Path, threads: int, mtp: bool = False) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(model), "--port", str(port), "--parallel",
-                             str(PARALLEL), "--no-mtp", "--ctx", str(N_CTX), "--threads", str(threads)],
+                             str(PARALLEL), *([] if mtp else ["--no-mtp"]), "--ctx", str(N_CTX), "--threads",
+                             str(threads)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
@@ -166,17 +174,24 @@ def full_prompts(url: str, vocab: int, n: int, want: int, seed: int = 0) -> list
     raise RuntimeError(f"only {len(keep)} of 50 prompts ran {n} tokens")
 
 
-def model_case(name: str, path: Path, counts: list[int], rounds: int, n: int, threads: int) -> dict:
+def model_case(name: str, path: Path, counts: list[int], rounds: int, n: int, threads: int, mtp: bool = False) -> dict:
     from engine.storage.modelfile import open_model
 
     vocab = open_model(path).hparams.n_vocab
     ours, ours_url = start_ours(path, threads)
     llama, llama_url = start_llama(path, threads)
+    procs = [ours, llama]
     try:
         prompts = full_prompts(ours_url, vocab, n, max(counts))
         for ids in prompts:  # llama.cpp's warm-up: the same replies alone (the file's pages read in for both)
             one_request(llama_url, ids, n, {"ignore_eos": True})
         sides = {"ours": (ours_url, {}), "llama.cpp": (llama_url, {"ignore_eos": True})}
+        if mtp:
+            with_mtp, mtp_url = start_ours(path, threads, mtp=True)
+            procs.append(with_mtp)
+            for ids in prompts:  # its warm-up, and its auto depth's first measurements
+                one_request(mtp_url, ids, n, {})
+            sides["ours+mtp"] = (mtp_url, {})
         runs: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in counts} for s in sides}
         for r in range(rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
@@ -188,7 +203,7 @@ def model_case(name: str, path: Path, counts: list[int], rounds: int, n: int, th
                     print(f"{name} round {r} {side} {c} clients: {res['aggregate_tok_s']:.1f} tok/s aggregate",
                           flush=True)
     finally:
-        for proc in (ours, llama):
+        for proc in procs:
             if proc.stdin:
                 proc.stdin.close()
             proc.terminate()
@@ -207,8 +222,14 @@ def model_case(name: str, path: Path, counts: list[int], rounds: int, n: int, th
     targets = {f"ours {top} clients / 1 client >= 2.5": scaling["ours"][top] >= 2.5,
                f"ours {top} clients >= llama.cpp n_parallel {PARALLEL}":
                    summary[top]["ours"]["aggregate_tok_s"] >= summary[top]["llama.cpp"]["aggregate_tok_s"]}
+    gain = {} if not mtp else {str(c): {
+            "mtp_gain": summary[str(c)]["ours+mtp"]["aggregate_tok_s"] / summary[str(c)]["ours"]["aggregate_tok_s"],
+            "mtp_gain_median_of_rounds": statistics.median(
+                a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(runs["ours+mtp"][c], runs["ours"][c]))}
+        for c in counts}
     return {"model": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "tokens": n,
             "prompt_tokens": PROMPT_TOKENS, "summary": summary, "scaling_vs_one_client": scaling, "targets_met": targets,
+            **({"mtp_gain": gain} if mtp else {}),
             "rounds": runs}
 
 
@@ -219,6 +240,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mtp", action="store_true", help="also our server with MTP on (auto depth)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/server_parallel.json")
     ap.add_argument("--llama-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,11 +261,22 @@ def main() -> None:
     for name in args.models.split(","):
         if name == "embedded":
             path = default_model_path()
+        elif name.startswith("agreement-"):
+            from bench.mtp_agreement import agreement_file
+            from bench.synthetic import noise_for
+
+            shape, p = name.removeprefix("agreement-").split(":")
+            path = agreement_file(shape, 0, noise_for(shape, float(p)), ROOT / "build/bench", fresh=False)
+        elif ":" in name:
+            from bench.sweep import quantized_file
+
+            shape, quant = name.split(":")
+            path = quantized_file(shape, quant, ROOT / "build/bench/sweep")
         else:
             from bench.synthetic import cached
 
             path = Path(cached(name))
-        result["cases"][name] = model_case(name, path, counts, args.rounds, args.tokens, args.threads)
+        result["cases"][name] = model_case(name, path, counts, args.rounds, args.tokens, args.threads, args.mtp)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name, case in result["cases"].items():
         for c, row in case["summary"].items():

@@ -161,6 +161,34 @@ def test_forward_many_gives_each_sequence_its_own_bits_in_both_forms(eng) -> Non
     assert all(len(runner.many.times[(3, form)]) >= ManyChoice.TRY for form in (True, False))
 
 
+def _retries(choice: ManyChoice, passes: int, cost: dict[bool, int], k: int = 4) -> list[int]:
+    """The passes at which `choice` ran its slower form (apart), each form timed at `cost[form]` ns."""
+    out = []
+    for n in range(passes):
+        form = choice.pick(k)
+        if not form:
+            out.append(n)
+        choice.observe(k, form, cost[form])
+    return out
+
+
+def test_many_choice_retries_a_far_slower_form_ever_less_often_and_follows_a_change() -> None:
+    """Separate passes 4x slower than the shared one (a model whose pass is weights read): after the first tries they
+    are retried ever less often (64, 128, 256 ... passes apart, at most 1,024); a form only a little slower keeps its 64-pass retries;
+    and when the separate passes become the faster, a retry finds it and they run from then on."""
+    far = _retries(ManyChoice(), 6000, {True: 1_000, False: 4_000})
+    tried, retries = far[:ManyChoice.TRY], far[ManyChoice.TRY:]
+    assert tried == [1, 3, 5]
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert gaps[:5] == [64, 128, 256, 512, 1024] and all(g == ManyChoice.EVERY_MAX for g in gaps[5:]), gaps
+    near = _retries(ManyChoice(), 1000, {True: 1_000, False: 1_100})
+    assert all(b - a == ManyChoice.EVERY for a, b in zip(near[ManyChoice.TRY + 1:], near[ManyChoice.TRY + 2:]))
+    choice = ManyChoice()
+    _retries(choice, 3000, {True: 1_000, False: 4_000})
+    later = _retries(choice, 2000, {True: 1_000, False: 500})  # the host changed: apart is now twice as fast
+    assert len(later) > 1000 and later[-1] == 1999
+
+
 def test_one_native_call_over_sequences_of_several_rows_gives_each_its_own_bits(eng) -> None:
     """The fused step over several sequences at once (layer.c decoder_layers_many), sequences of 1, 3 and 2 new rows
     at different positions: each row's hidden state and logits are those of its sequence's own pass, and every cache

@@ -53,16 +53,21 @@ def run_layer(layer: DecoderLayer, fused: ops.FusedLayer | None, x: torch.Tensor
 class ManyChoice:
     """Per number of sequences k, which form of Runner.forward_many runs: one pass over all rows ("together") or each
     sequence's own pass. Each form is measured on its first TRY passes, then the faster (median of its last RECENT)
-    runs and the other is tried again every EVERY passes, so a change in the host's or the model's speed is
-    followed. Both forms give the same bits: the choice follows the timings alone. Without `apart` only the shared
-    pass runs (with step graphs, which hold one cache's buffers: a pass on another cache would record them anew)."""
+    runs and the other is tried again after EVERY passes, so a change in the host's or the model's speed is
+    followed; each retry that finds the other form still FAR slower doubles the wait before the next (up to
+    EVERY_MAX: on a model whose pass is mostly weights read, a retry of the separate passes cost k passes for one,
+    ~3 % of a 4-sequence decode at EVERY). Both forms give the same bits: the choice follows the timings alone.
+    Without `apart` only the shared pass runs (with step graphs, which hold one cache's buffers: a pass on another
+    cache would record them anew)."""
 
-    TRY, RECENT, EVERY = 3, 8, 64
+    TRY, RECENT, EVERY, EVERY_MAX, FAR = 3, 8, 64, 1024, 1.25
 
     def __init__(self, apart: bool = True) -> None:
         self.apart = apart
         self.times: dict[tuple[int, bool], deque] = {}
         self.passes: dict[int, int] = {}
+        self.every: dict[int, int] = {}  # passes between retries of the slower form, per k
+        self._retry: dict[int, bool] = {}  # k -> the form being retried this pass
 
     def pick(self, k: int) -> bool:
         if not self.apart:
@@ -72,9 +77,17 @@ class ManyChoice:
         if len(t) < self.TRY or len(a) < self.TRY:
             return len(t) <= len(a)
         faster = statistics.median(t) <= statistics.median(a)
-        return not faster if n % self.EVERY == 0 else faster
+        if n % self.every.get(k, self.EVERY) == 0:
+            self._retry[k] = not faster
+            return not faster
+        return faster
 
     def observe(self, k: int, together: bool, ns: int) -> None:
+        if self._retry.get(k) is together:  # a retry of the slower form: wait longer where it is still far behind
+            del self._retry[k]
+            other = self.times.get((k, not together))
+            far = bool(other) and ns > self.FAR * statistics.median(other)  # type: ignore[arg-type]
+            self.every[k] = min(2 * self.every.get(k, self.EVERY), self.EVERY_MAX) if far else self.EVERY
         self.times.setdefault((k, together), deque(maxlen=self.RECENT)).append(ns)
 
 
