@@ -495,6 +495,24 @@ def _server_parallel(d: dict) -> list[str]:
     return out + [""]
 
 
+def _batch_mtp(d: dict) -> list[str]:
+    out = ["## MTP among batched sequences (`bench/batch_mtp.py`)", "",
+           f"`{d['command']}` ({d['date']}, commit {d['git']['commit'][:10]}, {d['machine'].get('cpu_model', '?')}, "
+           f"{d['machine']['threads']} threads, {d['tokens']} tokens a sequence): aggregate decode tok/s of k sequences "
+           "in one Batch (best round; × plain: median of the rounds' ratios). verify-*: every batched step verifies the "
+           "drafts each sequence's depth controller chose; default-*: VerifyChoice decides (the server's default). "
+           "k = 1: a sequence alone.", "",
+           "| model | k | " + " | ".join(d["settings"]) + " | VerifyChoice windows, verify / plain tok/s |",
+           "|---|---|" + "---|" * len(d["settings"]) + "---|"]
+    for name, c in d["cases"].items():
+        for k, v in c["by_sequences"].items():
+            cells = [f"{v['summary'][s]['tok_s']:.1f} (×{v['summary'][s]['x_plain_median']:.2f})" for s in d["settings"]]
+            w = v["verify_choice_window_tok_s"]
+            win = " / ".join(", ".join(f"{x:.0f}" for x in w.get(f, [])) or "–" for f in ("verify", "plain"))
+            out.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {win} |")
+    return out + [""]
+
+
 def _mtp_ab(d: dict) -> list[str]:
     out = ["## MTP head's pass in one native call, before and after (`bench/mtp.py`, alternating)", "",
            f"{d['what']}. Command: `{d['command']}`.", "",
@@ -683,7 +701,9 @@ def main() -> None:
                      ("sweep_nib", sweep_section), ("sweep_packed", sweep_section),
                      ("recurrence_before", _recurrence), ("recurrence", _recurrence),
                      ("sweep_avx2", sweep_section), ("sweep_vocab50k", sweep_section),
-                     ("mtp_speedup_warm", _mtp_speedup)):
+                     ("mtp_speedup_warm", _mtp_speedup), ("server_parallel_08b_64", _server_parallel),
+                     ("server_parallel_08b_before", _server_parallel), ("server_parallel_08b", _server_parallel),
+                     ("batch_mtp", _batch_mtp)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

@@ -4,24 +4,30 @@ A `Batch` holds up to N slots over one loaded `Engine`'s runner, each with its o
 (attention KV, GDN conv and recurrent states) and the MTP head's, and the tokens in them, kept after a reply so that a
 request extending a slot's sequence (the next turn of a chat) prefills only its new tokens. Each `step()` runs a
 prompt chunk of every sequence still prefilling, then one decode step of every sequence under way: alone, a sequence
-steps with its own decoder (MTP where the request asks for it); several step together in one pass over one row each
+steps with its own decoder (MTP where the request asks for it); several step together in one pass over their rows
 (`Runner.forward_many`: the weights read once for all rows, each sequence's attention or recurrence over its own
-state). Sequences join and leave between steps. Every op is batch-invariant, so a sequence's logits, and its greedy
+state): each its last token, and where its request asks for MTP, the drafts its own depth controller chose to verify
+(its decoder's `plan`: a verify for one sequence and a plain step for another share one read of the weights; where
+the runner cannot capture a verify's states in the shared pass, `Runner.shares_verify`, the sequences step plain
+together). Sequences join and leave between steps. Every op is batch-invariant, so a sequence's logits, and its greedy
 tokens, are those of its run alone.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from engine.cache import Cache
-from engine.decoding import Decoder, PlainDecoder, Reply
-from engine.events import Done, Event, GenerationConfig, Progress, Stats
+from engine.cache import Cache, CapturedStates
+from engine.decoding import Decoder, PlainDecoder, Reply, StepRows
+from engine.events import Done, Event, GenerationConfig, Progress, Stats, Token
 from engine.generate import PREFILL_CHUNK, Engine
+from engine.models.qwen35 import ForwardResult
 from engine.sampling import Sampler
 from engine.speculative import AutoMemory, DepthController, MTPDrafter, SpecStats, SpeculativeDecoder
 from engine.validate import validate_generation
@@ -74,9 +80,9 @@ class Sequence:
         reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
         self.depth = DepthController(gen.draft, self.spec, p_min=gen.p_min, reproducible=reproducible,
                                      memory=memory) if self.use_mtp else None
-        plain = PlainDecoder(engine.runner, slot.cache, slot.advance, self.sampler, slot.keep_head)
-        self.decoder: Decoder = SpeculativeDecoder(plain, slot.drafter, self.depth, self.spec) \
-            if self.depth is not None and slot.drafter is not None else plain
+        self.plain = PlainDecoder(engine.runner, slot.cache, slot.advance, self.sampler, slot.keep_head)
+        self.decoder: Decoder = SpeculativeDecoder(self.plain, slot.drafter, self.depth, self.spec) \
+            if self.depth is not None and slot.drafter is not None else self.plain
         self.reply = Reply(prompt, gen, engine.tokenizer)
         common = slot.common(prompt)
         if common == len(prompt) and slot.last_logits is None or common == 0:
@@ -127,13 +133,22 @@ class Sequence:
         self.x = yield from self.decoder.step(self.x, self.reply, self.engine.n_ctx - self.slot.cache.pos - 1)
         yield from self.tick()
 
-    def stepped(self, hidden: torch.Tensor, logits: torch.Tensor) -> Iterator[Event]:
-        """A decode step run with other sequences: the trunk's row after x (`hidden` [1, d], `logits` [V])."""
-        slot, x = self.slot, self.x
-        slot.keep_head([x], hidden)
-        slot.advance([x], logits)
-        self.x = self.sampler.sample(logits, self.reply.history, self.reply.matcher)
-        yield from self.reply.emit([(self.x, False)], logits)
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling with MTP: its steps' depths (and so its draws) must not depend on timings, nor on the
+        other sequences (VerifyChoice)."""
+        return self.depth is not None and self.depth.reproducible
+
+    def plan(self, verify: bool) -> StepRows:
+        """A decode step's rows for a pass with other sequences: its decoder's (drafts to verify among them, where
+        `verify` or the sequence is `reproducible`), else x alone."""
+        decoder = self.decoder if verify or self.reproducible else self.plain
+        return decoder.plan(self.x, self.reply, self.engine.n_ctx - self.slot.cache.pos - 1)
+
+    def stepped(self, rows: StepRows, res: ForwardResult, seconds: float) -> Iterator[Event]:
+        """The end of a decode step run with other sequences: `res` holds its rows' hidden states and logits (and
+        captured states), the shared pass took `seconds`."""
+        self.x = yield from rows.finish(res, seconds)
         yield from self.tick()
 
     def tick(self) -> Iterator[Event]:
@@ -170,11 +185,59 @@ class Sequence:
                           for il, c in model.expert_caches.items()} or None)
 
 
+class VerifyChoice:
+    """Whether sequences stepping together verify drafts among their rows (each sequence's depth controller choosing
+    its depth) or step plain, per number of sequences k: the batch's own tokens per second (every token emitted over
+    the steps' time, drafts included) decide, not each controller's view of its share. Batching already shares the
+    weights' reads that speculation saves, and a controller cannot see the other sequences' drafts it waits for: on
+    this project's CPU benchmarks at 2 and 4 sequences, verifying every step ran at 0.52-1.03x of plain
+    (bench/results/batch_mtp.json).
+    So plain runs first; every EVERY-th window of WINDOW batched steps tries the other form, and the faster (median
+    of its last windows) runs; a retry that finds the other form still slower doubles the wait (up to EVERY_MAX)."""
+
+    WINDOW, EVERY, EVERY_MAX = 8, 16, 256
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], deque] = {}
+        self.windows: dict[int, int] = {}
+        self.every: dict[int, int] = {}
+        self._now: dict[int, list] = {}  # k -> [form, steps, tokens, seconds, retry] of the window under way
+
+    def verify(self, k: int) -> bool:
+        """The form of k sequences' next step."""
+        now = self._now.get(k)
+        if now is None:
+            n = self.windows[k] = self.windows.get(k, 0) + 1
+            v, o = (self.rates.setdefault((k, form), deque(maxlen=4)) for form in (True, False))
+            form = bool(v) and bool(o) and statistics.median(v) > statistics.median(o)
+            retry = n % self.every.get(k, self.EVERY) == 0
+            now = self._now[k] = [form != retry, 0, 0, 0.0, retry]
+        return now[0]
+
+    def observe(self, k: int, tokens: int, seconds: float) -> None:
+        """A step of k sequences in the form `verify(k)` gave: its emitted tokens and seconds."""
+        now = self._now[k]
+        now[1] += 1
+        now[2] += tokens
+        now[3] += seconds
+        if now[1] < self.WINDOW:
+            return
+        form, _, toks, secs, retry = self._now.pop(k)
+        rate = toks / max(secs, 1e-9)
+        if retry:
+            other = self.rates[(k, not form)]
+            slower = bool(other) and rate < statistics.median(other)
+            self.every[k] = min(2 * self.every.get(k, self.EVERY), self.EVERY_MAX) if slower else self.EVERY
+        self.rates[(k, form)].append(rate)
+
+
 class Batch:
     """Up to `size` sequences over one engine's runner, stepped together (see the module docstring). Not thread-safe:
     one thread adds and steps; the caller keeps other users of the engine's runner out meanwhile."""
 
-    def __init__(self, engine: Engine, size: int):
+    def __init__(self, engine: Engine, size: int, verify: bool | None = None):
+        """`verify`: whether sequences stepping together verify their drafts among the rows (None: as VerifyChoice
+        measures; True: always, where each controller drafts; False: never)."""
         if size < 1:
             raise ValueError(f"a batch holds at least one sequence, not {size}")
         self.engine, self.size = engine, size
@@ -182,6 +245,9 @@ class Batch:
         self.active: list[Sequence] = []
         self.memory = AutoMemory()  # draft-depth costs and acceptance, carried across replies
         self.batched_steps = 0  # decode steps that ran several sequences in one pass
+        self.shared_verifies = 0  # ... with a sequence's drafts verified among the rows
+        self.verify_choice = VerifyChoice()
+        self.verify = verify
 
     @property
     def full(self) -> bool:
@@ -220,19 +286,51 @@ class Batch:
         if len(going) == 1:
             yield from self._guarded(going[0], going[0].step)
         elif going:
-            try:
-                res = self.engine.runner.forward_many([[s.x] for s in going], [s.slot.cache for s in going])
-            except Exception as e:  # the pass failed for all of them
-                for s in going:
-                    yield from self._fail(s, e)
-            else:
-                self.batched_steps += 1
-                for i, s in enumerate(going):
-                    yield from self._guarded(s, lambda s=s, i=i: s.stepped(res.hidden[i:i + 1], res.logits[i]))
+            yield from self._together(going)
         for s in [s for s in self.active if s.reply.reason is not None]:
             yield from self._guarded(s, s.end)
             if s in self.active:
                 self._leave(s)
+
+    def _together(self, going: list[Sequence]) -> Iterator[tuple[Sequence, Event | Exception]]:
+        """One decode step of each sequence in one pass over all their rows: x alone, or x and the drafts a sequence's
+        own depth controller chose to verify (where the runner verifies within the shared pass)."""
+        runner, planned = self.engine.runner, []
+        t_step = time.perf_counter()
+        choose = runner.shares_verify and self.verify is None and any(s.use_mtp and not s.reproducible for s in going)
+        verify = self.verify_choice.verify(len(going)) if choose else bool(self.verify) and runner.shares_verify
+        for s in going:
+            try:
+                planned.append((s, s.plan(verify)))
+            except Exception as e:  # its draft failed: it leaves, the others step
+                yield from self._fail(s, e)
+        if not planned:
+            return
+        caps = [CapturedStates({}, {}) if rows.capture else None for _, rows in planned]
+        several = any(c is not None for c in caps)  # a verify among them: every row's logits
+        t0 = time.perf_counter()
+        try:
+            res = runner.forward_many([rows.tokens for _, rows in planned], [s.slot.cache for s, _ in planned],
+                                      caps if several else None, all_rows=several)
+        except Exception as e:  # the pass failed for all of them
+            for s, _ in planned:
+                yield from self._fail(s, e)
+            return
+        seconds = time.perf_counter() - t0
+        self.batched_steps += 1
+        self.shared_verifies += several
+        start, emitted = 0, 0
+        for i, ((s, rows), cap) in enumerate(zip(planned, caps)):
+            n = len(rows.tokens)
+            at = slice(start, start + n) if several else slice(i, i + 1)
+            own = ForwardResult(res.hidden[start:start + n], res.logits[at], cap)  # type: ignore[index]
+            start += n
+            for pair in self._guarded(s, lambda s=s, rows=rows, own=own: s.stepped(rows, own, seconds)):
+                if isinstance(pair[1], Token):
+                    emitted += len(pair[1].ids)
+                yield pair
+        if choose and len(planned) == len(going):
+            self.verify_choice.observe(len(going), emitted, time.perf_counter() - t_step)
 
     def _leave(self, s: Sequence) -> None:
         """The sequence leaves; its slot goes last in the order free slots are taken in (least recently used first, where

@@ -1,13 +1,17 @@
 """One reply's decoding: its bookkeeping (`Reply`) and the plain decoder.
 
 A decoder's `step(x, reply, room)` decodes after token x (emitted, not yet run by the trunk) and returns the new last
-token, emitted; it yields the reply's events on the way. The plain decoder here and the speculative one
+token, emitted; it yields the reply's events on the way. A step is two halves around one trunk pass: `plan` says
+which rows the pass runs (`StepRows`: x alone, or x and drafts to verify) after doing what comes first (a draft), and
+its `finish` takes the pass's result; `step` runs the pass itself between them, while a batch of sequences
+(engine.batch) runs one pass over the rows of all of them. The plain decoder here and the speculative one
 (engine.speculative.verify) share that shape and one seam: the runner's passes, the sequence's cache and an
 `advance(tokens, logits)` callback that records what the trunk has processed. Neither knows the Engine.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Protocol, Sequence
 
 import torch
@@ -15,6 +19,7 @@ import torch
 from engine.cache import Cache
 from engine.constrain import Matcher
 from engine.events import Event, GenerationConfig, Token, TokenLogprob
+from engine.models.qwen35 import ForwardResult
 from engine.models.runner import Runner
 from engine.sampling import Sampler
 from engine.tokenizer import Tokenizer
@@ -111,8 +116,21 @@ class Reply:
                 yield Token([], text)
 
 
+@dataclass
+class StepRows:
+    """One decode step's pass (Decoder.plan): the tokens the trunk runs after what the cache holds, whether their GDN
+    states are captured (a verify: all their logits are read), and the step's end once they ran: `finish(result,
+    seconds)` with the pass's result for these rows and its time, emitting, returns the new last token."""
+
+    tokens: list[int]
+    capture: bool
+    finish: Callable[[ForwardResult, float], Generator[Event, None, int]]
+
+
 class Decoder(Protocol):
     def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]: ...
+
+    def plan(self, x: int, reply: Reply, room: int) -> StepRows: ...
 
 
 class PlainDecoder:
@@ -124,10 +142,10 @@ class PlainDecoder:
         one."""
         self.runner, self.cache, self.advance, self.sampler, self.keep_head = runner, cache, advance, sampler, keep_head
 
-    def next_token(self, x: int, reply: Reply, keep_head: KeepHead | None = None) -> tuple[int, torch.Tensor]:
-        """Run x, tell the head (`keep_head`, else the decoder's own) and the sequence; returns the sampled next
-        token, not yet emitted, and the logits it was sampled from."""
-        res = self.runner.forward([x], self.cache, logit_rows="last")
+    def settle(self, x: int, reply: Reply, res: ForwardResult, keep_head: KeepHead | None = None
+               ) -> tuple[int, torch.Tensor]:
+        """After the trunk ran x (`res`): tell the head (`keep_head`, else the decoder's own) and the sequence; returns
+        the sampled next token, not yet emitted, and the logits it was sampled from."""
         keep = keep_head or self.keep_head
         if keep is not None:
             keep([x], res.hidden)
@@ -135,7 +153,21 @@ class PlainDecoder:
         self.advance([x], logits)
         return self.sampler.sample(logits, reply.history, reply.matcher), logits
 
-    def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
-        nxt, logits = self.next_token(x, reply)
+    def run(self, rows: StepRows) -> Generator[Event, None, int]:
+        """A step's pass on this sequence alone, then its end."""
+        t = time.perf_counter()
+        res = self.runner.forward(rows.tokens, self.cache, logit_rows="all" if rows.capture else "last",
+                                  capture=rows.capture)
+        return (yield from rows.finish(res, time.perf_counter() - t))
+
+    def plan(self, x: int, reply: Reply, room: int) -> StepRows:
+        return StepRows([x], False, lambda res, seconds: self._finish(x, reply, res))
+
+    def _finish(self, x: int, reply: Reply, res: ForwardResult) -> Generator[Event, None, int]:
+        nxt, logits = self.settle(x, reply, res)
         yield from reply.emit([(nxt, False)], logits)
         return nxt
+
+    def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
+        res = self.runner.forward([x], self.cache, logit_rows="last")  # plan + run without their objects: a hot path
+        return (yield from self._finish(x, reply, res))

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import openai
 import pytest
@@ -129,6 +130,64 @@ def test_batch_sequences_join_leave_and_reuse_a_prefix(eng) -> None:
     assert again.n_prefill == len(follow) - len(prompts[2]) - final[seqs[2]].generated_tokens + 1
     assert [i for ev in events if isinstance(ev, Token) for i in ev.ids] == collect(eng.generate(follow, gens[1])).tokens
     assert isinstance(events[-1], Done)
+
+
+def _batched_replies(eng, prompts: list[list[int]], gens: list[GenerationConfig]) -> tuple[list[list[int]], Batch]:
+    batch = Batch(eng, len(prompts), verify=True)
+    seqs = [batch.add(p, g) for p, g in zip(prompts, gens)]
+    got: dict[object, list[int]] = {s: [] for s in seqs}
+    for _ in range(400):
+        if not batch.active:
+            break
+        for s, ev in batch.step():
+            assert not isinstance(ev, Exception), ev
+            if isinstance(ev, Token):
+                got[s].extend(ev.ids)
+    return [got[s] for s in seqs], batch
+
+
+def test_drafts_verified_among_other_sequences_rows_keep_every_reply(eng) -> None:
+    """Sequences with MTP in a batch (depths 2 and 4, auto, one without MTP, one under a JSON schema) verify their
+    drafts in the pass shared with the others' rows: each greedy reply is its one-at-a-time reply without MTP; a
+    seeded sampled one is its one-at-a-time reply with the same MTP settings."""
+    from engine.constrain import Constraint
+    from engine.sampling import SamplingConfig
+
+    schema = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    gens = [GenerationConfig(max_tokens=40, mtp=True, draft=2), GenerationConfig(max_tokens=32, mtp=True, draft=4),
+            GenerationConfig(max_tokens=36, mtp=True), GenerationConfig(max_tokens=24, mtp=False),
+            GenerationConfig(max_tokens=40, mtp=True, draft=3, constraint=schema)]
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[:len(gens)]]
+    want = [collect(eng.generate(p, replace(g, mtp=False))).tokens for p, g in zip(prompts, gens)]
+    got, batch = _batched_replies(eng, prompts, gens)
+    assert got == want
+    assert batch.shared_verifies > 10  # verifies ran among the other sequences' rows
+    sampled = [GenerationConfig(max_tokens=40, mtp=True, draft=3, sampling=SamplingConfig(temperature=0.8, seed=s))
+               for s in (3, 4)] + [GenerationConfig(max_tokens=30, mtp=False)]
+    prompts = prompts[:len(sampled)]
+    want = [collect(eng.generate(p, g)).tokens for p, g in zip(prompts, sampled)]
+    got, batch = _batched_replies(eng, prompts, sampled)
+    assert got == want and batch.shared_verifies > 0
+
+
+def test_verify_choice_tries_verifying_now_and_then_and_keeps_the_faster_form() -> None:
+    """Batched steps with drafts verified yield 3 tokens in 2 s where plain ones yield 1 token in 1 s (or 1 token in
+    2 s, slower than plain): plain runs first, verifying is tried at the 16th window; then the faster form runs and
+    the slower is retried after 16, 32, 64, 128, 256, 256 ... windows."""
+    from engine.batch import VerifyChoice
+
+    for verify_faster in (True, False):
+        choice, forms = VerifyChoice(), []
+        for _ in range(1200 * VerifyChoice.WINDOW):
+            form = choice.verify(4)
+            forms.append(form)
+            choice.observe(4, 3 if form and verify_faster else 1, 2.0 if form else 1.0)
+        windows = forms[::VerifyChoice.WINDOW]
+        assert all(w == windows[0] for w in forms[:VerifyChoice.WINDOW])
+        assert windows[:16] == [False] * 15 + [True]
+        slower = [i + 1 for i, w in enumerate(windows) if w != verify_faster and i >= 16]
+        gaps = [b - a for a, b in zip(slower, slower[1:])]
+        assert slower[0] == 32 and gaps[:5] == [32, 64, 128, 256, 256], slower
 
 
 def test_parallel_flag_is_checked() -> None:

@@ -261,29 +261,47 @@ class Runner:
         cache.pos = pos + n
         return res
 
-    def forward_many(self, tokens: Sequence[Sequence[int]], caches: Sequence[Cache]) -> ForwardResult:
+    @property
+    def shares_verify(self) -> bool:
+        """Whether forward_many runs a verify among other sequences' rows in their one shared pass (its states
+        captured there): with the one-call step on the CPU. Elsewhere a verify would run apart from the others."""
+        return self.step is not None and self.graphs is None
+
+    def forward_many(self, tokens: Sequence[Sequence[int]], caches: Sequence[Cache],
+                     captures: Sequence[CapturedStates | None] | None = None, all_rows: bool = False) -> ForwardResult:
         """Several sequences' new tokens, each at its cache's positions; advances every cache. The hidden rows of all
-        tokens in order, and the logits after each sequence's last token. Two forms, the same bits: one pass over all
-        rows (Qwen35Model.several: norms, projections, MoE and the head read their weights once; op by op, since a
-        fused layer holds one sequence's state), or each sequence's own pass in its one-call forms. Which one runs is
-        chosen per number of sequences from their measured times (ManyChoice): where a pass is mostly the
-        interpreter's per-op time (a small model), the separate fused passes win; where it is mostly weights read, the
-        shared pass."""
+        tokens in order, and the logits after each sequence's last token (`all_rows`: after every token, in the same
+        order). `captures[j]`, where given, receives sequence j's GDN states after each of its rows, as forward's
+        `capture` (a verify among the sequences). Two forms, the same bits: one pass over all rows
+        (Qwen35Model.several: norms, projections, MoE and the head read their weights once; op by op, since a fused
+        layer holds one sequence's state; or the one-call step over several sequences), or each sequence's own pass in
+        its one-call forms. Which one runs is chosen per number of sequences from their measured times (ManyChoice):
+        where a pass is mostly the interpreter's per-op time (a small model), the separate fused passes win; where it
+        is mostly weights read, the shared pass. A verify among them runs in the one-call shared pass where there is
+        one (`shares_verify`), else apart."""
+        rows = "all" if all_rows else "last"
         if len(caches) == 1:
-            return self.forward(list(tokens[0]), caches[0])
-        together = self.many.pick(len(caches))
+            cap = captures[0] if captures is not None else None
+            res = self.forward(list(tokens[0]), caches[0], logit_rows=rows, capture=cap is not None)
+            _fill(cap, res.captured)
+            return res
+        verify = captures is not None and any(c is not None for c in captures)
+        m, step = self.model, self.step
+        one_call = step is not None and all(len(t) <= STEP_ROWS for t in tokens)
+        together = (one_call and self.shares_verify) if verify else self.many.pick(len(caches))
         t0 = time.perf_counter_ns()
         if together:
             for toks, cache in zip(tokens, caches):
                 check_room(cache, cache.pos, len(toks))
-            m, step = self.model, self.step
-            if step is not None and all(len(t) <= STEP_ROWS for t in tokens):
+            if one_call:
+                assert step is not None
                 ids = [list(t) for t in tokens]
                 x = None if step.embeds else m.embed([t for toks in ids for t in toks]).float().contiguous()
-                h, logits = step.many(ids, list(caches), m.rope(m.device), True, x)
+                h, logits = step.many(ids, list(caches), m.rope(m.device), True, x,
+                                      list(captures) if verify else None)  # type: ignore[arg-type]
                 if logits is None:
                     logits = ops.linear(h, m.output)
-                if len(h) > len(tokens):  # a sequence of several rows: the logits after its last
+                if not all_rows and len(h) > len(tokens):  # a sequence of several rows: the logits after its last
                     logits = logits[[end - 1 for end in itertools.accumulate(len(t) for t in tokens)]]
                 res = ForwardResult(h, logits, None)
             else:
@@ -292,12 +310,19 @@ class Runner:
                     parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
                     start += len(toks)
                 res = self.model.several(m.embed([t for toks in tokens for t in toks]), parts)
+                if all_rows:
+                    res.logits = ops.linear(res.hidden, m.output)
             for toks, cache in zip(tokens, caches):
                 cache.pos += len(toks)
         else:
-            each = [self.forward(list(toks), cache) for toks, cache in zip(tokens, caches)]
+            caps = list(captures) if captures is not None else [None] * len(caches)
+            each = [self.forward(list(toks), cache, logit_rows=rows, capture=cap is not None)
+                    for toks, cache, cap in zip(tokens, caches, caps)]
+            for cap, r in zip(caps, each):
+                _fill(cap, r.captured)
             res = ForwardResult(torch.cat([r.hidden for r in each]), torch.cat([r.logits for r in each]), None)
-        self.many.observe(len(caches), together, time.perf_counter_ns() - t0)
+        if not verify:
+            self.many.observe(len(caches), together, time.perf_counter_ns() - t0)
         return res
 
     def _rows(self, x: torch.Tensor, cache: Cache, at: ops.Positions, logit_rows: str, capture: bool,
@@ -310,3 +335,10 @@ class Runner:
                 x = x.to(layer.device)
             x = run_layer(layer, fused, x, cache, at, m.rope(layer.device), cap, chunked)
         return m.finish(x, logit_rows, cap)
+
+
+def _fill(into: CapturedStates | None, got: CapturedStates | None) -> None:
+    """A pass's captured states into the holder its caller gave."""
+    if into is not None and got is not None:
+        into.conv.update(got.conv)
+        into.ssm.update(got.ssm)

@@ -229,7 +229,7 @@ class FusedStep:
         self._rope: tuple = (None, 0, 0, 0)  # the RoPE tables last given: cos, its and sin's address, row bytes
         self._passes: dict[tuple[int, bool], _Passes] = {}
         self._shared: dict[int, _Passes] = {}  # many(): the passes over all rows (threads, routing), by their count
-        self._own: dict[tuple[int, int], _Passes] = {}  # many(): each sequence's passes, by its cache and row count
+        self._own: dict[tuple[int, int, bool], _Passes] = {}  # many(): each sequence's passes, by cache, rows, capture
         self._seq_arrays: dict[tuple[int, ...], ctypes.Array] = {}  # many(): their layer-by-sequence pointer arrays
         self.threads = ThreadChoice()  # one thread or more, per pass size, from the passes' times
         self.many_threads = ThreadChoice()  # likewise for passes over several sequences (many)
@@ -274,30 +274,37 @@ class FusedStep:
         return h, lg
 
     def many(self, ids: list[list[int]], caches: list[Cache], rope: tuple[torch.Tensor, torch.Tensor], logits: bool,
-             x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             x: torch.Tensor | None = None, captures: list[CapturedStates | None] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new tokens `ids` of several sequences through every layer in one native call (layer.c
         decoder_layers_many), each sequence's at its cache's positions; where the step does not embed, x gives their
         embedded rows [n, d] (float32, contiguous, overwritten) in sequence order. The products, the MoE and the head
         read their weights once for all rows; each sequence's conv, recurrence and attention run over its own state,
         so each row gets the bits of its sequence's step alone. Caches are not advanced (the caller does, as for
-        __call__)."""
+        __call__). `captures`: per sequence, where the GDN states after each of its rows go (a verify among the
+        sequences, as __call__'s `capture`), or None."""
         sizes = [len(t) for t in ids]
         n, n_seq = sum(sizes), len(caches)
         shared = self._shared.get(n)
         if shared is None:
             shared = self._shared[n] = _Passes(self, n)
         threads = self._set_threads(shared, self.many_threads)
-        own = []
-        for cache, k in zip(caches, sizes):
-            ps = self._own.get((id(cache), k))
+        own, afters = [], []
+        for j, (cache, k) in enumerate(zip(caches, sizes)):
+            cap = captures[j] if captures is not None else None
+            key = (id(cache), k, cap is not None)
+            ps = self._own.get(key)
             if ps is None or ps.cache is not cache:
                 if len(self._own) >= 64:  # caches come and go with the server's slots: keep those of the recent ones
                     self._own.clear()
-                ps = self._own[(id(cache), k)] = _Passes(self, k)
+                ps = self._own[key] = _Passes(self, k)
                 ps.bind(cache, self.layers, self.ils)
                 for p in ps.ps:
                     p.n, p.isa = k, self.layers[0].backend.level
-            self._in_place(ps)
+            if cap is None:
+                self._in_place(ps)
+            else:
+                afters.append(self._captured(ps, cap))
             own.append(ps)
         key = tuple(id(ps) for ps in own)
         seqs = self._seq_arrays.get(key)
@@ -321,6 +328,8 @@ class FusedStep:
         native.decoder_layers_many(self.ws, shared.ps, seqs, n_seq, shared.x if x is None else x, pos, cos_t, sin_t,
                                    self.out, shared.inp if x is None else None)
         self.many_threads.observe(n, threads, time.perf_counter_ns() - t0)
+        for after in afters:
+            after()
         return h, lg
 
     def _set_threads(self, ps: _Passes, choice: ThreadChoice) -> int:

@@ -21,8 +21,9 @@ except ImportError:  # not on Windows: no fault counts there
     resource = None  # type: ignore[assignment]
 
 from engine.constrain import Matcher
-from engine.decoding import PlainDecoder, Reply
+from engine.decoding import PlainDecoder, Reply, StepRows
 from engine.events import Event
+from engine.models.qwen35 import ForwardResult
 from engine.sampling import Sampler
 from engine.speculative.depth import DepthController, SpecStats
 from engine.speculative.drafter import Draft, MTPDrafter
@@ -39,41 +40,54 @@ class SpeculativeDecoder:
     def step(self, x: int, run: Reply, room: int) -> Generator[Event, None, int]:
         """Decode after x (emitted, not yet processed by the trunk); returns the new last token, emitted."""
         k = self.depth.choose(room)
-        if k == 0:
-            if self.depth.quiet:
-                return (yield from self._quiet(x, run))
-            return (yield from self._plain(x, run, room))
-        return (yield from self._speculative(x, k, run))
+        if k == 0 and self.depth.quiet:  # the hot path of a plain stretch: no plan object
+            t = time.perf_counter()
+            res = self.runner.forward([x], self.cache, logit_rows="last")
+            return (yield from self._quiet(x, run, res, time.perf_counter() - t))
+        return (yield from self.plain.run(self._plan(x, run, room, k)))
 
-    def _plain(self, x: int, run: Reply, room: int) -> Generator[Event, None, int]:
+    def plan(self, x: int, run: Reply, room: int) -> StepRows:
+        """The step's rows for a pass shared with other sequences (engine.batch); drafts are made here."""
+        k = self.depth.choose(room)
+        if k == 0 and self.depth.quiet:
+            return StepRows([x], False, lambda res, seconds: self._quiet(x, run, res, seconds))
+        return self._plan(x, run, room, k)
+
+    def _plan(self, x: int, run: Reply, room: int, k: int) -> StepRows:
+        return self._plain(x, run, room) if k == 0 else self._speculative(x, k, run)
+
+    def _plain(self, x: int, run: Reply, room: int) -> StepRows:
         sampler, spec, depth = self.sampler, self.stats, self.depth
-        probe = None
+        probe, probe_s, probe_faulted = None, 0.0, False
         if depth.probe_now(room):  # shadow probe: one draft, no verify
             t_probe, f_probe = time.perf_counter(), major_faults()
             probe = self.drafter.draft(x, 1, sampler, run.history, matcher=run.matcher,
                                        budget_s=depth.catch_up_budget())
             probe_s, probe_faulted = time.perf_counter() - t_probe, major_faults() > f_probe
             spec.draft_s += probe_s
-        t_step = time.perf_counter()
-        # after a probe the head already holds x's row: keep it, pair the next token with the trunk's row
-        nxt, logits = self.plain.next_token(x, run, self._after_probe if probe is not None else None)
-        dt = time.perf_counter() - t_step
-        spec.plain_steps += 1
-        spec.decode_s += dt
-        depth.observe_decode(dt)
-        if probe is not None and probe.tokens:
-            q = probe.probs[0]
-            hit = float(probe.tokens[0] == nxt) if q is None else \
-                float(torch.minimum(sampler.distribution(logits, run.history, run.matcher), q).sum())
-            depth.observe_probe(hit, probe_s - probe.catch_up_s, probe_faulted)
-        yield from run.emit([(nxt, False)], logits)
-        return nxt
 
-    def _quiet(self, x: int, run: Reply) -> Generator[Event, None, int]:
+        def finish(res: ForwardResult, pass_s: float) -> Generator[Event, None, int]:
+            t = time.perf_counter()
+            # after a probe the head already holds x's row: keep it, pair the next token with the trunk's row
+            nxt, logits = self.plain.settle(x, run, res, self._after_probe if probe is not None else None)
+            dt = pass_s + time.perf_counter() - t
+            spec.plain_steps += 1
+            spec.decode_s += dt
+            depth.observe_decode(dt)
+            if probe is not None and probe.tokens:
+                q = probe.probs[0]
+                hit = float(probe.tokens[0] == nxt) if q is None else \
+                    float(torch.minimum(sampler.distribution(logits, run.history, run.matcher), q).sum())
+                depth.observe_probe(hit, probe_s - probe.catch_up_s, probe_faulted)
+            yield from run.emit([(nxt, False)], logits)
+            return nxt
+        return StepRows([x], False, finish)
+
+    def _quiet(self, x: int, run: Reply, res: ForwardResult, pass_s: float) -> Generator[Event, None, int]:
         """A plain step with nothing to weigh: only its time is recorded."""
-        t_step = time.perf_counter()
-        nxt, logits = self.plain.next_token(x, run)
-        dt = time.perf_counter() - t_step
+        t = time.perf_counter()
+        nxt, logits = self.plain.settle(x, run, res)
+        dt = pass_s + time.perf_counter() - t
         self.stats.plain_steps += 1
         self.stats.decode_s += dt
         self.depth.observe_decode(dt)
@@ -83,8 +97,8 @@ class SpeculativeDecoder:
     def _after_probe(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
         self.drafter.commit(0, tokens, hidden)
 
-    def _speculative(self, x: int, k: int, run: Reply) -> Generator[Event, None, int]:
-        """Draft k tokens after x, verify [x, d1..dk] in one pass, emit, and commit the kept prefix."""
+    def _speculative(self, x: int, k: int, run: Reply) -> StepRows:
+        """Draft k tokens after x; the pass verifies [x, d1..dk]; its end emits and commits the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         cost_only = depth.cost_only
         t0, f0 = time.perf_counter(), major_faults()
@@ -94,46 +108,49 @@ class SpeculativeDecoder:
             cut = depth.chain_p_min(k)
             draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut,
                                        budget_s=depth.catch_up_budget())
-        t1, faulted = time.perf_counter(), major_faults() > f0
+        draft_s, faulted = time.perf_counter() - t0, major_faults() > f0
         pos0 = cache.pos
         seq = [x] + draft.tokens
-        res = self.runner.forward(seq, cache, logit_rows="all", capture=True)
-        t2 = time.perf_counter()
-        # run.history ends with x: it was emitted by the previous step
-        if sampler.cfg.greedy:
-            n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history,  # type: ignore[arg-type]
-                                       run.matcher)
-        else:
-            n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history, run.matcher)  # type: ignore[arg-type]
-        t_acc = time.perf_counter()
-        emitted = [(d, not cost_only) for d in draft.tokens[:n_acc]] + [(nxt, False)]  # a stand-in is no draft
-        n_out = len(run.out_ids)
-        kept = 0
-        try:
-            kept = yield from run.emit(emitted, res.logits)  # row i: what emitted token i was chosen from
-        finally:  # also when the consumer abandons the reply mid-window: commit exactly what it was given
-            kept = kept or max(len(run.out_ids) - n_out, 1)
-            t3 = time.perf_counter()
-            c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
-            cache.commit(res.captured, c)  # type: ignore[arg-type]
-            cache.truncate(pos0 + c + 1)
-            if cost_only:  # the head never saw the pass: the kept rows join its backlog, as a plain step's do
-                self.drafter.push(seq[:c + 1], res.hidden)
+
+        def finish(res: ForwardResult, pass_s: float) -> Generator[Event, None, int]:
+            t1 = time.perf_counter()
+            # run.history ends with x: it was emitted by the previous step
+            if sampler.cfg.greedy:
+                n_acc, nxt = accept_greedy(res.logits, draft.tokens, sampler, run.history,  # type: ignore[arg-type]
+                                           run.matcher)
             else:
-                self.drafter.commit(c, seq, res.hidden)
-            self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
-        t4 = time.perf_counter()
-        if not cost_only:  # a stand-in's fate says nothing of the head's acceptance
-            spec.record(len(draft.tokens), n_acc)
-            depth.observe_chain(draft.confidence, n_acc)
-        spec.draft_s += t1 - t0
-        spec.verify_s += t2 - t1
-        spec.commit_s += t4 - t3
-        # auto weighs a verify step as all it costs beside the drafts: the pass, acceptance and the commit (a plain
-        # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
-        depth.observe_verify(len(seq), (t_acc - t1) + (t4 - t3), 0 if cost_only else len(draft.tokens),
-                             t1 - t0 - draft.catch_up_s, faulted)
-        return emitted[kept - 1][0]
+                n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history,  # type: ignore[arg-type]
+                                             run.matcher)
+            t_acc = time.perf_counter()
+            emitted = [(d, not cost_only) for d in draft.tokens[:n_acc]] + [(nxt, False)]  # a stand-in is no draft
+            n_out = len(run.out_ids)
+            kept = 0
+            try:
+                kept = yield from run.emit(emitted, res.logits)  # row i: what emitted token i was chosen from
+            finally:  # also when the consumer abandons the reply mid-window: commit exactly what it was given
+                kept = kept or max(len(run.out_ids) - n_out, 1)
+                t3 = time.perf_counter()
+                c = kept - 1  # drafts whose effect stays in the trunk; the last kept token is not yet processed
+                cache.commit(res.captured, c)  # type: ignore[arg-type]
+                cache.truncate(pos0 + c + 1)
+                if cost_only:  # the head never saw the pass: the kept rows join its backlog, as a plain step's do
+                    self.drafter.push(seq[:c + 1], res.hidden)
+                else:
+                    self.drafter.commit(c, seq, res.hidden)
+                self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
+            t4 = time.perf_counter()
+            if not cost_only:  # a stand-in's fate says nothing of the head's acceptance
+                spec.record(len(draft.tokens), n_acc)
+                depth.observe_chain(draft.confidence, n_acc)
+            spec.draft_s += draft_s
+            spec.verify_s += pass_s
+            spec.commit_s += t4 - t3
+            # auto weighs a verify step as all it costs beside the drafts: the pass, acceptance and the commit (a plain
+            # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
+            depth.observe_verify(len(seq), pass_s + (t_acc - t1) + (t4 - t3), 0 if cost_only else len(draft.tokens),
+                                 draft_s - draft.catch_up_s, faulted)
+            return emitted[kept - 1][0]
+        return StepRows(seq, True, finish)
 
 
 def _one_hot(token: int, n_vocab: int) -> torch.Tensor:
