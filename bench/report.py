@@ -703,7 +703,8 @@ def main() -> None:
                      ("sweep_avx2", sweep_section), ("sweep_vocab50k", sweep_section),
                      ("mtp_speedup_warm", _mtp_speedup), ("server_parallel_08b_64", _server_parallel),
                      ("server_parallel_08b_before", _server_parallel), ("server_parallel_08b", _server_parallel),
-                     ("batch_mtp", _batch_mtp), ("mtp_speedup_9b_rerun", _mtp_speedup)):
+                     ("batch_mtp", _batch_mtp), ("mtp_speedup_9b_rerun", _mtp_speedup),
+                     ("sweep_iq", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

@@ -29,7 +29,8 @@ and its quantizations fit a 45 GB disk and 24 GB of memory. Each synthetic shape
 weights (bench/synthetic.write_synthetic(float_source=True)) and quantized by llama.cpp itself
 (`llama_model_quantize`, tests/quantized.py), so every type choice is llama.cpp's, its fallbacks on odd row widths
 included: Q8_0, Q6_K, Q5_K_M, Q4_K_M, IQ4_XS, Q3_K_M, Q2_K, MXFP4_MOE (MoE shapes only), UD-Q4_K_XL-like
-(UD_Q4_K_XL below) and Q4_0 (the 32-value 4-bit type many downloads still are). The JSON records per file the types each role holds and what takes no native product.
+(UD_Q4_K_XL below) and Q4_0 (the 32-value 4-bit type many downloads still are); by name only (`--quants`), llama.cpp's
+low-bit grid-codebook mixes IQ3_XXS, IQ2_XXS, IQ2_M and IQ1_M (LOW_BIT: made with a flat importance matrix). The JSON records per file the types each role holds and what takes no native product.
 
 Per cell (bench/quant_mix.run_mix, through bench/decode.py's child runners): every (engine, form) run is a process
 of its own from a fresh load with `--threads` threads, 4 untimed warm-up tokens, one random `--prompt`-token prompt,
@@ -58,6 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K", "MXFP4_MOE", "UD-Q4_K_XL", "Q4_0")
+# llama.cpp's low-bit grid-codebook mixes (the IQ2_XXS/IQ3_XXS downloads of big MoE models), asked for by name only:
+# llama.cpp makes them with an importance matrix (tests/quantized.py passes a flat one)
+LOW_BIT = ("IQ3_XXS", "IQ2_XXS", "IQ2_M", "IQ1_M")
 AS_IS = "as-is"  # the embedded model's one cell: the file as shipped
 MOE_ONLY = frozenset({"MXFP4_MOE"})
 ISA_FORMS = ("avx512vnni", "avx512", "avxvnni", "avx2")  # the hardware forms; portable C is no host's form
@@ -114,10 +118,10 @@ def is_moe(name: str) -> bool:
 def plan_cells(shapes: list[str], quants: list[str]) -> list[tuple[str, str]]:
     """The (shape, quantization) cells to measure, in order: the embedded model as-is only, MXFP4_MOE on MoE shapes
     only."""
-    bad = [s for s in shapes if s not in SWEEP_SHAPES] + [q for q in quants if q not in QUANTS]
+    bad = [s for s in shapes if s not in SWEEP_SHAPES] + [q for q in quants if q not in QUANTS + LOW_BIT]
     if bad:
         raise ValueError(f"unknown shape or quantization {bad[0]!r} (shapes: {', '.join(SWEEP_SHAPES)}; "
-                         f"quantizations: {', '.join(QUANTS)})")
+                         f"quantizations: {', '.join(QUANTS + LOW_BIT)})")
     cells: list[tuple[str, str]] = []
     for s in shapes:
         if SWEEP_SHAPES[s].synthetic is None:
@@ -325,7 +329,7 @@ def main() -> None:
                     help=f"the ~10-minute subset: {', '.join(QUICK['shapes'])} × {', '.join(QUICK['quants'])}, "
                          f"{QUICK['rounds']} rounds, {QUICK['prompt']}-token prompt, {QUICK['decode']} tokens")
     ap.add_argument("--shapes", help="comma-separated, of " + ", ".join(SWEEP_SHAPES))
-    ap.add_argument("--quants", help="comma-separated, of " + ", ".join(QUANTS))
+    ap.add_argument("--quants", help="comma-separated, of " + ", ".join(QUANTS + LOW_BIT))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--prompt", type=int, help="prompt tokens (default 128; --quick 64)")
