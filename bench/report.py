@@ -486,12 +486,21 @@ def _server_parallel(d: dict) -> list[str]:
            f"{d['llama_cpp']}): {d['what']}; aggregate decode tok/s (best round), ours --parallel {d['parallel']}.", "",
            "| model | clients | ours aggregate | ours per request | llama.cpp aggregate | llama.cpp per request | "
            "ours × one client | median ours / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    mtp = [(name, c) for name, c in d["cases"].items() if "mtp_gain" in c]
     for name, c in d["cases"].items():
         for k, v in c["summary"].items():
             o, ll = v["ours"], v["llama.cpp"]
             out.append(f"| {name} | {k} | {o['aggregate_tok_s']:.1f} | {o['per_request_tok_s_mean']:.1f} | "
                        f"{ll['aggregate_tok_s']:.1f} | {ll['per_request_tok_s_mean']:.1f} | "
                        f"{c['scaling_vs_one_client']['ours'][k]:.2f} | {v['ours_vs_llama_median_ratio']:.2f} |")
+    if mtp:
+        out += ["", "Our server with MTP on (auto depth; `--mtp`) against ours without, same clients:", "",
+                "| model | clients | ours + MTP aggregate | × ours without MTP (best rounds) | median of the rounds |",
+                "|---|---|---|---|---|"]
+        for name, c in mtp:
+            for k, g in c["mtp_gain"].items():
+                out.append(f"| {name} | {k} | {c['summary'][k]['ours+mtp']['aggregate_tok_s']:.1f} | "
+                           f"{g['mtp_gain']:.2f} | {g['mtp_gain_median_of_rounds']:.2f} |")
     return out + [""]
 
 
@@ -704,7 +713,7 @@ def main() -> None:
                      ("mtp_speedup_warm", _mtp_speedup), ("server_parallel_08b_64", _server_parallel),
                      ("server_parallel_08b_before", _server_parallel), ("server_parallel_08b", _server_parallel),
                      ("batch_mtp", _batch_mtp), ("mtp_speedup_9b_rerun", _mtp_speedup),
-                     ("sweep_iq", sweep_section)):
+                     ("sweep_iq", sweep_section), ("server_parallel_mtp", _server_parallel)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
