@@ -35,66 +35,41 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 #if defined(__x86_64__)
 /* The scores of the `per` query heads q + g · dk against keys 0 … t_n−1 (rows `stride` floats apart) into
  * p + g · t_max: dot's exact operations per key (one 16-lane accumulator, multiply then add, lanes summed in
- * order), four keys at a time so that their accumulation chains overlap (one key at a time, the chain's latency
- * set the pace), and every head over the same four key rows while they are in L1 (each row is read from memory
- * once for the group). Needs dk % 16 == 0. */
-__attribute__((target("avx512f")))
-static void scores_avx512(const float *q, int64_t per, const float *k, int64_t stride, int64_t t_n, int64_t dk,
-                          float scale, float *p, int64_t t_max) {
-    float buf[4][LANES];
-    int64_t t = 0;
-    for (; t + 4 <= t_n; t += 4) {
-        const float *k0 = k + t * stride;
-        for (int64_t g = 0; g < per; g++) {
-            const float *qh = q + g * dk;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t j = 0; j < dk; j += LANES) {
-                const __m512 x = _mm512_loadu_ps(qh + j);
-                a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + j)));
-                a1 = _mm512_add_ps(a1, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + stride + j)));
-                a2 = _mm512_add_ps(a2, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + 2 * stride + j)));
-                a3 = _mm512_add_ps(a3, _mm512_mul_ps(x, _mm512_loadu_ps(k0 + 3 * stride + j)));
-            }
-            _mm512_storeu_ps(buf[0], a0);
-            _mm512_storeu_ps(buf[1], a1);
-            _mm512_storeu_ps(buf[2], a2);
-            _mm512_storeu_ps(buf[3], a3);
-            for (int r = 0; r < 4; r++) p[g * t_max + t + r] = lane_sum(buf[r]) * scale;
-        }
+ * order; in AVX2 as two 8-lane halves, lanes 0-7 and 8-15), four keys at a time so that their accumulation chains
+ * overlap (one key at a time, the chain's latency set the pace), and every head over the same four key rows while
+ * they are in L1 (each row is read from memory once for the group). Needs dk % 16 == 0. */
+#define SCORES_FORM(NAME, TARGET, VEC, PFX, W)                                                                    \
+    __attribute__((target(TARGET)))                                                                               \
+    static void NAME(const float *q, int64_t per, const float *k, int64_t stride, int64_t t_n, int64_t dk,        \
+                     float scale, float *p, int64_t t_max) {                                                      \
+        enum { H = LANES / W };                                                                                   \
+        float buf[4][LANES];                                                                                      \
+        int64_t t = 0;                                                                                            \
+        for (; t + 4 <= t_n; t += 4) {                                                                            \
+            const float *k0 = k + t * stride;                                                                     \
+            for (int64_t g = 0; g < per; g++) {                                                                   \
+                const float *qh = q + g * dk;                                                                     \
+                VEC a[4][H];                                                                                      \
+                for (int r = 0; r < 4; r++)                                                                       \
+                    for (int h = 0; h < H; h++) a[r][h] = PFX##_setzero_ps();                                     \
+                for (int64_t j = 0; j < dk; j += LANES)                                                           \
+                    for (int h = 0; h < H; h++) {                                                                 \
+                        const VEC x = PFX##_loadu_ps(qh + j + W * h);                                             \
+                        for (int r = 0; r < 4; r++)                                                               \
+                            a[r][h] = PFX##_add_ps(a[r][h],                                                       \
+                                                   PFX##_mul_ps(x, PFX##_loadu_ps(k0 + r * stride + j + W * h))); \
+                    }                                                                                             \
+                for (int r = 0; r < 4; r++) {                                                                     \
+                    for (int h = 0; h < H; h++) PFX##_storeu_ps(buf[r] + W * h, a[r][h]);                         \
+                    p[g * t_max + t + r] = lane_sum(buf[r]) * scale;                                              \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (; t < t_n; t++)                                                                                      \
+            for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;     \
     }
-    for (; t < t_n; t++)
-        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
-}
-
-/* scores_avx512 in AVX2: each key's 16-lane accumulator as two 8-lane halves (lanes 0-7, 8-15), the same operations
- * per lane, summed in lane order */
-__attribute__((target("avx2")))
-static void scores_avx2(const float *q, int64_t per, const float *k, int64_t stride, int64_t t_n, int64_t dk,
-                        float scale, float *p, int64_t t_max) {
-    float buf[4][LANES];
-    int64_t t = 0;
-    for (; t + 4 <= t_n; t += 4) {
-        const float *k0 = k + t * stride;
-        for (int64_t g = 0; g < per; g++) {
-            const float *qh = q + g * dk;
-            __m256 a[4][2];
-            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < dk; j += LANES)
-                for (int h = 0; h < 2; h++) {
-                    const __m256 x = _mm256_loadu_ps(qh + j + 8 * h);
-                    for (int r = 0; r < 4; r++)
-                        a[r][h] = _mm256_add_ps(a[r][h], _mm256_mul_ps(x, _mm256_loadu_ps(k0 + r * stride + j + 8 * h)));
-                }
-            for (int r = 0; r < 4; r++) {
-                _mm256_storeu_ps(buf[r], a[r][0]);
-                _mm256_storeu_ps(buf[r] + 8, a[r][1]);
-                p[g * t_max + t + r] = lane_sum(buf[r]) * scale;
-            }
-        }
-    }
-    for (; t < t_n; t++)
-        for (int64_t g = 0; g < per; g++) p[g * t_max + t] = dot(q + g * dk, k + t * stride, dk) * scale;
-}
+SCORES_FORM(scores_avx512, "avx512f", __m512, _mm512, 16)
+SCORES_FORM(scores_avx2, "avx2", __m256, _mm256, 8)
 
 /* o_g += Σ_t (p_g[t] / sum_g) · v_t over keys 0 … t_n−1 for the `per` heads g (probabilities p + g · t_max, outputs
  * o + g · dv): the plain loop's operations per element (the weight divided, then multiplied, then added, keys in
