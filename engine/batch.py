@@ -130,8 +130,13 @@ class Sequence:
 
     def step(self) -> Iterator[Event]:
         """A decode step alone: the sequence's own decoder (MTP where asked)."""
-        self.x = yield from self.decoder.step(self.x, self.reply, self.engine.n_ctx - self.slot.cache.pos - 1)
+        self.x = yield from self.decoder.step(self.x, self.reply, self.room)
         yield from self.tick()
+
+    @property
+    def room(self) -> int:
+        """Free positions in the context after the next token (what a step's depth may use)."""
+        return self.engine.n_ctx - self.slot.cache.pos - 1
 
     @property
     def reproducible(self) -> bool:
@@ -143,7 +148,7 @@ class Sequence:
         """A decode step's rows for a pass with other sequences: its decoder's (drafts to verify among them, where
         `verify` or the sequence is `reproducible`), else x alone."""
         decoder = self.decoder if verify or self.reproducible else self.plain
-        return decoder.plan(self.x, self.reply, self.engine.n_ctx - self.slot.cache.pos - 1)
+        return decoder.plan(self.x, self.reply, self.room)
 
     def stepped(self, rows: StepRows, res: ForwardResult, seconds: float) -> Iterator[Event]:
         """The end of a decode step run with other sequences: `res` holds its rows' hidden states and logits (and
@@ -307,22 +312,22 @@ class Batch:
         if not planned:
             return
         caps = [CapturedStates({}, {}) if rows.capture else None for _, rows in planned]
-        several = any(c is not None for c in caps)  # a verify among them: every row's logits
+        verifying = any(c is not None for c in caps)  # a verify among them: every row's logits
         t0 = time.perf_counter()
         try:
             res = runner.forward_many([rows.tokens for _, rows in planned], [s.slot.cache for s, _ in planned],
-                                      caps if several else None, all_rows=several)
+                                      caps if verifying else None, all_rows=verifying)
         except Exception as e:  # the pass failed for all of them
             for s, _ in planned:
                 yield from self._fail(s, e)
             return
         seconds = time.perf_counter() - t0
         self.batched_steps += 1
-        self.shared_verifies += several
+        self.shared_verifies += verifying
         start, emitted = 0, 0
         for i, ((s, rows), cap) in enumerate(zip(planned, caps)):
             n = len(rows.tokens)
-            at = slice(start, start + n) if several else slice(i, i + 1)
+            at = slice(start, start + n) if verifying else slice(i, i + 1)
             own = ForwardResult(res.hidden[start:start + n], res.logits[at], cap)  # type: ignore[index]
             start += n
             for pair in self._guarded(s, lambda s=s, rows=rows, own=own: s.stepped(rows, own, seconds)):

@@ -190,6 +190,29 @@ def test_verify_choice_tries_verifying_now_and_then_and_keeps_the_faster_form() 
         assert slower[0] == 32 and gaps[:5] == [32, 64, 128, 256, 256], slower
 
 
+def test_forward_many_gives_every_rows_logits_op_by_op() -> None:
+    """On a backend without the one-call step (torch), the shared pass op by op (Qwen35Model.several): with all_rows,
+    the logits of every row of sequences of 1, 3 and 2 rows, each row's those of its sequence's own pass."""
+    from engine.generate import EngineConfig
+
+    eng = engine.generate.load(None, EngineConfig(backend=ops.backend_named("torch")))
+    runner = Runner(eng.model, step_graphs="off")
+    assert runner.step is None
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[:3]]
+    news = [[11], [12, 13, 14], [15, 16]]
+
+    def started() -> list:
+        caches = [runner.new_cache(256) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            runner.forward(p, c)
+        return caches
+    caches = started()
+    runner.many.pick = lambda k: True  # the shared pass (not each sequence's own)
+    got = runner.forward_many(news, caches, all_rows=True).logits
+    want = torch.cat([runner.forward(n, c, logit_rows="all").logits for n, c in zip(news, started())])
+    assert got.shape[0] == 6 and torch.equal(got, want)
+
+
 def test_parallel_flag_is_checked() -> None:
     out = subprocess.run([sys.executable, "-m", "engine", "serve", "--parallel", "0"], capture_output=True, text=True,
                          timeout=60)

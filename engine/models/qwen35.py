@@ -519,16 +519,16 @@ class Qwen35Model:
             x = layer(x, cache, at, self.rope(layer.device), cb, cap, chunked)
         return self.finish(x, logit_rows, cap, cb)
 
-    def several(self, x: torch.Tensor, parts: list[SeqRows]) -> ForwardResult:
+    def several(self, x: torch.Tensor, parts: list[SeqRows], all_rows: bool = False) -> ForwardResult:
         """The trunk over embedded rows of several sequences (no hook, no captured states): the post-norm hidden rows of
-        all of them and the logits of each sequence's last row, in the order of `parts`. The caller advances the
-        caches."""
+        all of them and the logits of each sequence's last row (`all_rows`: of every row), in the order of `parts`.
+        The caller advances the caches."""
         for layer in self.layers:
             if x.device != layer.device:
                 x = x.to(layer.device)
             x = layer.several(x, parts, self.rope(layer.device))
         res = self.finish(x, "none", None)
-        res.logits = ops.linear(res.hidden[[p.rows.stop - 1 for p in parts]], self.output)
+        res.logits = ops.linear(res.hidden if all_rows else res.hidden[[p.rows.stop - 1 for p in parts]], self.output)
         return res
 
     def finish(self, x: torch.Tensor, logit_rows: str, cap: CapturedStates | None, cb: Hook = _noop) -> ForwardResult:

@@ -309,9 +309,7 @@ class Runner:
                 for toks, cache in zip(tokens, caches):
                     parts.append(SeqRows(cache, ops.Positions(len(toks), cache.pos), slice(start, start + len(toks))))
                     start += len(toks)
-                res = self.model.several(m.embed([t for toks in tokens for t in toks]), parts)
-                if all_rows:
-                    res.logits = ops.linear(res.hidden, m.output)
+                res = self.model.several(m.embed([t for toks in tokens for t in toks]), parts, all_rows)
             for toks, cache in zip(tokens, caches):
                 cache.pos += len(toks)
         else:
