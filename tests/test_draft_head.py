@@ -71,6 +71,34 @@ def test_draft_logits_decide_a_draft_as_the_head_does(wide_head: QTensor, backen
     assert ops.draft_read_bytes(head) < 0.45 * head.nbytes
 
 
+@pytest.mark.parametrize("rows", [WIDE[0], WIDE[0] - 5], ids=["whole-groups", "partial-group"])
+def test_draft_logits_are_the_sketch_scores_with_the_best_groups_exact(wide_head: QTensor, rows: int) -> None:
+    """sketch.c's one call: the sketch's score on every row, the head's own product's bits on every row of a group
+    holding one of the `candidates` best scores (torch.topk's over the scores; ties at the cut by lower row), and
+    nothing else exact. Also a row of zeros (every score tied) and a row holding a NaN."""
+    native_backend = next(b for b in ops.available_backends() if b.native)
+    w = wide_head if rows == WIDE[0] else QTensor(wide_head.raw[:rows].clone(), T.Q6_K, (rows, WIDE[1]))
+    head = ops.bind(w, native_backend)
+    sketch = draft_head.sketch_of(head)
+    assert sketch is not None
+    unit, m = sketch.groups.n_rows, draft_head.candidates(rows)
+    xs = _rows(6, 5)
+    xs[1] = 0.0
+    for i, x in enumerate(xs):
+        draft = ops.draft_logits(x.unsqueeze(0), head)[0]
+        full = ops.linear(x.unsqueeze(0), head)[0]
+        scores = native.sketch_scores(sketch.codes, sketch.scales, x, 1, native_backend.level)
+        best = torch.arange(m) if i == 1 else torch.topk(scores, m).indices
+        exact = torch.zeros(rows, dtype=torch.bool)
+        for g in torch.unique(best // unit).tolist():
+            exact[g * unit:(g + 1) * unit] = True
+        assert torch.equal(draft[exact], full[exact])
+        assert torch.equal(draft[~exact], scores[~exact])
+    x = xs[0].clone()
+    x[7] = float("nan")
+    assert ops.draft_logits(x.unsqueeze(0), head).shape == (1, rows)
+
+
 def test_small_heads_multi_row_passes_and_no_copies_use_the_heads_own_product(wide_head: QTensor) -> None:
     native_backend = next(b for b in ops.available_backends() if b.native)
     small = QTensor(wide_head.raw[:1024], T.Q6_K, (1024, WIDE[1]))

@@ -155,6 +155,8 @@ int sketch_make(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                 int threads);
 int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, float *out,
                   int threads, int isa);
+int sketch_logits(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, const ExpertStack *head,
+                  int64_t m, float *out, int threads, int isa);
 
 /* token_mask.c: a logit row under a constrained decoding's token mask (a bit per id, 32 a word) */
 int64_t masked_argmax(const float *x, const uint32_t *bits, int64_t n, int isa);

@@ -190,3 +190,152 @@ int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t 
     free(xs3);
     return 0;
 }
+
+/* ---- a draft's logits: the sketch's scores, the best rows' groups exact ------------------------------------------- */
+
+typedef struct {
+    float v;  /* a score, NaN taken as +inf (a NaN logit counts as a maximum, as an argmax takes it) */
+    int64_t i;
+} Scored;
+
+static inline int ahead_of(Scored a, Scored b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }  /* a total order */
+
+/* a[0 … c) reordered so that its m first are its m best (quickselect, Hoare's partition) */
+static void select_best(Scored *a, int64_t c, int64_t m) {
+    int64_t lo = 0, hi = c - 1;
+    while (lo < hi) {
+        const Scored p = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (ahead_of(a[i], p)) i++;
+            while (ahead_of(p, a[j])) j--;
+            if (i <= j) {
+                const Scored t = a[i];
+                a[i++] = a[j], a[j--] = t;
+            }
+        }
+        if (m - 1 <= j) hi = j;
+        else if (m - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+/* The m best of s[0 … n) (1 ≤ m ≤ n) into best[0 … m), in no order. In blocks of about n/(SEL_SPREAD·m) scores, the
+ * m-th highest of the blocks' highest, T, is at most the m-th highest score (the m blocks' highest are m scores at
+ * least T), so the m best lie among the scores at least T of the blocks whose highest is: a few blocks' scores are
+ * selected from instead of all of them. A row holding a NaN (a maximum, as an argmax takes it) selects from all.
+ * 0 or RC_NO_MEMORY. */
+#define SEL_SPREAD 8
+static int best_of(const float *s, int64_t n, int64_t m, Scored *best) {
+    int64_t block = n / (SEL_SPREAD * m);
+    block = block > 16 ? block : 16;
+    const int64_t nb = (n + block - 1) / block;
+    float *tops = malloc((size_t)nb * sizeof(float));
+    Scored *keep = NULL;
+    if (!tops) return RC_NO_MEMORY;
+    int nan = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t e = (b + 1) * block < n ? (b + 1) * block : n;
+        float t = -INFINITY;
+        for (int64_t i = b * block; i < e; i++) {
+            t = s[i] > t ? s[i] : t;
+            nan |= s[i] != s[i];
+        }
+        tops[b] = t;
+    }
+    int64_t c = 0;
+    if (!nan && m < nb) {
+        float *sorted = malloc((size_t)nb * sizeof(float));
+        if (!sorted) {
+            free(tops);
+            return RC_NO_MEMORY;
+        }
+        memcpy(sorted, tops, (size_t)nb * sizeof(float));
+        /* the m-th highest block's highest: a quickselect over the blocks (values, no NaN) */
+        int64_t lo = 0, hi = nb - 1;
+        while (lo < hi) {
+            const float p = sorted[lo + (hi - lo) / 2];
+            int64_t i = lo, j = hi;
+            while (i <= j) {
+                while (sorted[i] > p) i++;
+                while (p > sorted[j]) j--;
+                if (i <= j) {
+                    const float t = sorted[i];
+                    sorted[i++] = sorted[j], sorted[j--] = t;
+                }
+            }
+            if (m - 1 <= j) hi = j;
+            else if (m - 1 >= i) lo = i;
+            else break;
+        }
+        const float t = sorted[m - 1];
+        free(sorted);
+        for (int pass = 0; pass < 2; pass++) {  /* count, then keep */
+            c = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                if (tops[b] < t) continue;
+                const int64_t e = (b + 1) * block < n ? (b + 1) * block : n;
+                for (int64_t i = b * block; i < e; i++)
+                    if (s[i] >= t) {
+                        if (keep) keep[c] = (Scored){s[i], i};
+                        c++;
+                    }
+            }
+            if (pass == 0 && !(keep = malloc((size_t)c * sizeof(Scored)))) {
+                free(tops);
+                return RC_NO_MEMORY;
+            }
+        }
+    } else {  /* a NaN, or as few blocks as candidates: every score */
+        if (!(keep = malloc((size_t)n * sizeof(Scored)))) {
+            free(tops);
+            return RC_NO_MEMORY;
+        }
+        for (int64_t i = 0; i < n; i++) keep[i] = (Scored){isnan(s[i]) ? INFINITY : s[i], i};
+        c = n;
+    }
+    select_best(keep, c, m);
+    memcpy(best, keep, (size_t)m * sizeof(Scored));
+    free(keep);
+    free(tops);
+    return 0;
+}
+
+/* One row x [k]'s draft logits into out [n_groups · unit]: every row's sketch score (sketch_scores), then the groups of
+ * `unit` rows (the head's packed groups; 1: rows) holding the m best scores multiplied by the head (stack: n_groups
+ * matrices of unit rows, as quant_matmul_pairs reads them) and their scores replaced by those products; rows past n
+ * (a last group's zero rows) score 0 before. threads: the scores'; the products run on head->threads. 0 or
+ * RC_NO_MEMORY. */
+int sketch_logits(const uint8_t *codes, const float *scales, int64_t n, int64_t k, const float *x, const ExpertStack *head,
+                  int64_t m, float *out, int threads, int isa) {
+    const int64_t unit = head->n_rows, n_groups = head->n_rows ? (n + unit - 1) / unit : 0;
+    int rc = sketch_scores(codes, scales, n, k, x, out, threads, isa);
+    if (rc) return rc;
+    for (int64_t i = n; i < n_groups * unit; i++) out[i] = 0.f;
+    m = m < n ? m : n;
+    Scored *best = malloc((size_t)(m > 0 ? m : 1) * sizeof(Scored));
+    uint8_t *hit = calloc((size_t)n_groups, 1);
+    int64_t *ints = malloc((size_t)(3 * m + 1) * sizeof(int64_t));
+    float *exact = malloc((size_t)(m * unit > 0 ? m * unit : 1) * sizeof(float));
+    QRows xr = {0};
+    if (!best || !hit || !ints || !exact || (m > 0 && (best_of(out, n, m, best) || act_rows(head, x, 1, isa, &xr)))) {
+        rc = RC_NO_MEMORY;
+        goto done;
+    }
+    int64_t ng = 0, *groups = ints, *starts = ints + m, *xrow = ints + 2 * m + 1;
+    for (int64_t r = 0; r < m; r++) hit[best[r].i / unit] = 1;
+    for (int64_t g = 0; g < n_groups; g++)  /* in ascending order: the products read the head front to back */
+        if (hit[g]) groups[ng++] = g;
+    for (int64_t g = 0; g <= ng; g++) starts[g] = g;
+    for (int64_t g = 0; g < ng; g++) xrow[g] = 0;
+    if (ng) {
+        const PairsJob j = pairs_job(head->code, head->w, head->expert_bytes, head->expert_bytes / unit, unit, xr.q,
+                                     xr.d, xr.bs, xr.s, xr.perm, k, xrow, ng, groups, starts, exact, isa);
+        pairs_run(&j, 1, head->threads);
+        for (int64_t g = 0; g < ng; g++) memcpy(out + groups[g] * unit, exact + g * unit, (size_t)unit * sizeof(float));
+    }
+done:
+    act_rows_free(&xr);
+    free(best), free(hit), free(ints), free(exact);
+    return rc;
+}

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import indices, native
-from engine.ops.activations import quantize
+from engine.ops import native
 from engine.ops.linear import Linear, NativeLinear, linear
 from engine.storage.pages import release_pages
 
@@ -41,6 +40,9 @@ def candidates(n_rows: int) -> int:
 class HeadSketch:
     codes: torch.Tensor  # uint8 [rows, k/4]
     scales: torch.Tensor  # float32 [rows, k/SKETCH_BLOCK]
+    groups: native.ExpertStack  # the head's rows as the candidates' products read them: groups of GROUP packed rows
+    # (a last group padded with zero rows), or single rows where the head is not packed
+    held: torch.Tensor  # the bytes `groups` points at, kept alive with it
 
 
 def sketch_bytes(n_rows: int, n_cols: int, head_bytes: int) -> int:
@@ -74,7 +76,12 @@ def sketch_of(head: Linear) -> HeadSketch | None:
             native.sketch_make(rows, 0, k, codes[r0:r1], scales[r0:r1], threads)
         if head.packed is not None:
             release_pages(raw[r0:r1])
-    sketch = HeadSketch(codes, scales)
+    held, code = head.kernel_bytes()
+    unit = native.GROUP if head.packed is not None else 1  # packed rows are multiplied 16 at a time
+    if head.packed_full is not None:  # a last group padded with zero rows: the products read it whole
+        held = head.packed_full
+    groups = native.expert_stack(code, held, -(-n // unit), unit, k, head.backend.n_threads(candidates(n) * unit * k))
+    sketch = HeadSketch(codes, scales, groups, held)
     head.forms["sketch"] = sketch  # type: ignore[assignment]
     return sketch
 
@@ -84,8 +91,7 @@ def draft_read_bytes(head: Linear) -> int:
     sketch = sketch_of(head)
     if sketch is None:
         return head.nbytes
-    rescored = candidates(head.n_rows) * (native.GROUP if isinstance(head, NativeLinear) and head.packed is not None
-                                          else 1)
+    rescored = candidates(head.n_rows) * sketch.groups.n_rows
     return sketch.codes.nbytes + sketch.scales.nbytes + head.nbytes * rescored // head.n_rows
 
 
@@ -100,21 +106,7 @@ def draft_logits(x: torch.Tensor, head: Linear) -> torch.Tensor:
     sketch = sketch_of(head) if x.shape[0] == 1 else None
     if sketch is None:
         return linear(x, head)
-    assert isinstance(head, NativeLinear)
-    b, w = head.backend, head.weight
-    n, k = w.n_rows, w.n_cols
-    xf = x.reshape(-1).float().contiguous()
-    scores = native.sketch_scores(sketch.codes, sketch.scales, xf, b.n_threads(n * k // 8), b.level)
-    raw, code = head.kernel_bytes()
-    unit = native.GROUP if head.packed is not None else 1  # packed rows are multiplied 16 at a time
-    if head.packed_full is not None:  # a last group padded with zero rows: the scores are, too
-        raw = head.packed_full
-        scores = torch.cat([scores, scores.new_zeros(-n % unit)])
-    groups = torch.unique(torch.topk(scores[:n], candidates(n)).indices // unit)
-    xr = quantize(xf.unsqueeze(0), head.fmt, on_native=True, level=b.level)
-    exact = torch.empty(groups.numel(), unit)
-    native.matmul_pairs(code, raw, scores.numel() // unit, unit, xr.q, xr.d, xr.bsums, xr.s, head.perm(xr, code), k,
-                        indices.zeros(groups.numel(), xf.device), groups,
-                        indices.arange(groups.numel() + 1, xf.device), exact, b.n_threads(exact.numel() * k), b.level)
-    scores.view(-1, unit).index_copy_(0, groups, exact)
-    return scores[:n].unsqueeze(0)
+    b = head.backend
+    scores = native.sketch_logits(sketch.codes, sketch.scales, x.reshape(-1).float().contiguous(), sketch.groups,
+                                  candidates(head.n_rows), b.n_threads(head.n_rows * head.n_cols // 8), b.level)
+    return scores[:head.n_rows].unsqueeze(0)

@@ -168,6 +168,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "pool_after_call": ([_I, _I, _I, _I], _I),
     "sketch_make": ([_C, _P, _I, _I, _I, _P, _P, _C], _C),
     "sketch_scores": ([_P, _P, _I, _I, _P, _P, _C, _C], _C),
+    "sketch_logits": ([_P, _P, _I, _I, _P, _STACK, _I, _P, _C, _C], _C),
     "masked_argmax": ([_P, _P, _I, _C], _I),
     "mask_row": ([_P, _P, _I, _I, _C], None),
     "border_table": ([_P], _I),
@@ -529,6 +530,19 @@ def sketch_scores(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, th
     rc = LIB.sketch_scores(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), out.data_ptr(),  # type: ignore[union-attr]
                            threads, isa)
     _check(rc, f"a head sketch of {n} rows")
+    return out
+
+
+def sketch_logits(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, head: ExpertStack, m: int, threads: int,
+                  isa: int) -> torch.Tensor:
+    """A draft's logits of the float row x [k] (contiguous) in one call (sketch.c): every sketch row's score, and the
+    groups of head.n_rows rows that hold the m best scores multiplied by the head (`head`: its groups as a stack of
+    matrices, expert_stack) instead. float32 [the head's groups × rows a group]: rows past the sketch's score 0."""
+    n, k = codes.shape[0], x.numel()
+    out = torch.empty(-(-n // head.n_rows) * head.n_rows)
+    rc = LIB.sketch_logits(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), ctypes.byref(head), m,  # type: ignore[union-attr]
+                           out.data_ptr(), threads, isa)
+    _check(rc, f"the draft logits of a head sketch of {n} rows")
     return out
 
 
