@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,28 @@ def test_the_router_takes_max_experts_and_refuses_more() -> None:
     with pytest.raises(ValueError, match=rf"router \({native.MAX_EXPERTS + 1} experts, top 2\): more experts than the "
                                          rf"native router takes \({native.MAX_EXPERTS}\)"):
         native.moe_route(torch.randn(native.MAX_EXPERTS + 1, 8), None, x, 2, 1)
+
+
+@pytest.mark.parametrize("n_expert,d", [(64, 1024), (7, 1000)])
+def test_router_logits_are_each_tokens_own_eight_lane_sums(n_expert: int, d: int) -> None:
+    """moe.c's router products (four at a time, an item's tokens sharing its rows): every token's logits, in a pass of
+    any size and on any threads, are the 8-lane float32 sums (lane i % 8, multiply then add, lanes summed pairwise)
+    of that token alone."""
+    g = torch.Generator().manual_seed(7)
+    router, x = torch.randn(n_expert, d, generator=g), torch.randn(33, d, generator=g)
+    a, b = router.numpy(), x.numpy()
+    acc = np.zeros((33, n_expert, 8), dtype=np.float32)
+    whole = d - d % 8
+    for i in range(0, whole, 8):
+        acc += b[:, None, i:i + 8] * a[None, :, i:i + 8]
+    for i in range(whole, d):
+        acc[:, :, i % 8] += b[:, None, i] * a[None, :, i]
+    want = ((acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])) + \
+        ((acc[..., 4] + acc[..., 5]) + (acc[..., 6] + acc[..., 7]))
+    for n in (1, 3, 4, 5, 16, 17, 33):
+        for threads in (1, 2):
+            logits = native.moe_route(router, None, x[:n].contiguous(), 2, threads)[0]
+            assert np.array_equal(logits.numpy(), want[:n]), (n, threads)
 
 
 def test_the_recurrence_takes_max_dv_and_refuses_more() -> None:
