@@ -112,7 +112,10 @@ class HeadRunner:
 
     def forward(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache, *,
                 logit_rows: str = "last", hook: Hook | None = None) -> ForwardResult:
-        """Rows (tokens[i], hidden[i]) at positions cache.pos… (MTPHead.forward), advancing the cache."""
+        """Rows (tokens[i], hidden[i]) at positions cache.pos… (MTPHead.forward), advancing the cache. The result's
+        hidden rows are those `logit_rows` asks for: every row's ("all"), the last row's ("last", "draft"), none
+        ("none": the rows only leave their keys and values in the cache, all the later drafts read of them; the
+        fused step computes nothing else for them)."""
         if hook is not None:
             return self.head.forward(tokens, hidden, cache, logit_rows=logit_rows, hook=hook)
         head = self.head
@@ -129,7 +132,8 @@ class HeadRunner:
                           head.model.rope(self.device), None, False)
             res = head.finish(x, logit_rows)
         cache.pos = pos + n
-        return res
+        return res if logit_rows == "all" else ForwardResult(res.hidden[n - 1 if logit_rows != "none" else n:],
+                                                             res.logits, None)
 
     def _step(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache,
               logit_rows: str) -> ForwardResult:
@@ -140,14 +144,17 @@ class HeadRunner:
         n, pos = len(ids), cache.pos
         check_room(cache, pos, n)
         rows = hidden.to(device=self.device, dtype=torch.float32).contiguous()
-        out, logits = step(ids, cache, pos, head.model.rope(self.device), logit_rows != "none", hidden=rows)
+        skip = 0 if logit_rows == "all" else n - 1 if logit_rows != "none" else n  # the rows no one reads: their
+        # keys and values only (on the mid MoE a draft's first pass was 4 rows of the head's experts for 1 row's logits)
+        out, logits = step(ids, cache, pos, head.model.rope(self.device), logit_rows != "none", hidden=rows,
+                           skip=skip)
         cache.pos = pos + n
-        if logits is not None:  # the head's product came with the call, for every row
-            return ForwardResult(out, logits if logit_rows == "all" else logits[-1:], None)
+        if logits is not None:  # the head's product came with the call, for the rows asked for
+            return ForwardResult(out, logits, None)
         if logit_rows == "draft":
-            logits = ops.draft_logits(out[-1:].to(head.head.device), head.head)
+            logits = ops.draft_logits(out.to(head.head.device), head.head)
         elif logit_rows != "none":
-            logits = ops.linear((out if logit_rows == "all" else out[-1:]).to(head.head.device), head.head)
+            logits = ops.linear(out.to(head.head.device), head.head)
         return ForwardResult(out, logits, None)
 
 

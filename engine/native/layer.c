@@ -89,7 +89,7 @@ static void columns(const float *src, int64_t n, int64_t ld, int64_t c0, int64_t
  * the sequences sq[0 … n_seq) in order (one sequence: sq[0] is p), each with its own conv and recurrent state: the
  * projections, the gate and the norm run over all rows at once, the conv and the recurrence over each sequence's. */
 static int gdn_mixer(const GdnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
-                     const float *a, float *y) {
+                     const float *a, float *y, int64_t skip) {
     const int64_t n = p->n, c = w->c, kk = w->kk, hv = w->hv, hk = w->hk, dk = w->dk, dv = w->dv;
     const int64_t zw = hv * dv, ld = c + zw + 2 * hv, qk = hk * dk;
     int64_t widest = 0;
@@ -134,7 +134,7 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, const LayerPass *const *
     silu_rows(z, n * zw, z);
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
     trace_mark(TRACE_GATED_NORM, 0);
-    rc = project(w->out, o, n, y, p->threads, p->isa);
+    rc = n > skip ? project(w->out, o + skip * zw, n - skip, y + skip * w->out.n_rows, p->threads, p->isa) : 0;
 done:
     free(scratch_window);
     free(proj), free(s);
@@ -145,7 +145,7 @@ done:
  * sequences sq[0 … n_seq) in order as for gdn_mixer; writes each sequence's keys and values into its cache rows
  * pos … pos + its n − 1 and attends over its own cache */
 static int attn_mixer(const AttnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
-                      const float *a, float *y) {
+                      const float *a, float *y, int64_t skip) {
     const int64_t n = p->n, h = w->h, hkv = w->h_kv, dk = w->dk, dv = w->dv;
     const int64_t ld = 2 * h * dk + hkv * dk + hkv * dv;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
@@ -170,18 +170,20 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, const LayerPass *const
         rope_neox(kj, m, hkv, dk, w->n_rot, e->cos_t, e->sin_t);
         memcpy(e->kc + e->pos * hkv * dk, kj, (size_t)(m * hkv * dk) * sizeof(float));
         columns(proj + r * ld, m, ld, 2 * h * dk + hkv * dk, hkv * dv, e->vc + e->pos * hkv * dv);
-        if (attention_causal(qj, e->kc, e->vc, o + r * h * dv, m, e->pos, h, hkv, dk, dv, w->scale,
-                             threads_for(m * h * (e->pos + m) * (dk + dv), p->threads), p->isa))
+        const int64_t s0 = r + m > skip ? (skip > r ? skip - r : 0) : m;  /* this sequence's rows asked for: s0 … */
+        if (s0 < m && attention_causal(qj + s0 * h * dk, e->kc, e->vc, o + (r + s0) * h * dv, m - s0, e->pos + s0, h, hkv,
+                                       dk, dv, w->scale, threads_for((m - s0) * h * (e->pos + m) * (dk + dv), p->threads),
+                                       p->isa))
             goto done;
     }
-    for (int64_t t = 0; t < n; t++)  /* o ⊙ sigmoid(gate): the gate rows follow each head's query rows */
+    for (int64_t t = skip; t < n; t++)  /* o ⊙ sigmoid(gate): the gate rows follow each head's query rows */
         for (int64_t hh = 0; hh < h; hh++) {
             float *oh = o + (t * h + hh) * dv;
             const float *gh = proj + t * ld + hh * 2 * dk + dk;
             sigmoid_mul(oh, gh, dv);
         }
     trace_mark(TRACE_ATTENTION, 0);
-    rc = project(w->out, o, n, y, p->threads, p->isa);
+    rc = n > skip ? project(w->out, o + skip * h * dv, n - skip, y + skip * w->out.n_rows, p->threads, p->isa) : 0;
 done:
     free(proj), free(s);
     return rc;
@@ -219,8 +221,11 @@ static int ffn(const FfnW *w, const LayerPass *p, const float *f, float *y) {
 }
 
 /* The layer over the rows of the sequences sq[0 … n_seq) (one: p itself): x ← h + ffn(norm(h)), h = x + mixer(norm(x)).
- * p gives the pass's rows (x, n), threads, isa and routing buffers; each sq[j] its n rows' state and positions. */
-static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq) {
+ * p gives the pass's rows (x, n), threads, isa and routing buffers; each sq[j] its n rows' state and positions. The
+ * first `skip` rows' outputs are not asked for (the MTP head's rows before its draft row: only their keys and values,
+ * or states, are kept): their attention, output projection and FFN are not computed, and their x rows keep no
+ * meaning; the other rows' bits are as without it. */
+static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, int64_t skip) {
     const int64_t n = p->n, d = w->d;
     float *buf = malloc((size_t)(3 * n * d) * sizeof(float));
     if (!buf) return RC_NO_MEMORY;
@@ -228,17 +233,22 @@ static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *cons
     trace_restart();
     norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
     trace_mark(TRACE_NORM, 0);
-    int rc = w->attention ? attn_mixer(&w->attn, p, sq, n_seq, w->eps, a, y)
-                          : gdn_mixer(&w->gdn, p, sq, n_seq, w->eps, a, y);
-    if (rc == 0) {
-        for (int64_t i = 0; i < n * d; i++) h[i] = p->x[i] + y[i];
-        norm_rows(h, n, d, w->post_norm, NULL, w->eps, 0, 1.f, a);
+    int rc = w->attention ? attn_mixer(&w->attn, p, sq, n_seq, w->eps, a, y, skip)
+                          : gdn_mixer(&w->gdn, p, sq, n_seq, w->eps, a, y, skip);
+    if (rc == 0 && n > skip) {
+        const int64_t e = w->ffn.n_expert, k = w->ffn.k_used;
+        for (int64_t i = skip * d; i < n * d; i++) h[i] = p->x[i] + y[i];
+        norm_rows(h + skip * d, n - skip, d, w->post_norm, NULL, w->eps, 0, 1.f, a + skip * d);
         trace_mark(TRACE_NORM, 0);
-        rc = ffn(&w->ffn, p, a, y);
+        LayerPass rows = *p;  /* the rows asked for, with their routing buffers */
+        rows.n = n - skip;
+        if (!w->ffn.dense)
+            rows.logits += skip * e, rows.wts += skip * k, rows.idx += skip * k;
+        rc = ffn(&w->ffn, &rows, a + skip * d, y + skip * d);
     }
     pool_prefetch(p->threads, &w->next, 1);
     if (rc == 0)
-        for (int64_t i = 0; i < n * d; i++) p->x[i] = h[i] + y[i];
+        for (int64_t i = skip * d; i < n * d; i++) p->x[i] = h[i] + y[i];
     trace_mark(TRACE_NORM, 0);
     free(buf);
     return rc;
@@ -247,7 +257,7 @@ static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *cons
 /* The layer: x ← h + ffn(norm(h)), h = x + mixer(norm(x)), over one sequence's pass. Returns 0, or the failure of a
  * call it makes (RC_NO_MEMORY, RC_EXPERT_ID, RC_MAX_EXPERTS, RC_MAX_DV). */
 int decoder_layer(const LayerW *w, const LayerPass *p) {
-    return layer_over(w, p, &p, 1);
+    return layer_over(w, p, &p, 1, 0);
 }
 
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
@@ -258,7 +268,7 @@ int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows,
  * (sq NULL: one sequence, p[i] itself), sequence j's at positions pos[j] … (RoPE rows cos_t[j], sin_t[j]) */
 static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
                      float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
-                     const StepIn *in, const MtpIn *mtp, const StepOut *out, int64_t *failed) {
+                     const StepIn *in, const MtpIn *mtp, const StepOut *out, int64_t skip, int64_t *failed) {
     if (in) {
         const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
         if (rc) {
@@ -291,20 +301,22 @@ static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq,
         if (sq) {
             LayerPass *const *si = sq + i * n_seq;
             for (int64_t j = 0; j < n_seq; j++) si[j]->pos = pos[j], si[j]->cos_t = cos_t[j], si[j]->sin_t = sin_t[j];
-            rc = layer_over(w[i], &p[i], (const LayerPass *const *)si, n_seq);
+            rc = layer_over(w[i], &p[i], (const LayerPass *const *)si, n_seq, 0);
         } else {
             p[i].pos = pos[0], p[i].cos_t = cos_t[0], p[i].sin_t = sin_t[0];
-            rc = decoder_layer(w[i], &p[i]);
+            const LayerPass *one = &p[i];
+            rc = layer_over(w[i], &p[i], &one, 1, i + 1 == n_layers ? skip : 0);
         }
         if (rc) {
             *failed = i;
             return rc;
         }
     }
-    if (!out) return 0;
+    if (!out || n == skip) return 0;
     const int64_t d = w[n_layers - 1]->d;
-    norm_rows(x, n, d, out->norm, NULL, out->eps, 0, 1.f, out->h);
-    if (out->head && project(*out->head, out->h, n, out->logits, p[n_layers - 1].threads, p[n_layers - 1].isa)) {
+    norm_rows(x + skip * d, n - skip, d, out->norm, NULL, out->eps, 0, 1.f, out->h + skip * d);
+    if (out->head && project(*out->head, out->h + skip * d, n - skip, out->logits + skip * out->head->n_rows,
+                             p[n_layers - 1].threads, p[n_layers - 1].isa)) {
         *failed = n_layers;
         return RC_NO_MEMORY;
     }
@@ -317,15 +329,17 @@ static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq,
  * layer's index in *failed (-1: the embedding, n_layers: the head). */
 int decoder_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
                    const float *cos_t, const float *sin_t, const StepIn *in, const StepOut *out, int64_t *failed) {
-    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, NULL, out, failed);
+    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, NULL, out, 0, failed);
 }
 
 /* decoder_layers for the MTP head's pass (engine.models.mtp): its input rows made from the embeddings of `in` and
- * mtp's hidden rows, then its layer(s) and `out` (the shared head norm; the head, where given). */
+ * mtp's hidden rows, then its layer(s) and `out` (the shared head norm; the head, where given). Only the rows from
+ * `skip` on are asked for (a draft's row; none where the pass only catches the head's cache up): the rows before
+ * leave their keys and values (layer_over), and their rows of out->h and out->logits are not written. */
 int mtp_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x, int64_t n, int64_t pos,
                const float *cos_t, const float *sin_t, const StepIn *in, const MtpIn *mtp, const StepOut *out,
-               int64_t *failed) {
-    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, mtp, out, failed);
+               int64_t skip, int64_t *failed) {
+    return step_over(w, p, NULL, 1, n_layers, x, n, &pos, &cos_t, &sin_t, in, mtp, out, skip, failed);
 }
 
 /* The same step over the rows of several sequences (the server's parallel requests): x [n, d] holds sequence j's
@@ -337,5 +351,5 @@ int mtp_layers(const LayerW *const *w, LayerPass *p, int64_t n_layers, float *x,
 int decoder_layers_many(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
                         float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
                         const StepIn *in, const StepOut *out, int64_t *failed) {
-    return step_over(w, p, sq, n_seq, n_layers, x, n, pos, cos_t, sin_t, in, NULL, out, failed);
+    return step_over(w, p, sq, n_seq, n_layers, x, n, pos, cos_t, sin_t, in, NULL, out, 0, failed);
 }

@@ -236,14 +236,17 @@ class FusedStep:
 
     def __call__(self, x: torch.Tensor | list[int], cache: Cache, pos: int, rope: tuple[torch.Tensor, torch.Tensor],
                  logits: bool, capture: CapturedStates | None = None,
-                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 hidden: torch.Tensor | None = None, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pass's rows x [n, d] (float32, contiguous) through every layer (in place, at positions pos…pos+n−1): the
         post-norm hidden rows [n, d] and, with `logits` (and a native head), the logits [n, V]; with `capture`, the
         GDN states after every position go there (as FusedLayer's). Where the step `embeds`, x may be the pass's
         token ids instead: their embedding rows are made in the same call. The MTP head's step (`mtp`) takes the ids
-        and the rows `hidden` [n, d] (float32, contiguous) its input is made from."""
+        and the rows `hidden` [n, d] (float32, contiguous) its input is made from, and computes the outputs of its
+        rows from `skip` on only: the hidden rows and logits returned are those rows'."""
         ids = x if isinstance(x, list) else None
         n = len(ids) if ids is not None else x.shape[0]  # type: ignore[union-attr]
+        if skip and self.mtp is None:
+            raise ValueError("only the MTP head's step leaves rows out")
         ps = self._passes.get((n, capture is not None))
         if ps is None:
             ps = self._passes[(n, capture is not None)] = _Passes(self, n)
@@ -264,7 +267,8 @@ class FusedStep:
             assert ids is not None and ps.inp is not None and hidden is not None and hidden.shape[0] == n
             self.mtp.hidden = hidden.data_ptr()
             native.mtp_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, ps.inp, self.mtp,  # type: ignore[arg-type]
-                              self.out)
+                              self.out, skip)
+            h, lg = h[skip:], lg[skip:] if lg is not None else None
         else:
             native.decoder_layers(self.ws, ps.ps, x, pos, c0 + pos * row, s0 + pos * row, self.out,  # type: ignore[arg-type]
                                   ps.inp if ids is not None else None)

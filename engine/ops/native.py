@@ -159,7 +159,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "decoder_layer": ([_P, _P], _C),
     "decoder_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P], _C),
     "decoder_layers_many": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P], _C),
-    "mtp_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P], _C),
+    "mtp_layers": ([_P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P], _C),
     "exp_rows": ([_P, _I, _P], None),
     "silu_rows": ([_P, _I, _P], None),
     "sigmoid_mul": ([_P, _P, _I], None),
@@ -598,12 +598,13 @@ def decoder_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int
 
 
 def mtp_layers(ws: ctypes.Array, ps: ctypes.Array, x: torch.Tensor, pos: int, cos_t: int, sin_t: int, inp: StepIn,
-               mtp: MtpIn, out: StepOut) -> None:
+               mtp: MtpIn, out: StepOut, skip: int = 0) -> None:
     """engine/native/layer.c mtp_layers: decoder_layers for the MTP head, its input rows made from the embeddings of
-    inp's ids and mtp's hidden rows first."""
+    inp's ids and mtp's hidden rows first; the outputs of the rows from `skip` on only (the rows before leave their
+    keys and values in the cache, and out's rows for them are not written)."""
     failed = ctypes.c_int64(-1)
     rc = LIB.mtp_layers(ws, ps, len(ws), x.data_ptr(), x.shape[0], pos, cos_t, sin_t,  # type: ignore[union-attr]
-                        ctypes.byref(inp), ctypes.byref(mtp), ctypes.byref(out), ctypes.byref(failed))
+                        ctypes.byref(inp), ctypes.byref(mtp), ctypes.byref(out), skip, ctypes.byref(failed))
     _check(rc, "the embedding table or the head's input" if failed.value == -1 else f"layer {failed.value}")
 
 
