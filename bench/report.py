@@ -713,7 +713,8 @@ def main() -> None:
                      ("mtp_speedup_warm", _mtp_speedup), ("server_parallel_08b_64", _server_parallel),
                      ("server_parallel_08b_before", _server_parallel), ("server_parallel_08b", _server_parallel),
                      ("batch_mtp", _batch_mtp), ("mtp_speedup_9b_rerun", _mtp_speedup),
-                     ("sweep_iq", sweep_section), ("server_parallel_mtp", _server_parallel)):
+                     ("sweep_iq", sweep_section), ("server_parallel_mtp", _server_parallel),
+                     ("mtp_speedup_draft_rows", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
