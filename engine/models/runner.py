@@ -236,8 +236,15 @@ class Runner:
                 for who, g in (("", self.graphs), ("head_", head)) for k in ("captures", "replays")}
 
     def new_cache(self, n_ctx: int) -> Cache:
-        """A sequence's state; with step graphs, in fixed buffers (the graphs record their addresses)."""
-        return self.model.new_cache(n_ctx, fixed=self.graphs is not None)
+        """A sequence's state; with step graphs, in fixed buffers (the graphs record their addresses). With an MTP head
+        its recurrent layers' spare states (where a verify writes) are made and written now: made by the first verify,
+        their pages' first writes took that pass from ~1.4 to ~2 decode steps and more (the mid MoE), and auto
+        weighed speculation by it."""
+        cache = self.model.new_cache(n_ctx, fixed=self.graphs is not None)
+        if self.mtp is not None:
+            for st in cache.gdn.values():
+                st.spare = torch.zeros_like(st.ssm)
+        return cache
 
     def forward(self, tokens: torch.Tensor | Sequence[int], cache: Cache, *, logit_rows: str = "last",
                 capture: bool = False, chunked: bool = False, hook: Hook | None = None) -> ForwardResult:
