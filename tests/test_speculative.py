@@ -471,6 +471,38 @@ def test_auto_spaces_out_cost_checks_that_keep_confirming_plain_decoding() -> No
     assert c.head_at_prefill() or c.memory.remeasures_plain  # (the memory learns it when the reply ends)
 
 
+def test_plain_steps_taken_without_weighing_run_on_across_short_replies() -> None:
+    """Where auto stays plain, the steps it takes without weighing every depth (DepthController.QUIET_STEPS) run on
+    from one reply into the next (the embedded model's replies are ~13 tokens: each began by weighing anew), and
+    the cost checks still fall due as often as within one long reply; new evidence ends a quiet stretch."""
+    from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+
+    mem = AutoMemory(t_decode=0.010, t_verify={n: 0.020 + 0.008 * (n - 2) for n in range(2, 10)}, t_draft=0.004)
+    mem.accepted_at[0], mem.tried_at[0] = 36.0, 40.0
+    weighed = []
+    real = DepthController._best_depth
+
+    def counting(self, room):  # type: ignore[no-untyped-def]
+        weighed.append(1)
+        return real(self, room)
+
+    DepthController._best_depth = counting  # type: ignore[method-assign]
+    try:
+        checks = 0
+        for _reply in range(12):  # 12 replies of 5 steps: 60 plain steps
+            c = DepthController(None, SpecStats(), probe_every=32, memory=mem, costs=PassCosts(0.34, 16, 4, 0.34))
+            for _ in range(5):
+                if c.choose(100):
+                    checks += 1
+                    c.observe_verify(2, 0.020, 1, 0.004)
+                    assert not c.quiet and c._quiet == 0  # the verify's timing is weighed at the next step
+            c.remember()
+    finally:
+        DepthController._best_depth = real  # type: ignore[method-assign]
+    assert checks == 1  # the cost check after 32 plain steps, as in one reply
+    assert len(weighed) <= 60 // DepthController.QUIET_STEPS + 3, len(weighed)
+
+
 def _trunk_pass(seed: int, n: int):  # type: ignore[no-untyped-def]
     """The tiny MoE's runner, a random prompt of n tokens, the trunk's pass over it, its greedy next token, and a
     greedy sampler."""

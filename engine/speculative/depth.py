@@ -123,6 +123,7 @@ class AutoMemory:
     accepted_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     tried_at: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT)
     since_probe: int = 0  # plain steps since the last probe, counted across replies (most are short)
+    quiet: int = 0  # plain steps still to take without weighing, likewise (DepthController._quiet)
     probe_misses: int = 0  # shadow probes in a row whose draft missed (they space the next ones out)
     remeasures_plain: int = 0  # re-measured depth-1 steps in a row that left plain decoding faster (likewise)
     beyond_reach: bool = False  # the last of them found every depth clearly slower (DepthController.DORMANT_MARGIN)
@@ -208,7 +209,9 @@ class DepthController:
             self._prior_acc = [0.0] * MAX_DRAFT
             self._prior_tried = [0.0] * MAX_DRAFT
         self._since_probe = self.memory.since_probe if self.memory is not None else 0
-        self._quiet = 0  # plain steps choose() still takes without weighing (_quiet_steps)
+        # plain steps choose() still takes without weighing (_quiet_steps), carried across replies as since_probe is:
+        # a reply's first step weighed every depth anew (~13 tokens a reply on the embedded model: auto at x0.95)
+        self._quiet = self.memory.quiet if self.memory is not None else 0
         self._quiet_now = False  # this step is one of them: no probe either
         self._misses = self.memory.probe_misses if self.memory is not None else 0
         self._stays = self.memory.remeasures_plain if self.memory is not None else 0
@@ -257,6 +260,7 @@ class DepthController:
             # time at the cost of the head's catch-up
             m.accepted_at, m.tried_at = self._evidence()
         m.since_probe = self._since_probe
+        m.quiet = self._quiet
         m.probe_misses = self._misses
         m.remeasures_plain = self._stays
         m.beyond_reach = self._beyond
@@ -295,6 +299,7 @@ class DepthController:
             return
         # a re-measurement replaces the old figure: it was the one that kept auto plain (often a cold first pass)
         # ... and so does the second timing of a size: its first pass may have run cold
+        self._quiet = 0  # new evidence is weighed at the next step
         replace = self._remeasure or n in self._once
         if n not in self.t_verify:
             self._once.add(n)
