@@ -715,7 +715,8 @@ def main() -> None:
                      ("batch_mtp", _batch_mtp), ("mtp_speedup_9b_rerun", _mtp_speedup),
                      ("sweep_iq", sweep_section), ("server_parallel_mtp", _server_parallel),
                      ("mtp_speedup_draft_rows", _mtp_speedup), ("mtp_speedup_08b_before", _mtp_speedup),
-                     ("mtp_speedup_08b", _mtp_speedup), ("mtp_speedup_9b_draft", _mtp_speedup)):
+                     ("mtp_speedup_08b", _mtp_speedup), ("mtp_speedup_9b_draft", _mtp_speedup),
+                     ("mtp_auto_embedded_rows", _mtp), ("mtp_auto_embedded_quiet", _mtp)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
