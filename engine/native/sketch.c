@@ -230,8 +230,7 @@ static int best_of(const float *s, int64_t n, int64_t m, Scored *best) {
     int64_t block = n / (SEL_SPREAD * m);
     block = block > 16 ? block : 16;
     const int64_t nb = (n + block - 1) / block;
-    float *tops = malloc((size_t)nb * sizeof(float));
-    Scored *keep = NULL;
+    Scored *tops = malloc((size_t)nb * sizeof(Scored)), *keep = NULL;
     if (!tops) return RC_NO_MEMORY;
     int nan = 0;
     for (int64_t b = 0; b < nb; b++) {
@@ -241,39 +240,24 @@ static int best_of(const float *s, int64_t n, int64_t m, Scored *best) {
             t = s[i] > t ? s[i] : t;
             nan |= s[i] != s[i];
         }
-        tops[b] = t;
+        tops[b] = (Scored){t, b};
     }
     int64_t c = 0;
     if (!nan && m < nb) {
-        float *sorted = malloc((size_t)nb * sizeof(float));
+        Scored *sorted = malloc((size_t)nb * sizeof(Scored));
         if (!sorted) {
             free(tops);
             return RC_NO_MEMORY;
         }
-        memcpy(sorted, tops, (size_t)nb * sizeof(float));
-        /* the m-th highest block's highest: a quickselect over the blocks (values, no NaN) */
-        int64_t lo = 0, hi = nb - 1;
-        while (lo < hi) {
-            const float p = sorted[lo + (hi - lo) / 2];
-            int64_t i = lo, j = hi;
-            while (i <= j) {
-                while (sorted[i] > p) i++;
-                while (p > sorted[j]) j--;
-                if (i <= j) {
-                    const float t = sorted[i];
-                    sorted[i++] = sorted[j], sorted[j--] = t;
-                }
-            }
-            if (m - 1 <= j) hi = j;
-            else if (m - 1 >= i) lo = i;
-            else break;
-        }
-        const float t = sorted[m - 1];
+        memcpy(sorted, tops, (size_t)nb * sizeof(Scored));
+        select_best(sorted, nb, m);
+        float t = sorted[0].v;  /* the m-th highest block's highest: the lowest of the m first */
+        for (int64_t r = 1; r < m; r++) t = sorted[r].v < t ? sorted[r].v : t;
         free(sorted);
         for (int pass = 0; pass < 2; pass++) {  /* count, then keep */
             c = 0;
             for (int64_t b = 0; b < nb; b++) {
-                if (tops[b] < t) continue;
+                if (tops[b].v < t) continue;
                 const int64_t e = (b + 1) * block < n ? (b + 1) * block : n;
                 for (int64_t i = b * block; i < e; i++)
                     if (s[i] >= t) {
