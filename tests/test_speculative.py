@@ -503,6 +503,30 @@ def test_plain_steps_taken_without_weighing_run_on_across_short_replies() -> Non
     assert len(weighed) <= 60 // DepthController.QUIET_STEPS + 3, len(weighed)
 
 
+def test_auto_goes_one_deeper_after_every_chain_taken_whole_while_deeper_is_untried() -> None:
+    """A head right nearly always: each chain the verify takes whole sends the next step one draft deeper (while that
+    depth has few tries and could pay), not only every DEEPER_EVERY-th step (it climbed 1, 1, 2, 3 before depth 8)."""
+    from engine.events import MAX_DRAFT
+    from engine.speculative import AutoMemory, DepthController, PassCosts, SpecStats
+
+    def verify(n: int) -> float:  # a MoE's verify: half a decode step more for each row
+        return 0.010 * (1 + 0.5 * (n - 1))
+
+    stats = SpecStats()
+    mem = AutoMemory(t_decode=0.010, t_verify={n: verify(n) for n in range(2, 10)}, t_draft=0.001)
+    mem.verify_timings = {n: 8.0 for n in range(2, 10)}
+    mem.accepted_at[0], mem.tried_at[0] = 8.0, 8.0  # depth 1 right 8 times in 8, deeper untried
+    c = DepthController(None, stats, memory=mem, costs=PassCosts(0.4, 64, 8, 0.1))
+    depths = []
+    for _ in range(5):
+        k = c.choose(100)
+        depths.append(k)
+        assert k >= 1, depths
+        c.observe_verify(k + 1, verify(k + 1), k, 0.001 * k)
+        stats.record(k, k)  # every draft accepted
+    assert all(b > a or a == MAX_DRAFT for a, b in zip(depths, depths[1:])), depths  # never the same depth again
+
+
 def _trunk_pass(seed: int, n: int):  # type: ignore[no-untyped-def]
     """The tiny MoE's runner, a random prompt of n tokens, the trunk's pass over it, its greedy next token, and a
     greedy sampler."""

@@ -225,6 +225,7 @@ class DepthController:
         self._timings = dict(self.memory.verify_timings) if self.memory is not None else {}
         self._once: set[int] = set()  # verify sizes timed once in this reply, not remembered: maybe a cold first pass
         self._drafting = 0  # steps in a row at depth ≥ 1 (every yardstick_interval()-th runs plain, re-measuring it)
+        self._counts = (stats.drafted, stats.accepted)  # at the last weighing (_whole_chain)
         self._kept = self.memory.yardsticks_kept if self.memory is not None else 0
         self._yardstick = False  # this plain step re-measures decoding while drafting
         self._costs = 0  # bumped when a verify or draft cost changes (what _best_depth keeps depends on them)
@@ -339,6 +340,7 @@ class DepthController:
         if self.t_draft is None:
             return 0  # a shadow probe (`probe_now`) measures the draft cost and first acceptance
         k_draft, rate = self._best_depth(room)
+        whole = self._whole_chain()
         # near break-even, while depth 2 has few tries, drafting wins the tie: what it costs if wrong is at most the
         # slack, and its verifies learn the deeper acceptance plain steps never see (a head right 8 times in 10 at
         # the first draft and 9 in 10 past it sat at plain decoding where depth 4 gained 28 %)
@@ -366,12 +368,21 @@ class DepthController:
                 self._drafting = 0
                 self._yardstick = True
                 return 0
-            if best_k < min(MAX_DRAFT, room) and self._drafting % self.DEEPER_EVERY == 0 and \
-                    self._evidence()[1][best_k] < self.DEEPER_EVIDENCE and self._deeper_could_pay(best_k, rate):
-                # one draft deeper than the best: its acceptance is known only from a few tries (a single early
-                # rejection at depth 2 of a head right 9 times in 10 kept auto at depth 1 for a whole reply)
-                return best_k + 1
+            # one draft deeper than the best: its acceptance is known only from a few tries (a single early rejection
+            # at depth 2 of a head right 9 times in 10 kept auto at depth 1 for a whole reply); every step while
+            # chains are taken whole (a head right 99 times in 100 climbed 1, 1, 2, 3 before its best depth, 8)
+            d = max(best_k, whole)
+            if d < min(MAX_DRAFT, room) and (self._drafting % self.DEEPER_EVERY == 0 or whole) and \
+                    self._evidence()[1][d] < self.DEEPER_EVIDENCE and self._deeper_could_pay(d, rate):
+                return d + 1
         return best_k
+
+    def _whole_chain(self) -> int:
+        """The depth of the last step's chain where the verify took every draft of it, else 0."""
+        now = (self.stats.drafted, self.stats.accepted)
+        last, self._counts = self._counts, now
+        drafted = now[0] - last[0]
+        return drafted if drafted and drafted == now[1] - last[1] else 0
 
     def _first_timing_due(self) -> bool:
         """Whether a verify size timed once ever (this reply's first pass of it, maybe cold) is due a second timing:
