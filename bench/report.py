@@ -718,7 +718,7 @@ def main() -> None:
                      ("mtp_speedup_08b", _mtp_speedup), ("mtp_speedup_9b_draft", _mtp_speedup),
                      ("mtp_auto_embedded_rows", _mtp), ("mtp_auto_embedded_quiet", _mtp),
                      ("mtp_speedup_session10", _mtp_speedup), ("constrain_rerun", _constrain),
-                     ("mtp_speedup_whole", _mtp_speedup)):
+                     ("mtp_speedup_whole", _mtp_speedup), ("mtp_speedup_08b_final", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
