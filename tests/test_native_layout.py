@@ -91,7 +91,7 @@ def test_the_router_takes_max_experts_and_refuses_more() -> None:
 def test_router_logits_are_each_tokens_own_eight_lane_sums(n_expert: int, d: int) -> None:
     """moe.c's router products (four at a time, an item's tokens sharing its rows): every token's logits, in a pass of
     any size and on any threads, are the 8-lane float32 sums (lane i % 8, multiply then add, lanes summed pairwise)
-    of that token alone."""
+    of that token alone; so is the shared expert's gate."""
     g = torch.Generator().manual_seed(7)
     router, x = torch.randn(n_expert, d, generator=g), torch.randn(33, d, generator=g)
     a, b = router.numpy(), x.numpy()
@@ -103,10 +103,13 @@ def test_router_logits_are_each_tokens_own_eight_lane_sums(n_expert: int, d: int
         acc[:, :, i % 8] += b[:, None, i] * a[None, :, i]
     want = ((acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])) + \
         ((acc[..., 4] + acc[..., 5]) + (acc[..., 6] + acc[..., 7]))
+    shared = torch.randn(d, generator=g)
+    alone = torch.cat([native.moe_route(router, shared, x[t:t + 1].contiguous(), 2, 1)[3] for t in range(33)])
     for n in (1, 3, 4, 5, 16, 17, 33):
         for threads in (1, 2):
-            logits = native.moe_route(router, None, x[:n].contiguous(), 2, threads)[0]
+            logits, _, _, gate = native.moe_route(router, shared, x[:n].contiguous(), 2, threads)
             assert np.array_equal(logits.numpy(), want[:n]), (n, threads)
+            assert torch.equal(gate, alone[:n]), (n, threads)  # the shared expert's gate: each token's own
 
 
 def test_the_recurrence_takes_max_dv_and_refuses_more() -> None:

@@ -259,21 +259,11 @@ int moe_routed(const ExpertStack *gate, const ExpertStack *up, const ExpertStack
 
 /* ---- the whole layer: router, top-k, routed experts, shared expert ------------------------------------------- */
 
-/* Σ a[i]·b[i] over 8 fixed lanes, summed pairwise at the end: the same numbers from every instruction set (a plain
- * multiply and add per lane, no contraction), whichever clone runs. dots4 makes four such sums at once, each with
- * dot_f32's bits: one sum alone waits on its adds' latency (the router's products ran at a third of the core's
- * speed). */
-__attribute__((target_clones("avx2", "default")))
-static float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    for (; i < n; i++) acc[i % 8] += a[i] * b[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-typedef float V8 __attribute__((vector_size(32)));  /* dot_f32's 8 lanes (two SSE registers in the default clone) */
+/* Four sums Σ a_j[i]·b_j[i] at once, each over 8 fixed lanes (lane i % 8), summed pairwise at the end: the same
+ * numbers from every instruction set (a plain multiply and add per lane, no contraction), whichever clone runs, and
+ * whatever the other three sums are. Four at a time: one sum alone waited on its adds' latency (the router's
+ * products ran at a third of the core's speed). */
+typedef float V8 __attribute__((vector_size(32)));  /* the 8 lanes (two SSE registers in the default clone) */
 
 #define V8_AT(p) (*(const V8 __attribute__((aligned(4), may_alias)) *)(p))  /* 8 floats at p, unaligned */
 #define V8_SUM(v) (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])))
@@ -305,29 +295,36 @@ typedef struct {
 #define ROUTE_CHUNK 8  /* experts per item of the router's products */
 #define ROUTE_TOKENS 16  /* tokens per item likewise: each router row read once for them */
 
+/* The sums a[p_j] · b[q_j] for the c pairs j (vectors of n floats), four at a time (dots4; past the last pair, the
+ * last again, its sum not kept) */
+static void pair_dots(const float *const *a, const float *const *b, int64_t c, int64_t n, float *out) {
+    for (int64_t p = 0; p < c; p += 4) {
+        const float *a4[4], *b4[4];
+        float o[4];
+        for (int j = 0; j < 4; j++) a4[j] = a[p + j < c ? p + j : c - 1], b4[j] = b[p + j < c ? p + j : c - 1];
+        dots4(a4, b4, n, o);
+        for (int j = 0; j < 4 && p + j < c; j++) out[p + j] = o[j];
+    }
+}
+
 /* logits of the tokens [ROUTE_TOKENS · (i / chunks), …) for experts [ROUTE_CHUNK · (i % chunks), …): the router's
  * rows split between threads (a 35B layer's router is 2 MiB of float32, read each step), the item's (expert, token)
- * pairs four at a time (dots4) */
+ * pairs four at a time */
 static void route_logits(void *ctx, int64_t i) {
     const Route *r = ctx;
     const int64_t chunks = (r->n_expert + ROUTE_CHUNK - 1) / ROUTE_CHUNK, t0 = i / chunks * ROUTE_TOKENS;
     const int64_t e0 = (i % chunks) * ROUTE_CHUNK, e1 = e0 + ROUTE_CHUNK < r->n_expert ? e0 + ROUTE_CHUNK : r->n_expert;
     const int64_t nt = t0 + ROUTE_TOKENS < r->n ? ROUTE_TOKENS : r->n - t0, np = (e1 - e0) * nt;
     /* the item's rows asked for at once: they are read from DRAM once per step, and the hardware prefetcher alone
-     * left this product at about half the products' bandwidth (a 1024-wide router: 10% less time, A/B) */
+     * left this product at about half the products' bandwidth (a 1024-wide router, with each row asking for the one
+     * two ahead: 10% less time, A/B) */
     for (int64_t e = e0; e < e1; e++)
         for (int64_t c = 0; c < r->d; c += 64 / (int64_t)sizeof(float)) __builtin_prefetch(r->router + e * r->d + c, 0, 3);
-    for (int64_t p = 0; p < np; p += 4) {
-        const float *a[4], *b[4];
-        float out[4];
-        for (int j = 0; j < 4; j++) {  /* past the last pair: the last again, its sum not kept */
-            const int64_t q = p + j < np ? p + j : np - 1;
-            a[j] = r->router + (e0 + q / nt) * r->d, b[j] = r->x + (t0 + q % nt) * r->d;
-        }
-        dots4(a, b, r->d, out);
-        for (int j = 0; j < 4 && p + j < np; j++)
-            r->logits[(t0 + (p + j) % nt) * r->n_expert + e0 + (p + j) / nt] = out[j];
-    }
+    const float *a[ROUTE_CHUNK * ROUTE_TOKENS] = {NULL}, *b[ROUTE_CHUNK * ROUTE_TOKENS] = {NULL};
+    float out[ROUTE_CHUNK * ROUTE_TOKENS];
+    for (int64_t p = 0; p < np; p++) a[p] = r->router + (e0 + p / nt) * r->d, b[p] = r->x + (t0 + p % nt) * r->d;
+    pair_dots(a, b, np, r->d, out);
+    for (int64_t p = 0; p < np; p++) r->logits[(t0 + p % nt) * r->n_expert + e0 + p / nt] = out[p];
 }
 
 static void route_item(void *ctx, int64_t t) {
@@ -370,8 +367,14 @@ int moe_route(const float *router, const float *shared_inp, const float *x, int6
     pool_run(n * n_expert * d >= (1 << 16) ? threads : 1, (n + ROUTE_TOKENS - 1) / ROUTE_TOKENS * chunks, route_logits,
              &r);
     pool_run(n > 1 ? threads : 1, n, route_item, &r);
-    if (shared_inp)
-        for (int64_t t = 0; t < n; t++) sgate[t] = sigmoid_f(dot_f32(shared_inp, x + t * d, d));
+    if (shared_inp)  /* the shared expert's gate: shared_inp · x_t, the router's sums, ROUTE_TOKENS tokens at a time */
+        for (int64_t t0 = 0; t0 < n; t0 += ROUTE_TOKENS) {
+            const int64_t m = t0 + ROUTE_TOKENS < n ? ROUTE_TOKENS : n - t0;
+            const float *a[ROUTE_TOKENS], *b[ROUTE_TOKENS];
+            for (int64_t t = 0; t < m; t++) a[t] = shared_inp, b[t] = x + (t0 + t) * d;
+            pair_dots(a, b, m, d, sgate + t0);
+            for (int64_t t = t0; t < t0 + m; t++) sgate[t] = sigmoid_f(sgate[t]);
+        }
     trace_mark(TRACE_ROUTER, n_expert * d * (int64_t)sizeof(float));
     return 0;
 }
