@@ -116,11 +116,12 @@ class HeadRunner:
         hidden rows are those `logit_rows` asks for: every row's ("all"), the last row's ("last", "draft"), none
         ("none": the rows only leave their keys and values in the cache, all the later drafts read of them; the
         fused step computes nothing else for them)."""
-        if hook is not None:
-            return self.head.forward(tokens, hidden, cache, logit_rows=logit_rows, hook=hook)
         head = self.head
-        if self.step is not None and self.graphs is None and len(tokens) <= STEP_ROWS:
+        if hook is None and self.step is not None and self.graphs is None and len(tokens) <= STEP_ROWS:
             return self._step(tokens, hidden, cache, logit_rows)
+        if hook is not None:  # the model's own pass, every op reported
+            res = head.forward(tokens, hidden, cache, logit_rows=logit_rows, hook=hook)
+            return ForwardResult(res.hidden[_unread(len(res.hidden), logit_rows):], res.logits, None)
         ids = id_tensor(tokens).reshape(-1)  # type: ignore[arg-type]
         n, pos = ids.numel(), cache.pos
         check_room(cache, pos, n)
@@ -132,8 +133,7 @@ class HeadRunner:
                           head.model.rope(self.device), None, False)
             res = head.finish(x, logit_rows)
         cache.pos = pos + n
-        return res if logit_rows == "all" else ForwardResult(res.hidden[n - 1 if logit_rows != "none" else n:],
-                                                             res.logits, None)
+        return ForwardResult(res.hidden[_unread(n, logit_rows):], res.logits, None)
 
     def _step(self, tokens: torch.Tensor | Sequence[int], hidden: torch.Tensor, cache: Cache,
               logit_rows: str) -> ForwardResult:
@@ -144,10 +144,10 @@ class HeadRunner:
         n, pos = len(ids), cache.pos
         check_room(cache, pos, n)
         rows = hidden.to(device=self.device, dtype=torch.float32).contiguous()
-        skip = 0 if logit_rows == "all" else n - 1 if logit_rows != "none" else n  # the rows no one reads: their
-        # keys and values only (on the mid MoE a draft's first pass was 4 rows of the head's experts for 1 row's logits)
+        # the rows no one reads: their keys and values only (on the mid MoE a draft's first pass was 4 rows of the
+        # head's experts for 1 row's logits)
         out, logits = step(ids, cache, pos, head.model.rope(self.device), logit_rows != "none", hidden=rows,
-                           skip=skip)
+                           skip=_unread(n, logit_rows))
         cache.pos = pos + n
         if logits is not None:  # the head's product came with the call, for the rows asked for
             return ForwardResult(out, logits, None)
@@ -156,6 +156,11 @@ class HeadRunner:
         elif logit_rows != "none":
             logits = ops.linear(out.to(head.head.device), head.head)
         return ForwardResult(out, logits, None)
+
+
+def _unread(n: int, logit_rows: str) -> int:
+    """How many of a head pass's n rows come first and are not asked for (HeadRunner.forward)."""
+    return 0 if logit_rows == "all" else n if logit_rows == "none" else n - 1
 
 
 class Runner:
