@@ -19,7 +19,7 @@ import torch
 from engine.cache import Cache
 from engine.constrain import Matcher
 from engine.events import Event, GenerationConfig, Token, TokenLogprob
-from engine.models.qwen35 import ForwardResult
+from engine.models.qwen35 import STEP_ROWS, ForwardResult
 from engine.models.runner import Runner
 from engine.sampling import Sampler
 from engine.tokenizer import Tokenizer
@@ -28,6 +28,8 @@ from engine.tokenizer import Tokenizer
 Advance = Callable[[list[int], torch.Tensor], None]
 # the MTP head told of the trunk's rows: `tokens` and their post-norm hidden rows (MTPDrafter.push)
 KeepHead = Callable[[Sequence[int], torch.Tensor], None]
+# the most tokens a constraint's forced run adds to a pass (with the last token: a pass the one-call step runs)
+FORCED_RUN = STEP_ROWS - 1
 
 
 class StopStrings:
@@ -66,6 +68,7 @@ class Reply:
         self.stopper = StopStrings(gen.stop_strings)
         # the constraint's place, advanced by each emitted token (the sampler masks with it)
         self.matcher = Matcher(gen.constraint, tokenizer) if gen.constraint is not None else None
+        self._taken = 0  # tokens `forced` consumed in the matcher, not yet emitted
         self.t_first: float | None = None
         self.reason: str | None = None  # why it ended; None while it goes on
 
@@ -95,10 +98,25 @@ class Reply:
                 return i + 1
         return len(tokens)
 
+    def forced(self, room: int) -> list[int]:
+        """The tokens the constraint allows alone after the last emitted one (at most `room`, and no more than the
+        reply may still emit), taken from the matcher now: the next pass runs them with the last token, and they are
+        emitted, unsampled, before the token sampled after them. None where the reply asks for logprobs (each
+        token's row would be read)."""
+        if self.matcher is None or self.gen.logprobs is not None:
+            return []
+        run = self.matcher.forced(min(room, FORCED_RUN, self.gen.max_tokens - len(self.out_ids)))
+        self._taken += len(run)
+        return run
+
     def _complete(self, tok: int) -> bool:
-        """Advance the constraint by an emitted token; True when the output it holds to is complete."""
+        """Advance the constraint by an emitted token (one `forced` took is there already); True when the output it
+        holds to is complete."""
         if self.matcher is None:
             return False
+        if self._taken:
+            self._taken -= 1
+            return not self._taken and self.matcher.done
         self.matcher.consume(tok)
         return self.matcher.done
 
@@ -142,15 +160,15 @@ class PlainDecoder:
         one."""
         self.runner, self.cache, self.advance, self.sampler, self.keep_head = runner, cache, advance, sampler, keep_head
 
-    def settle(self, x: int, reply: Reply, res: ForwardResult, keep_head: KeepHead | None = None
+    def settle(self, tokens: list[int], reply: Reply, res: ForwardResult, keep_head: KeepHead | None = None
                ) -> tuple[int, torch.Tensor]:
-        """After the trunk ran x (`res`): tell the head (`keep_head`, else the decoder's own) and the sequence; returns
-        the sampled next token, not yet emitted, and the logits it was sampled from."""
+        """After the trunk ran `tokens` (`res`): tell the head (`keep_head`, else the decoder's own) and the sequence;
+        returns the sampled next token, not yet emitted, and the logits it was sampled from."""
         keep = keep_head or self.keep_head
         if keep is not None:
-            keep([x], res.hidden)
+            keep(tokens, res.hidden)
         logits = res.logits[-1]  # type: ignore[index]
-        self.advance([x], logits)
+        self.advance(tokens, logits)
         return self.sampler.sample(logits, reply.history, reply.matcher), logits
 
     def run(self, rows: StepRows) -> Generator[Event, None, int]:
@@ -161,13 +179,24 @@ class PlainDecoder:
         return (yield from rows.finish(res, time.perf_counter() - t))
 
     def plan(self, x: int, reply: Reply, room: int) -> StepRows:
-        return StepRows([x], False, lambda res, seconds: self._finish(x, reply, res))
+        return self.forced(x, reply, room) or StepRows([x], False, lambda res, seconds: self._finish([x], reply, res))
 
-    def _finish(self, x: int, reply: Reply, res: ForwardResult) -> Generator[Event, None, int]:
-        nxt, logits = self.settle(x, reply, res)
-        yield from reply.emit([(nxt, False)], logits)
+    def forced(self, x: int, reply: Reply, room: int) -> StepRows | None:
+        """The step's rows where a constraint forces the tokens after x (x and them, the token after them sampled
+        from the pass's last row), else None."""
+        run = reply.forced(room)
+        if not run:
+            return None
+        tokens = [x, *run]
+        return StepRows(tokens, False, lambda res, seconds: self._finish(tokens, reply, res))
+
+    def _finish(self, tokens: list[int], reply: Reply, res: ForwardResult) -> Generator[Event, None, int]:
+        nxt, logits = self.settle(tokens, reply, res)
+        yield from reply.emit([(t, False) for t in tokens[1:]] + [(nxt, False)], logits)
         return nxt
 
     def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
+        if reply.matcher is not None:
+            return (yield from self.run(self.plan(x, reply, room)))
         res = self.runner.forward([x], self.cache, logit_rows="last")  # plan + run without their objects: a hot path
-        return (yield from self._finish(x, reply, res))
+        return (yield from self._finish([x], reply, res))

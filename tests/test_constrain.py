@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import torch
@@ -169,3 +170,65 @@ def test_a_draft_the_constraint_forbids_is_never_accepted(eng) -> None:
 def test_the_engine_refuses_a_schema_it_cannot_enforce_before_the_prompt(eng) -> None:
     with pytest.raises(InvalidParameterError, match="cannot be enforced"):
         next(iter(eng.generate(CHAT, GenerationConfig(constraint=Constraint('{"type": "strin"}')))))
+
+
+def mask_ids(m: Matcher) -> set[int]:
+    words = m.bits().numpy().view(np.uint32)
+    return {int(w) * 32 + b for w in np.nonzero(words)[0] for b in range(32) if words[w] >> b & 1}
+
+
+def test_a_forced_run_is_each_step_the_only_token_the_mask_allows(eng) -> None:
+    """Matcher.forced takes, and consumes, the tokens a fresh matcher's mask allows alone, one state after another,
+    and stops where the mask allows a choice (or at its limit); the mask of the state it stops in is the same."""
+    c, tok = Constraint.json_schema(SCHEMA), eng.tokenizer
+    prefix = tok.encode('{"people": [{"name": "Adam", "age": 93', add_bos=False)
+    assert allowed(c, tok, prefix).forced(0) == []
+    m = allowed(c, tok, prefix)
+    run = m.forced(15)
+    assert len(run) >= 3 and tok.decode(run).startswith(', "colours"')
+    ref = allowed(c, tok, prefix)
+    for t in run:
+        assert mask_ids(ref) == {t}
+        ref.consume(t)
+    assert len(mask_ids(ref)) > 1 and mask_ids(m) == mask_ids(ref)
+    short = allowed(c, tok, prefix)
+    assert short.forced(2) == run[:2]
+
+
+def test_allows_says_what_the_mask_says_along_replies(eng) -> None:
+    """Where the grammar forces text llguidance's mask allows only its canonical tokens (a lone space is not allowed
+    where ' [' is forced, though the grammar would consume it): `allows` agrees with the mask everywhere, so a greedy
+    choice checked with it is the mask's."""
+    c, tok = Constraint.json_schema(SCHEMA), eng.tokenizer
+    ids, _, _, _ = collect(eng, CHAT, max_tokens=512, mtp=False, constraint=c)
+    rng = np.random.default_rng(0)
+    m, ref, narrower = Matcher(c, tok), Matcher(c, tok), 0
+    for t in ids[:-1]:
+        want = mask_ids(ref)
+        probe = {t, *rng.integers(0, tok.n_vocab, 24).tolist(), *(w for w in want), 220}
+        assert {p for p in probe if m.allows(p)} == want & probe
+        narrower += any(ref._m.validate_tokens([p]) == 1 and p not in want for p in probe)
+        m.consume(t)
+        ref.consume(t)
+    assert narrower > 0  # the check met states where the mask is narrower than what the grammar consumes
+
+
+def test_forced_runs_give_the_reply_a_mask_at_every_step_gives_in_fewer_passes(eng, monkeypatch) -> None:
+    """A reply with logprobs samples every token (each token's row is read); without, forced runs go through the
+    trunk several in a pass: the same greedy tokens, plain and with MTP, in far fewer passes than tokens."""
+    c = Constraint.json_schema(SCHEMA)
+    passes = []
+    forward = eng.runner.forward
+
+    def counted(tokens, *a, **kw):  # type: ignore[no-untyped-def]
+        passes.append(len(tokens))
+        return forward(tokens, *a, **kw)
+    monkeypatch.setattr(eng.runner, "forward", counted)
+    every, _, _, done = collect(eng, CHAT, max_tokens=512, mtp=False, constraint=c, logprobs=0)
+    n_every = len(passes)
+    passes.clear()
+    fast, _, _, fast_done = collect(eng, CHAT, max_tokens=512, mtp=False, constraint=c)
+    assert fast == every and done.reason == fast_done.reason == "eos"
+    assert max(passes) > 4 and len(passes) < 0.6 * n_every
+    spec, _, _, _ = collect(eng, CHAT, max_tokens=512, mtp=True, draft=2, constraint=c)
+    assert spec == every

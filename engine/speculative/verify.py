@@ -39,6 +39,8 @@ class SpeculativeDecoder:
 
     def step(self, x: int, run: Reply, room: int) -> Generator[Event, None, int]:
         """Decode after x (emitted, not yet processed by the trunk); returns the new last token, emitted."""
+        if run.matcher is not None and (forced := self.plain.forced(x, run, room)) is not None:
+            return (yield from self.plain.run(forced))
         k = self.depth.choose(room)
         if k == 0 and self.depth.quiet:  # the hot path of a plain stretch: no plan object
             t = time.perf_counter()
@@ -47,7 +49,10 @@ class SpeculativeDecoder:
         return (yield from self.plain.run(self._plan(x, run, room, k)))
 
     def plan(self, x: int, run: Reply, room: int) -> StepRows:
-        """The step's rows for a pass shared with other sequences (engine.batch); drafts are made here."""
+        """The step's rows for a pass shared with other sequences (engine.batch); drafts are made here. A constraint's
+        forced tokens need no drafts: they run as a plain step's rows, the head told of them as of a plain step's."""
+        if run.matcher is not None and (forced := self.plain.forced(x, run, room)) is not None:
+            return forced
         k = self.depth.choose(room)
         if k == 0 and self.depth.quiet:
             return StepRows([x], False, lambda res, seconds: self._quiet(x, run, res, seconds))
@@ -69,7 +74,7 @@ class SpeculativeDecoder:
         def finish(res: ForwardResult, pass_s: float) -> Generator[Event, None, int]:
             t = time.perf_counter()
             # after a probe the head already holds x's row: keep it, pair the next token with the trunk's row
-            nxt, logits = self.plain.settle(x, run, res, self._after_probe if probe is not None else None)
+            nxt, logits = self.plain.settle([x], run, res, self._after_probe if probe is not None else None)
             dt = pass_s + time.perf_counter() - t
             spec.plain_steps += 1
             spec.decode_s += dt
@@ -86,7 +91,7 @@ class SpeculativeDecoder:
     def _quiet(self, x: int, run: Reply, res: ForwardResult, pass_s: float) -> Generator[Event, None, int]:
         """A plain step with nothing to weigh: only its time is recorded."""
         t = time.perf_counter()
-        nxt, logits = self.plain.settle(x, run, res)
+        nxt, logits = self.plain.settle([x], run, res)
         dt = pass_s + time.perf_counter() - t
         self.stats.plain_steps += 1
         self.stats.decode_s += dt
