@@ -459,8 +459,10 @@ def _products(d: dict) -> list[str]:
 def _constrain(d: dict) -> list[str]:
     m = d["mask_us"]
     out = ["## Constrained decoding cost (`bench/constrain.py`)", "",
-           f"`{d['command']}` ({d['date']}, model {d.get('model', 'embedded')}): decode tok/s of the same replies free "
-           "and held to a nested JSON schema, summed over the prompts and rounds.", "",
+           f"`{d['command']}` ({d['date']}, commit {d['git']['commit'][:10]}, model {d.get('model', 'embedded')}): "
+           "decode tok/s of the same replies free and held to a nested JSON schema, summed over the prompts and rounds"
+           + ("; forced_share: the reply's tokens the schema forced (run unsampled, several in a pass)."
+              if "forced_share" in d["mask_us"] else "."), "",
            "| case | free tok/s | schema tok/s | cost |", "|---|---|---|---|"]
     out += [f"| {k} | {v['free_tok_s']:.1f} | {v['schema_tok_s']:.1f} | {v['cost_pct']:.1f} % |"
             for k, v in d["summary"].items()]
@@ -718,6 +720,7 @@ def main() -> None:
                      ("mtp_speedup_08b", _mtp_speedup), ("mtp_speedup_9b_draft", _mtp_speedup),
                      ("mtp_auto_embedded_rows", _mtp), ("mtp_auto_embedded_quiet", _mtp),
                      ("mtp_speedup_session10", _mtp_speedup), ("constrain_rerun", _constrain),
+                     ("constrain_forced", _constrain), ("constrain_forced_mid", _constrain),
                      ("mtp_speedup_whole", _mtp_speedup), ("mtp_speedup_08b_final", _mtp_speedup)):
         d = _load(name)
         if d is not None:
