@@ -62,12 +62,19 @@ void repack_q23_k_group(int qtype, const uint8_t *src, int64_t nb, uint8_t *dst)
 /* Q8_K's sums of 16 quants of sub-blocks 2u, 2u + 1 as one int32 (a pair for dpwssd / madd) */
 static inline int32_t bs_pair(const Row *r, int64_t b, int u) { return *(const int32_t *)(r->bs + 16 * b + 2 * u); }
 
+/* Q3_K's high bit j of each byte of hb moved to bit 2 (and nothing else kept): one shift (none for j = 2) and a mask */
+__attribute__((target(Q23_VNNI_TARGET), always_inline))
+static inline __m512i q3_high_at_2_512(__m512i hb, int j) {
+    const __m512i m4 = _mm512_set1_epi8(4);
+    return _mm512_and_si512(j < 2 ? _mm512_slli_epi16(hb, 2 - j) : j > 2 ? _mm512_srli_epi16(hb, j - 2) : hb, m4);
+}
+
 /* T activation rows times one packed group (nb blocks) of Q2_K (q3 = 0) or Q3_K: o[i · ldo + l] */
 __attribute__((target(Q23_VNNI_TARGET), always_inline))
 static inline void q23_x16(const int q3, const uint8_t *g, int64_t nb, const Row *rows, float *o, int64_t ldo,
                            const int T, Ahead *ah) {
     const int rb = run_bytes(q3), gb = group_bytes(q3);
-    const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1), m4 = _mm512_set1_epi32(0xF),
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi32(0xF),
                   mpair = _mm512_set1_epi32(0x000F000F);
     __m512 acc[X16_TILE];
     for (int i = 0; i < T; i++) acc[i] = _mm512_setzero_ps();
@@ -82,12 +89,13 @@ static inline void q23_x16(const int q3, const uint8_t *g, int64_t nb, const Row
             const __m512i hb = q3 ? _mm512_loadu_si512(r + 128) : _mm512_setzero_si512();
             __m512i v[8];
             for (int s = 0; s < 4; s++) {
-                v[s] = _mm512_and_si512(_mm512_srli_epi16(l0, 2 * s), m3);
-                v[s + 4] = _mm512_and_si512(_mm512_srli_epi16(l1, 2 * s), m3);
-                if (q3) {
-                    v[s] = _mm512_or_si512(v[s], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, s), m1), 2));
-                    v[s + 4] = _mm512_or_si512(v[s + 4],
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, s + 4), m1), 2));
+                const __m512i a = _mm512_srli_epi16(l0, 2 * s), b = _mm512_srli_epi16(l1, 2 * s);
+                if (q3) {  /* (a & 3) | high bit at 2, in one ternary op (0xEA: (x & y) | z) */
+                    v[s] = _mm512_ternarylogic_epi32(a, m3, q3_high_at_2_512(hb, s), 0xEA);
+                    v[s + 4] = _mm512_ternarylogic_epi32(b, m3, q3_high_at_2_512(hb, s + 4), 0xEA);
+                } else {
+                    v[s] = _mm512_and_si512(a, m3);
+                    v[s + 4] = _mm512_and_si512(b, m3);
                 }
             }
             /* lane l: sub-block 2u's byte | 2u + 1's << 16, as int16 pairs */
@@ -125,19 +133,26 @@ static inline void q23_x16(const int q3, const uint8_t *g, int64_t nb, const Row
     for (int i = 0; i < T; i++) _mm512_storeu_ps(o + i * ldo, acc[i]);
 }
 
+/* q3_high_at_2_512 in 256 bits */
+__attribute__((target(AVX2_TARGET), always_inline))
+static inline __m256i q3_high_at_2(__m256i hb, int j) {
+    const __m256i m4 = _mm256_set1_epi8(4);
+    return _mm256_and_si256(j < 2 ? _mm256_slli_epi16(hb, 2 - j) : j > 2 ? _mm256_srli_epi16(hb, j - 2) : hb, m4);
+}
+
 /* The 8 value vectors of run u's 8-row half h (q + 4 for Q3_K), and its scale bytes as int16 pairs per lane */
 __attribute__((target(AVX2_TARGET), always_inline))
 static inline __m256i q23_half(const int q3, const uint8_t *r, int rb, int h, __m256i *v) {
-    const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i l0 = _mm256_loadu_si256((const __m256i *)(r + 32 * h)),
                   l1 = _mm256_loadu_si256((const __m256i *)(r + 64 + 32 * h));
     const __m256i hb = q3 ? _mm256_loadu_si256((const __m256i *)(r + 128 + 32 * h)) : _mm256_setzero_si256();
     for (int s = 0; s < 4; s++) {
         v[s] = _mm256_and_si256(_mm256_srli_epi16(l0, 2 * s), m3);
         v[s + 4] = _mm256_and_si256(_mm256_srli_epi16(l1, 2 * s), m3);
-        if (q3) {
-            v[s] = _mm256_or_si256(v[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, s), m1), 2));
-            v[s + 4] = _mm256_or_si256(v[s + 4], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, s + 4), m1), 2));
+        if (q3) {  /* bits 0-1 and bit 2 are disjoint: the OR is their sum */
+            v[s] = _mm256_or_si256(v[s], q3_high_at_2(hb, s));
+            v[s + 4] = _mm256_or_si256(v[s + 4], q3_high_at_2(hb, s + 4));
         }
     }
     const __m128i sb = _mm_loadu_si128((const __m128i *)(r + rb - 32 + 16 * h));
