@@ -57,7 +57,14 @@ def agreement_file(name: str, layers: int, agreement: Agreement, directory: Path
         set_mtp_noise(path, s, agreement)
     else:
         directory.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path.with_suffix(".tmp"), s, agreement=agreement).replace(path)
+        # the old file goes first: the 35B-A3B shape's is 22 GB, twice that did not fit beside the rest on our host
+        path.unlink(missing_ok=True)
+        tmp = path.with_suffix(".tmp")
+        try:
+            write_synthetic(tmp, s, agreement=agreement).replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a half-written file (a full disk, a stopped run) is not left behind
+            raise
     return path
 
 
