@@ -722,7 +722,8 @@ def main() -> None:
                      ("mtp_speedup_session10", _mtp_speedup), ("constrain_rerun", _constrain),
                      ("constrain_forced", _constrain), ("constrain_forced_mid", _constrain),
                      ("mtp_speedup_whole", _mtp_speedup), ("mtp_speedup_08b_final", _mtp_speedup),
-                     ("mtp_speedup_35b_session11", _mtp_speedup), ("mtp_speedup_35b_64", _mtp_speedup)):
+                     ("mtp_speedup_35b_session11", _mtp_speedup), ("mtp_speedup_35b_64", _mtp_speedup),
+                     ("sweep_q23_avx2", sweep_section)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

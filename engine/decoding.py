@@ -101,8 +101,8 @@ class Reply:
     def forced(self, room: int) -> list[int]:
         """The tokens the constraint allows alone after the last emitted one (at most `room`, and no more than the
         reply may still emit), taken from the matcher now: the next pass runs them with the last token, and they are
-        emitted, unsampled, before the token sampled after them. None where the reply asks for logprobs (each
-        token's row would be read)."""
+        emitted, unsampled, before the token sampled after them. Empty where the reply asks for logprobs (each
+        token's row would be read): those are sampled one a step."""
         if self.matcher is None or self.gen.logprobs is not None:
             return []
         run = self.matcher.forced(min(room, FORCED_RUN, self.gen.max_tokens - len(self.out_ids)))
