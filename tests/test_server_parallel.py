@@ -170,6 +170,36 @@ def test_drafts_verified_among_other_sequences_rows_keep_every_reply(eng) -> Non
     assert got == want and batch.shared_verifies > 0
 
 
+def test_forced_runs_share_a_pass_with_other_sequences_rows(eng) -> None:
+    """Sequences under a nested schema run their forced runs (several rows a sequence, logits after each one's last)
+    in the pass shared with the others' single rows: each greedy reply is its one-at-a-time reply, and a seeded
+    sampled one too."""
+    from bench.constrain import SCHEMA
+    from engine.constrain import Constraint
+    from engine.sampling import SamplingConfig
+
+    schema = Constraint.json_schema(SCHEMA)
+    gens = [GenerationConfig(max_tokens=120, mtp=False, constraint=schema), GenerationConfig(max_tokens=48, mtp=False),
+            GenerationConfig(max_tokens=120, mtp=False, constraint=schema,
+                             sampling=SamplingConfig(temperature=0.8, seed=5)),
+            GenerationConfig(max_tokens=80, mtp=True, draft=2, constraint=schema)]
+    prompts = [eng.encode_prompt(p) for p in PROMPTS[:len(gens)]]
+    want = [collect(eng.generate(p, g)).tokens for p, g in zip(prompts, gens)]
+    passes: list[list[int]] = []
+    many = eng.runner.forward_many
+
+    def counted(tokens, *a, **kw):  # type: ignore[no-untyped-def]
+        passes.append([len(t) for t in tokens])
+        return many(tokens, *a, **kw)
+    eng.runner.forward_many = counted
+    try:
+        got, _ = _batched_replies(eng, prompts, gens)
+    finally:
+        del eng.runner.forward_many
+    assert got == want
+    assert any(len(rows) > 1 and max(rows) > 2 for rows in passes)  # a forced run beside other sequences' rows
+
+
 def test_verify_choice_tries_verifying_now_and_then_and_keeps_the_faster_form() -> None:
     """Batched steps with drafts verified yield 3 tokens in 2 s where plain ones yield 1 token in 1 s (or 1 token in
     2 s, slower than plain): plain runs first, verifying is tried at the 16th window; then the faster form runs and
