@@ -24,8 +24,9 @@ import torch
 from engine.errors import EngineError, InvalidParameterError
 from engine.tokenizer import CONTROL, Tokenizer
 
-# One fixed layout, as json.dumps writes it: no runs of whitespace for a weak model to fill a reply with.
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# One fixed layout, as json.dumps (and a chat template's tojson) writes it: no runs of whitespace for a weak model to
+# fill a reply with.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ConstraintError(EngineError):
@@ -34,9 +35,11 @@ class ConstraintError(EngineError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """The output must be JSON text valid for `schema` (the schema as JSON text)."""
+    """The output must be JSON text valid for `schema` (the schema as JSON text), or, where `lark` is set, text of
+    that grammar (llguidance's Lark dialect: a tool call's markup around its arguments, engine.tools.call_grammar)."""
 
     schema: str
+    lark: str | None = None
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -47,8 +50,14 @@ class Constraint:
     def json_schema(cls, schema: Mapping[str, Any]) -> Constraint:
         return cls(json.dumps(schema))
 
+    @classmethod
+    def grammar_of(cls, lark: str) -> Constraint:
+        return cls("", lark)
+
     def grammar(self) -> str:
-        return llguidance.LLMatcher.grammar_from_json_schema(self.schema, overrides=_LAYOUT)  # type: ignore[arg-type]
+        if self.lark is not None:
+            return llguidance.LLMatcher.grammar_from_lark(self.lark)
+        return llguidance.LLMatcher.grammar_from_json_schema(self.schema, overrides=JSON_LAYOUT)  # type: ignore[arg-type]
 
     def check(self) -> None:
         """InvalidParameterError saying why, for a schema llguidance cannot compile (or does not implement)."""

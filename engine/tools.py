@@ -8,6 +8,8 @@ which: `tool_format` renders a probe conversation (one tool, one call) and reads
   json (Qwen3, Qwen2.5, Hermes): {"name": NAME, "arguments": {...}}.
 A template that renders no tools (the embedded model's plain ChatML) gets the json form written into the
 conversation here (`written_in`): the tools described in the system message, calls and results as markup.
+A call the request forces (tool_choice required or named) is decoded under `call_grammar`: the markup read off the
+template, the arguments held to their function's schema.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jsonschema
 from jsonschema.exceptions import best_match
 
 from engine.chat import ChatFormat
+from engine.constrain import JSON_LAYOUT
 from engine.errors import ChatTemplateError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -44,6 +47,9 @@ class ToolFormat:
     head: str  # a call's text up to its function's name
     after_name: str  # between the name and the arguments
     native: bool  # the template renders tools and calls itself; False: `written_in` writes them into the messages
+    close: str = "}\n" + CALL_CLOSE  # after the arguments to the end of the call (json: the call object's brace)
+    open_value: str = ""  # xml: between a parameter's name and its value
+    close_value: str = ""  # xml: after a parameter's value (to the next parameter or the function's end)
 
     def opening(self, name: str | None = None) -> str:
         """The text that opens a call (of function `name`): prefilled, it makes the reply a call."""
@@ -66,10 +72,86 @@ def tool_format(chat: ChatFormat) -> ToolFormat:
         return WRITTEN
     head = text[start:name]
     kind, args = ("xml", "<parameter=" + _PROBE_ARG) if "<function=" in head else ("json", '{"' + _PROBE_ARG)
-    end = text.find(args, name)
-    if end < 0:
+    end, value = text.find(args, name), text.find(_PROBE_VALUE, name)
+    stop = text.find(CALL_CLOSE, value)
+    if end < 0 or value < 0 or stop < 0:
         return WRITTEN
-    return ToolFormat(kind, head, text[name + len(_PROBE_NAME):end], native=True)
+    stop += len(CALL_CLOSE)
+    after_name = text[name + len(_PROBE_NAME):end]
+    if kind == "json":  # the arguments object ends after the value's closing quote
+        brace = text.find("}", value + len(_PROBE_VALUE))
+        return ToolFormat(kind, head, after_name, True, text[brace + 1:stop]) if 0 <= brace < stop else WRITTEN
+    function_end = text.find("</function>", value)
+    if function_end < 0:
+        return WRITTEN
+    return ToolFormat(kind, head, after_name, True, text[function_end:stop], text[end + len(args):value],
+                      text[value + len(_PROBE_VALUE):function_end])
+
+
+def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]], forced: str | None,
+                 parallel: bool) -> str:
+    """What may follow a forced call's prefill (`fmt.opening(forced)`) as a Lark grammar (engine.constrain's
+    Constraint.grammar_of): the call written as the template writes one, of `forced` or of any function, with
+    arguments valid for the function's schema - json: the arguments object; xml: each parameter in the schema's
+    order (the optional ones may be left out), a string's value as text up to the parameter's end, any other as JSON
+    - then the call's end; where `parallel` and no function is forced, more calls after it."""
+    names, rules = list(schemas), []
+    for i, name in enumerate(names):
+        extra: list[str] = []
+        rules += [f"args{i}: {_arguments(fmt, schemas[name], i, extra)} {_lit(fmt.close)}", *extra]
+    rules.append("call: " + " | ".join(f"{_lit(n + fmt.after_name)} args{i}" for i, n in enumerate(names)))
+    first = f"args{names.index(forced)}" if forced is not None else "call"
+    more = f" ({_lit(chr(10) + fmt.head)} call)*" if parallel and forced is None else ""
+    return "\n".join([f"start: {first}{more}", *rules])
+
+
+def _arguments(fmt: ToolFormat, schema: Mapping[str, Any], i: int, extra: list[str]) -> str:
+    """The rule body of function i's arguments; rules it refers to are added to `extra` (each a line)."""
+    if fmt.kind == "json":
+        return _json(schema)
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    parts = []
+    for j, (key, sub) in enumerate(props.items()):
+        head = _lit("<parameter=" + key + fmt.open_value)
+        if _raw_text(sub):  # a string's value as it stands, up to the parameter's end
+            values = [v for v in (sub.get("enum") or ()) if isinstance(v, str)] if isinstance(sub, Mapping) else []
+            if values:
+                body = "(" + " | ".join(_lit(v) for v in values) + f") {_lit(fmt.close_value)}"
+            else:  # up to the schema's maxLength characters (llguidance's JSON strings keep it too)
+                most = sub.get("maxLength") if isinstance(sub, Mapping) else None
+                span = f"{{0,{int(most)}}}" if isinstance(most, int) and not isinstance(most, bool) else "*"
+                extra.append(f"v{i}_{j}[suffix={_lit(fmt.close_value)}]: /(?s:.{span})/")
+                body = f"v{i}_{j}"
+        elif isinstance(sub, Mapping) and sub.get("type") == "boolean":  # Qwen3.5 writes Python's True / False
+            body = "(" + " | ".join(_lit(w) for w in ("True", "False", "true", "false")) + f") {_lit(fmt.close_value)}"
+        else:
+            body = f"{_json(sub)} {_lit(fmt.close_value)}"
+        extra.append(f"p{i}_{j}: {head} {body}")
+        parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+    return " ".join(parts)
+
+
+def _raw_text(schema: Any) -> bool:
+    """Whether the xml form's value is text as it stands: a schema a string satisfies (an enum or const of strings
+    included; the parser reads such a value as text wherever it is not JSON)."""
+    if not isinstance(schema, Mapping):
+        return False
+    declared = schema.get("type")
+    if declared == "string" or (isinstance(declared, list) and "string" in declared):
+        return True
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return declared is None and bool(values) and all(isinstance(v, str) for v in values)
+
+
+def _json(schema: Any) -> str:
+    """An inline JSON schema in the layout chat templates write (tojson: ", " and ": ")."""
+    body = dict(schema) if isinstance(schema, Mapping) else {}
+    return "%json " + json.dumps({**body, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def written_in(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
 import engine.generate
 from engine import tools as toolkit
 from engine.chat import ChatFormat
+from engine.constrain import Constraint
+from engine.sampling import SamplingConfig
 from engine.server.run import LocalServer
+from tests.generation import collect
 from tests.scripted_engine import ScriptedEngine
 
 DATA = Path(__file__).parent / "data"
@@ -194,10 +198,12 @@ def test_tool_choice_variants(client, scripted) -> None:
     r = ask(client, scripted, rest, tools=TOOLS, tool_choice="required")  # a call of any function, prefilled
     assert scripted.prompts[-1].endswith("<think>\n\n</think>\n\n<tool_call>\n<function=")
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert scripted.configs[-1].constraint is not None  # the forced call held to its markup and schema
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = ask(client, scripted, rest.removeprefix("get_weather>\n") + "\n" + CALL, tools=TOOLS, tool_choice=named)
+    r = ask(client, scripted, rest.removeprefix("get_weather>\n"), tools=TOOLS, tool_choice=named)
     assert scripted.prompts[-1].endswith("</think>\n\n<tool_call>\n<function=get_weather>\n")
     assert toolkit.CALL_CLOSE in scripted.configs[-1].stop_strings  # one call: the reply ends with it
+    assert scripted.configs[-1].constraint is not None
     (call,) = r.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     r = ask(client, scripted, THOUGHT + CALL + "\n" + CALL, tools=TOOLS, parallel_tool_calls=False)
@@ -246,5 +252,82 @@ def test_tools_on_a_model_whose_template_renders_none(real) -> None:
         r = ask(c, scripted, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', tools=TOOLS)
         assert r.choices[0].message.tool_calls[0].function.name == "get_time"
         assert scripted.prompts[-1].startswith("<|im_start|>system\n# Tools\n") and '"get_weather"' in scripted.prompts[-1]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("template", [QWEN35, QWEN36, QWEN3_STYLE, None],
+                         ids=["qwen3.5", "qwen3.6", "qwen3-json", "written-json"])
+def test_a_forced_call_the_model_writes_is_valid_for_its_schema(real, template: str | None) -> None:
+    """tool_choice required or named: the embedded model, which never learnt any of these markups, writes its calls
+    under the call grammar (engine.tools.call_grammar), greedy and sampled: each one parses, names the forced
+    function where one is, and its arguments validate against the function's schema; the reply ends after the
+    call (or the calls)."""
+    chat = ChatFormat(template, real.tokenizer) if template is not None else real.chat
+    fmt = toolkit.tool_format(chat)
+    # WEATHER with its texts, lists and objects bounded (a weak model's text runs on where a real one's ends)
+    props = {**WEATHER["properties"], "city": {"type": "string", "maxLength": 24},
+             "note": {"type": ["string", "null"], "maxLength": 16},
+             "hours": {**WEATHER["properties"]["hours"], "maxItems": 4},
+             "where": {**WEATHER["properties"]["where"], "additionalProperties": False}}
+    schemas = {"get_weather": {**WEATHER, "properties": props, "additionalProperties": False},
+               "get_time": {**SCHEMAS["get_time"], "additionalProperties": False}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    msgs = USER if fmt.native else toolkit.written_in(USER, tools)
+    prompt = chat.encode(msgs, enable_thinking=False, tools=tools if fmt.native else None)
+    for forced, parallel in (("get_weather", False), (None, False), (None, True)):
+        c = Constraint.grammar_of(toolkit.call_grammar(fmt, schemas, forced, parallel))
+        c.check()
+        ids = prompt + real.tokenizer.encode(fmt.opening(forced), special=True, add_bos=False)
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3), SamplingConfig(temperature=1.5,
+                                                                                                   seed=4)):
+            out, _, _, done = collect(real, ids, max_tokens=600, mtp=False, constraint=c, sampling=sampling)
+            raw = [x for x in split(fmt.opening(forced) + real.tokenizer.decode(out)) if isinstance(x, toolkit.RawCall)]
+            if done.reason == "max_tokens" and parallel:  # call after call until the room ran out: the last one cut
+                raw = [x for x in raw if x.closed]
+            else:
+                assert done.reason == "eos" and len(raw) == 1, (sampling, real.tokenizer.decode(out))
+            calls = [toolkit.parse_call(fmt, x, schemas) for x in raw]
+            assert calls
+            for call in calls:
+                jsonschema.validate(call.arguments, schemas[call.name])
+            assert forced is None or [call.name for call in calls] == [forced]
+
+
+def test_forced_calls_through_the_server_always_come_back_valid(real) -> None:
+    """The served embedded model (its plain ChatML: the json form written into the messages) under tool_choice
+    required and named, whole and streamed: every reply is a call whose arguments validate, finish_reason
+    tool_calls."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                 "additionalProperties": False}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    srv = LocalServer(real, port=0)
+    srv.start()
+    try:
+        c = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+        named = {"type": "function", "function": {"name": "get_time"}}
+        for seed, choice in enumerate(["required", named, "required", named]):
+            r = c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice=choice, max_tokens=200,
+                                          temperature=1.0, seed=seed, parallel_tool_calls=False)
+            (call,) = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert choice == "required" or call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        chunks = list(c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice="required",
+                                                max_tokens=200, temperature=0.9, seed=7, stream=True))
+        calls: dict[int, list[str]] = {}  # parallel calls allowed: each index its name and its arguments' pieces
+        for d in (d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])):
+            name_args = calls.setdefault(d.index, ["", ""])
+            name_args[0] += d.function.name or ""
+            name_args[1] += d.function.arguments or ""
+        assert calls
+        for name, args in calls.values():
+            jsonschema.validate(json.loads(args), schemas[name])
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
     finally:
         srv.stop()

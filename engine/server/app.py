@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -29,6 +30,7 @@ from starlette.routing import Route
 from engine import tools as toolkit
 from engine import validate
 from engine.api import ServedEngine
+from engine.constrain import Constraint
 from engine.errors import ChatTemplateError, InvalidParameterError
 from engine.server import anthropic, guard, protocol
 from engine.server.protocol import APIError, Request, bad
@@ -134,6 +136,8 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
         gen = replace(req.gen, max_tokens=min(req.max_tokens or req.gen.max_tokens, eng.n_ctx - len(ids)))
         if prompt.calls is not None and prompt.calls.tools.single and len(gen.stop_strings) < validate.MAX_STOP_STRINGS:
             gen = replace(gen, stop_strings=gen.stop_strings + (toolkit.CALL_CLOSE,))  # one call: end after it
+        if prompt.calls is not None and prompt.calls.prefill:
+            gen = replace(gen, constraint=_call_constraint(prompt.calls))
         try:
             job = scheduler.submit(eng, ids, gen)
         except QueueFullError as e:
@@ -234,6 +238,20 @@ def _encode(eng: ServedEngine, req: Request) -> _Prompt:
         ids += eng.tokenizer.encode((f"\n{CLOSE}\n\n" if thinking else "") + prefill, special=True, add_bos=False)
         thinking = False
     return _Prompt(req, eng, ids, thinking, None if tools is None else CallSetup(tools, fmt, prefill))
+
+
+def _call_constraint(calls: CallSetup) -> Constraint | None:
+    """A forced call (tool_choice required or named) held to its markup and its function's schema by constrained
+    decoding (engine.tools.call_grammar): every call such a reply makes parses and validates. None where llguidance
+    cannot enforce a schema: the call is then checked after it is made, as an unforced one is."""
+    tools = calls.tools
+    c = Constraint.grammar_of(toolkit.call_grammar(calls.fmt, tools.schemas, tools.forced, tools.parallel))
+    try:
+        c.check()
+    except (InvalidParameterError, ValueError) as e:  # a schema llguidance does not implement, a name it cannot take
+        logging.getLogger(__name__).info("a forced tool call is not constrained: %s", e)
+        return None
+    return c
 
 
 def _check_size(eng: ServedEngine, req: Request) -> None:
