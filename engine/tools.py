@@ -93,8 +93,9 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]], forc
     """What may follow a forced call's prefill (`fmt.opening(forced)`) as a Lark grammar (engine.constrain's
     Constraint.grammar_of): the call written as the template writes one, of `forced` or of any function, with
     arguments valid for the function's schema - json: the arguments object; xml: each parameter in the schema's
-    order (the optional ones may be left out), a string's value as text up to the parameter's end, any other as JSON
-    - then the call's end; where `parallel` and no function is forced, more calls after it."""
+    order (the optional ones may be left out), a string's value as text up to the parameter's end, any other as JSON,
+    and any others the schema leaves open, as text - then the call's end; where `parallel` and no function is forced,
+    more calls after it."""
     names, rules = list(schemas), []
     for i, name in enumerate(names):
         extra: list[str] = []
@@ -129,6 +130,10 @@ def _arguments(fmt: ToolFormat, schema: Mapping[str, Any], i: int, extra: list[s
             body = f"{_json(sub)} {_lit(fmt.close_value)}"
         extra.append(f"p{i}_{j}: {head} {body}")
         parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+    if schema.get("additionalProperties", True) is not False:  # parameters the schema leaves open, as text
+        extra += [f"x{i}: {_lit('<parameter=')} /[^>\\n]+/ {_lit(fmt.open_value)} xv{i}",
+                  f"xv{i}[suffix={_lit(fmt.close_value)}]: /(?s:.*)/"]
+        parts.append(f"x{i}*")
     return " ".join(parts)
 
 
