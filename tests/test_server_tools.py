@@ -331,3 +331,27 @@ def test_forced_calls_through_the_server_always_come_back_valid(real) -> None:
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
     finally:
         srv.stop()
+
+
+def test_the_call_grammar_keeps_what_a_schema_leaves_open_and_refuses_what_it_closes(real) -> None:
+    from engine.constrain import ConstraintError, Matcher
+
+    fmt = toolkit.tool_format(ChatFormat(QWEN35, real.tokenizer))
+    schemas = {"open": {"type": "object"},
+               "shut": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}}
+    c = Constraint.grammar_of(toolkit.call_grammar(fmt, schemas, None, False))
+
+    def takes(text: str) -> bool:
+        m = Matcher(c, real.tokenizer)
+        try:
+            for t in real.tokenizer.encode(text, add_bos=False):
+                m.consume(t)
+        except ConstraintError:
+            return False
+        return m.done
+    end = "</function>\n</tool_call>"
+    assert takes("open>\n<parameter=x>\nhello\n</parameter>\n<parameter=y>\n3\n</parameter>\n" + end)
+    assert takes("shut>\n<parameter=a>\n3\n</parameter>\n" + end) and takes("shut>\n" + end)
+    assert not takes("shut>\n<parameter=zz>\nq\n</parameter>\n" + end)
+    assert not takes("shut>\n<parameter=a>\nthree\n</parameter>\n" + end)
+    assert not takes("other>\n" + end)
