@@ -255,6 +255,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = validate.text("--prompt", args.prompt)
     else:
         prompt = [Message("user", validate.text("--prompt", args.prompt))]
+    if args.schema and args.remote:
+        raise InvalidParameterError("--schema holds a local model's reply (a remote server's own response_format "
+                                    "support differs): drop --remote or --schema")
     gen = GenerationConfig(
         max_tokens=args.max_tokens,
         sampling=SamplingConfig(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -262,6 +265,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_strings=tuple(args.stop or ()),
         mtp=args.mtp,
         draft=args.draft,
+        constraint=_schema(args.schema) if args.schema else None,
     )
     validate.validate_generation(gen)  # every range checked before the model is opened
     if (args.api_key or args.remote_model) and not args.remote:
@@ -285,6 +289,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"\n[{done.reason}] {final.generated_tokens} tokens, {final.decode_tok_s:.1f} tok/s decode, "
               f"TTFT {final.ttft_s * 1000:.0f} ms", file=sys.stderr)
     return 0
+
+
+def _schema(path: str) -> Any:
+    """--schema FILE: the JSON schema a reply is held to, checked before the model is opened (why, where it is not one
+    llguidance can enforce)."""
+    from jsonschema.exceptions import SchemaError
+
+    from engine import tools as toolkit
+    from engine.constrain import Constraint
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InvalidParameterError(f"--schema: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise InvalidParameterError(f"--schema: {path} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidParameterError(f"--schema: {path} must hold a JSON schema object")
+    try:
+        toolkit.check_schema(schema)
+    except (SchemaError, RecursionError) as e:
+        raise InvalidParameterError(f"--schema: {path} is not a JSON schema: {str(e).splitlines()[0][:300]}") from None
+    constraint = Constraint.json_schema(schema)
+    constraint.check()
+    return constraint
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -346,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeat-penalty", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--schema", metavar="FILE", help="hold the reply to the JSON schema in FILE (constrained decoding)")
     s.add_argument("--ctx", type=int, default=4096, help="context length")
     s.add_argument("--mtp", dest="mtp", action="store_true", default=True,
                    help="speculative decoding with the model's MTP head (default when the model has one)")

@@ -178,3 +178,29 @@ def test_collect_reports_a_prompt_over_the_context() -> None:
 
     with pytest.raises(ContextOverflowError, match="the prompt has 9 tokens"):
         collect([Done("context_overflow", "the prompt has 9 tokens but the context holds 4")])
+
+
+def test_generate_holds_a_reply_to_a_schema_file_or_says_why_not(tmp_path: Path, capsys) -> None:
+    """generate --schema FILE: the reply is JSON valid for the schema (constrained decoding), greedy and sampled; a
+    missing file, one that is not JSON, not a schema or not one llguidance enforces, or --remote: one line, exit 2."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(schema))
+    for extra in ([], ["--temp", "1.0", "--seed", "3"]):
+        assert engine_main(["generate", "--prompt", "A person as JSON.", "--schema", str(path), "--json",
+                            "--max-tokens", "120", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        jsonschema.validate(json.loads(out["text"]), schema)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "typo.json").write_text('{"type": "strin"}')
+    for name, needle in (("nope.json", "cannot read"), ("broken.json", "is not JSON"), ("list.json", "schema object"),
+                         ("typo.json", "is not a JSON schema")):
+        rc = engine_main(["generate", "--prompt", "x", "--schema", str(tmp_path / name)])
+        assert rc == 2 and needle in _one_line(rc, capsys.readouterr().err)
+    rc = engine_main(["generate", "--prompt", "x", "--schema", str(path), "--remote", "http://127.0.0.1:9"])
+    assert rc == 2 and "--schema holds a local model's reply" in _one_line(rc, capsys.readouterr().err)
