@@ -138,13 +138,12 @@ class Matcher:
         if not self._m.consume_token(token):
             raise ConstraintError(f"token {token} was emitted against the constraint: {self._m.get_error()[:300]}")
 
-    def forced(self, limit: int, ahead: bool = False) -> list[int]:
+    def forced(self, limit: int) -> list[int]:
         """The tokens that follow whatever the model says (the only one the constraint allows, step after step: a
-        key's name, its quotes and colon), at most `limit`, consumed (`ahead`: moved over as drafts are, undone by
-        `back`). Each is checked against the whole mask, so a run is exactly what sampling under the mask would
-        choose; llguidance's forced text (its fast-forward tokens, ~2 us) is asked first, so a step with a choice
-        costs no mask. The mask of the state the run ends in stays for the token sampled there."""
-        take = self.ahead if ahead else self.consume
+        key's name, its quotes and colon), at most `limit`, consumed. Each is checked against the whole mask, so a
+        run is exactly what sampling under the mask would choose; llguidance's forced text (its fast-forward
+        tokens, ~2 us) is asked first, so a step with a choice costs no mask. The mask of the state the run ends in
+        stays for the token sampled there."""
         run: list[int] = []
         while len(run) < limit and not self.done:
             ff = self.forces()
@@ -153,7 +152,7 @@ class Matcher:
             t, words = ff[0], self.bits().numpy().view(np.uint32)
             if words[t >> 5] != 1 << (t & 31) or np.count_nonzero(words) != 1:
                 break
-            take(t)
+            self.consume(t)
             run.append(t)
         return run
 

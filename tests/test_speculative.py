@@ -79,8 +79,7 @@ class OracleDrafter(MTPDrafter):
         self.__dict__.update(base.__dict__)
         self.truth, self.prompt_len, self.wrong_every, self.calls = truth, prompt_len, wrong_every, 0
 
-    def draft(self, x, depth, sampler, history, p_min=0.0, matcher=None, confidence=False, budget_s=None,
-              forced=0) -> Draft:
+    def draft(self, x, depth, sampler, history, p_min=0.0, matcher=None, confidence=False, budget_s=None) -> Draft:
         d = super().draft(x, depth, sampler, history, 0.0, matcher, budget_s=budget_s)
         start = len(history) - self.prompt_len  # index in `truth` of the first draft
         self.calls += 1

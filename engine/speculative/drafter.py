@@ -24,12 +24,6 @@ class Draft:
     probs: list[torch.Tensor | None]  # the draft distribution q_i each token was drawn from (None: greedy)
     catch_up_s: float = 0.0  # spent running the head over a long backlog (the prompt) before drafting
     confidence: list[float] = field(default_factory=list)  # each draft's top probability (where asked for)
-    forced: int = 0  # the last tokens are a constraint's forced run after the head's drafts, not drafts of the head
-
-    @property
-    def drafted(self) -> int:
-        """The head's own drafts (what acceptance statistics count)."""
-        return len(self.tokens) - self.forced
 
 
 class MTPDrafter:
@@ -94,16 +88,13 @@ class MTPDrafter:
         self.restarts += 1
 
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0,
-              matcher: Matcher | None = None, confidence: bool = False, budget_s: float | None = None,
-              forced: int = 0) -> Draft:
+              matcher: Matcher | None = None, confidence: bool = False, budget_s: float | None = None) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty). A draft past the first whose top
         probability is below `p_min` ends the chain; `confidence` keeps every draft's top probability. Under a constraint (`matcher`,
         moved ahead over the chain and back) each draft is chosen from the head's masked row, so every draft is one
-        the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it; where the
-        constraint then forces a run (`Matcher.forced`), up to `forced` of its tokens end the chain for nothing (the
-        verify takes them, as sure as the draft before them: Draft.forced). A backlog the head would take longer
-        than `budget_s` to catch up on is cut to its latest rows (_restart_within)."""
+        the constraint allows: a JSON key or bracket it forces is drafted, and the verify can accept it. A backlog
+        the head would take longer than `budget_s` to catch up on is cut to its latest rows (_restart_within)."""
         out = Draft([], [])
         if len(self.pending_tokens) > MAX_DRAFT + 1:  # a backlog (steps decoded without drafting): caught up on
             t0 = time.perf_counter()  # its own and timed apart, so auto's draft cost stays a step's drafts
@@ -141,12 +132,6 @@ class MTPDrafter:
                 hist.append(tok)
                 if matcher is not None:
                     matcher.ahead(tok)
-                    run = matcher.forced(forced, ahead=True) if forced > 0 else []
-                    if run:  # the head need not guess these: the chain takes them and ends
-                        out.tokens += run
-                        out.probs += [None if sampler.cfg.greedy else one_hot(t, logits.numel()) for t in run]
-                        out.forced = len(run)
-                        break
                 if i + 1 < depth and self.cache.pos < self.cache.n_ctx and not (matcher is not None and matcher.done):
                     res = self.head.forward([tok], res.hidden[-1:], self.cache, logit_rows="draft")
                 else:
@@ -162,14 +147,6 @@ class MTPDrafter:
         self.cache.truncate(self._committed)
         self.last_hidden = verify_hidden[0]
         self.push(tokens[1:kept + 1], verify_hidden[1:kept + 1])
-
-
-def one_hot(token: int, n_vocab: int) -> torch.Tensor:
-    """The distribution of a draft chosen without a model: all its mass on the token (rejection sampling against it
-    keeps the emitted tokens distributed as plain sampling)."""
-    q = torch.zeros(n_vocab)
-    q[token] = 1.0
-    return q
 
 
 def _first_max(row: torch.Tensor) -> int:

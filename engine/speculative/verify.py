@@ -21,12 +21,12 @@ except ImportError:  # not on Windows: no fault counts there
     resource = None  # type: ignore[assignment]
 
 from engine.constrain import Matcher
-from engine.decoding import FORCED_RUN, PlainDecoder, Reply, StepRows
+from engine.decoding import PlainDecoder, Reply, StepRows
 from engine.events import Event
 from engine.models.qwen35 import ForwardResult
 from engine.sampling import Sampler
 from engine.speculative.depth import DepthController, SpecStats
-from engine.speculative.drafter import Draft, MTPDrafter, one_hot
+from engine.speculative.drafter import Draft, MTPDrafter
 
 
 class SpeculativeDecoder:
@@ -59,7 +59,7 @@ class SpeculativeDecoder:
         return self._plan(x, run, room, k)
 
     def _plan(self, x: int, run: Reply, room: int, k: int) -> StepRows:
-        return self._plain(x, run, room) if k == 0 else self._speculative(x, k, run, room)
+        return self._plain(x, run, room) if k == 0 else self._speculative(x, k, run)
 
     def _plain(self, x: int, run: Reply, room: int) -> StepRows:
         sampler, spec, depth = self.sampler, self.stats, self.depth
@@ -102,19 +102,17 @@ class SpeculativeDecoder:
     def _after_probe(self, tokens: Sequence[int], hidden: torch.Tensor) -> None:
         self.drafter.commit(0, tokens, hidden)
 
-    def _speculative(self, x: int, k: int, run: Reply, room: int) -> StepRows:
+    def _speculative(self, x: int, k: int, run: Reply) -> StepRows:
         """Draft k tokens after x; the pass verifies [x, d1..dk]; its end emits and commits the kept prefix."""
         sampler, spec, depth, cache = self.sampler, self.stats, self.depth, self.cache
         cost_only = depth.cost_only
         t0, f0 = time.perf_counter(), major_faults()
         if cost_only:  # a stand-in draft (x again): the pass costs what a verify of two rows costs, the head sleeps
-            draft = Draft([x], [None if sampler.cfg.greedy else one_hot(x, self.runner.hp.n_vocab)])
+            draft = Draft([x], [None if sampler.cfg.greedy else _one_hot(x, self.runner.hp.n_vocab)])
         else:
             cut = depth.chain_p_min(k)
-            # under a constraint a run it forces after a draft joins the verify, up to the rows a one-call pass takes
-            extra = max(min(FORCED_RUN - k, room - k), 0) if run.matcher is not None else 0
             draft = self.drafter.draft(x, k, sampler, run.history, cut, run.matcher, confidence=depth.learns_cut,
-                                       budget_s=depth.catch_up_budget(), forced=extra)
+                                       budget_s=depth.catch_up_budget())
         draft_s, faulted = time.perf_counter() - t0, major_faults() > f0
         pos0 = cache.pos
         seq = [x] + draft.tokens
@@ -129,8 +127,7 @@ class SpeculativeDecoder:
                 n_acc, nxt = accept_sampling(res.logits, draft, sampler, run.history,  # type: ignore[arg-type]
                                              run.matcher)
             t_acc = time.perf_counter()
-            # a stand-in is no draft, nor is a constraint's forced run
-            emitted = [(d, not cost_only and i < draft.drafted) for i, d in enumerate(draft.tokens[:n_acc])] + [(nxt, False)]
+            emitted = [(d, not cost_only) for d in draft.tokens[:n_acc]] + [(nxt, False)]  # a stand-in is no draft
             n_out = len(run.out_ids)
             kept = 0
             try:
@@ -147,18 +144,26 @@ class SpeculativeDecoder:
                     self.drafter.commit(c, seq, res.hidden)
                 self.plain.advance(seq[:c + 1], res.logits[c])  # type: ignore[index]
             t4 = time.perf_counter()
-            if not cost_only:  # a stand-in's fate says nothing of the head's acceptance, nor does a forced run's
-                spec.record(draft.drafted, min(n_acc, draft.drafted))
-                depth.observe_chain(draft.confidence, min(n_acc, draft.drafted))
+            if not cost_only:  # a stand-in's fate says nothing of the head's acceptance
+                spec.record(len(draft.tokens), n_acc)
+                depth.observe_chain(draft.confidence, n_acc)
             spec.draft_s += draft_s
             spec.verify_s += pass_s
             spec.commit_s += t4 - t3
             # auto weighs a verify step as all it costs beside the drafts: the pass, acceptance and the commit (a plain
             # step's measured time holds its sampling and bookkeeping likewise); the consumer's time in emit is not ours
-            depth.observe_verify(len(seq), pass_s + (t_acc - t1) + (t4 - t3), 0 if cost_only else draft.drafted,
+            depth.observe_verify(len(seq), pass_s + (t_acc - t1) + (t4 - t3), 0 if cost_only else len(draft.tokens),
                                  draft_s - draft.catch_up_s, faulted)
             return emitted[kept - 1][0]
         return StepRows(seq, True, finish)
+
+
+def _one_hot(token: int, n_vocab: int) -> torch.Tensor:
+    """The distribution of a draft chosen without a model: all its mass on the token (rejection sampling against it
+    keeps the emitted tokens distributed as plain sampling)."""
+    q = torch.zeros(n_vocab)
+    q[token] = 1.0
+    return q
 
 
 def major_faults() -> int:
