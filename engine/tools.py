@@ -88,6 +88,10 @@ def tool_format(chat: ChatFormat) -> ToolFormat:
                       text[value + len(_PROBE_VALUE):function_end])
 
 
+# a text value's maxLength the grammar keeps (a counted repeat that long compiles fast); past it, any length
+MAX_TEXT_BOUND = 4096
+
+
 def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]], forced: str | None,
                  parallel: bool) -> str:
     """What may follow a forced call's prefill (`fmt.opening(forced)`) as a Lark grammar (engine.constrain's
@@ -116,12 +120,13 @@ def _arguments(fmt: ToolFormat, schema: Mapping[str, Any], i: int, extra: list[s
     for j, (key, sub) in enumerate(props.items()):
         head = _lit("<parameter=" + key + fmt.open_value)
         if _raw_text(sub):  # a string's value as it stands, up to the parameter's end
-            values = [v for v in (sub.get("enum") or ()) if isinstance(v, str)] if isinstance(sub, Mapping) else []
+            values = _strings(sub)
             if values:
                 body = "(" + " | ".join(_lit(v) for v in values) + f") {_lit(fmt.close_value)}"
             else:  # up to the schema's maxLength characters (llguidance's JSON strings keep it too)
-                most = sub.get("maxLength") if isinstance(sub, Mapping) else None
-                span = f"{{0,{int(most)}}}" if isinstance(most, int) and not isinstance(most, bool) else "*"
+                most = sub.get("maxLength")
+                bounded = isinstance(most, int) and not isinstance(most, bool) and 0 <= most <= MAX_TEXT_BOUND
+                span = f"{{0,{most}}}" if bounded else "*"
                 extra.append(f"v{i}_{j}[suffix={_lit(fmt.close_value)}]: /(?s:.{span})/")
                 body = f"v{i}_{j}"
         elif isinstance(sub, Mapping) and sub.get("type") == "boolean":  # Qwen3.5 writes Python's True / False
@@ -145,8 +150,13 @@ def _raw_text(schema: Any) -> bool:
     declared = schema.get("type")
     if declared == "string" or (isinstance(declared, list) and "string" in declared):
         return True
+    return declared is None and bool(_strings(schema))
+
+
+def _strings(schema: Mapping[str, Any]) -> list[str]:
+    """The values of an enum or const of strings only (none otherwise)."""
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    return declared is None and bool(values) and all(isinstance(v, str) for v in values)
+    return list(values) if isinstance(values, list) and values and all(isinstance(v, str) for v in values) else []
 
 
 def _json(schema: Any) -> str:

@@ -334,11 +334,16 @@ def test_forced_calls_through_the_server_always_come_back_valid(real) -> None:
 
 
 def test_the_call_grammar_keeps_what_a_schema_leaves_open_and_refuses_what_it_closes(real) -> None:
+    """Open parameters taken as text, closed ones refused; a wrong type, an unknown function, a const broken and a
+    text past its maxLength refused."""
     from engine.constrain import ConstraintError, Matcher
 
     fmt = toolkit.tool_format(ChatFormat(QWEN35, real.tokenizer))
     schemas = {"open": {"type": "object"},
-               "shut": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}}
+               "shut": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+               "text": {"type": "object", "properties": {"mode": {"const": "fast"}, "t": {"type": "string",
+                                                                                         "maxLength": 3}},
+                        "additionalProperties": False}}
     c = Constraint.grammar_of(toolkit.call_grammar(fmt, schemas, None, False))
 
     def takes(text: str) -> bool:
@@ -355,3 +360,6 @@ def test_the_call_grammar_keeps_what_a_schema_leaves_open_and_refuses_what_it_cl
     assert not takes("shut>\n<parameter=zz>\nq\n</parameter>\n" + end)
     assert not takes("shut>\n<parameter=a>\nthree\n</parameter>\n" + end)
     assert not takes("other>\n" + end)
+    assert takes("text>\n<parameter=mode>\nfast\n</parameter>\n<parameter=t>\nabc\n</parameter>\n" + end)
+    assert not takes("text>\n<parameter=mode>\nslow\n</parameter>\n" + end)  # a const of a string
+    assert not takes("text>\n<parameter=t>\nabcd\n</parameter>\n" + end)  # past maxLength
