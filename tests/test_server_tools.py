@@ -319,7 +319,8 @@ def test_forced_calls_through_the_server_always_come_back_valid(real) -> None:
             assert choice == "required" or call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         chunks = list(c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice="required",
-                                                max_tokens=200, temperature=0.9, seed=7, stream=True))
+                                                max_tokens=200, temperature=0.9, seed=7, stream=True,
+                                                parallel_tool_calls=False))
         calls: dict[int, list[str]] = {}  # parallel calls allowed: each index its name and its arguments' pieces
         for d in (d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])):
             name_args = calls.setdefault(d.index, ["", ""])
@@ -329,6 +330,24 @@ def test_forced_calls_through_the_server_always_come_back_valid(real) -> None:
         for name, args in calls.values():
             jsonschema.validate(json.loads(args), schemas[name])
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+        # calls after calls until max_tokens cuts one: the whole ones come back, the reply says it was cut
+        r = c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice="required", max_tokens=60,
+                                      temperature=1.0, seed=1)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and msg.tool_calls
+        assert any("ended inside a tool call" in e for e in msg.model_extra["tool_call_errors"])
+        # the same on /v1/messages: tool_use blocks, and stop_reason max_tokens
+        import anthropic
+
+        a = anthropic.Anthropic(base_url=srv.url.removesuffix("/v1"), api_key="none", max_retries=0, timeout=60)
+        m = a.messages.create(model="m", max_tokens=60, messages=USER, extra_body={"temperature": 0.0},
+                              tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                     for t in tools], tool_choice={"type": "any"})
+        assert m.stop_reason == "max_tokens" and any(b.type == "tool_use" for b in m.content)
+        m = a.messages.create(model="m", max_tokens=200, messages=USER,
+                              tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                     for t in tools], tool_choice={"type": "tool", "name": "get_weather"})
+        assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
     finally:
         srv.stop()
 

@@ -137,8 +137,10 @@ class AnthropicReply:
                 "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens}}
 
     def _stop(self, done: Done) -> str:
-        return "tool_use" if any(b["type"] == "tool_use" for b in self.blocks) else STOP_REASONS.get(done.reason,
-                                                                                                    "end_turn")
+        """A reply cut short says so (max_tokens) even after whole tool calls, as protocol.finish_reason does."""
+        if done.reason not in ("max_tokens", "context_full") and any(b["type"] == "tool_use" for b in self.blocks):
+            return "tool_use"
+        return STOP_REASONS.get(done.reason, "end_turn")
 
     def _blocks(self, piece: Piece) -> list[tuple[str, str | dict[str, Any]]]:
         """(kind, text) for thinking and text, ("tool_use", block) per call, in the reply's order."""

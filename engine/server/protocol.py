@@ -428,8 +428,12 @@ def _mtp(value: Any, defaults: GenerationConfig) -> tuple[bool, int | None]:
 
 # -- response parts --------------------------------------------------------------------------------------------
 def finish_reason(done_reason: str, calls: bool = False) -> str:
-    """OpenAI's finish_reason for the engine's Done reason; `calls`: the reply made tool calls."""
-    return "tool_calls" if calls else "length" if done_reason in ("max_tokens", "context_full") else "stop"
+    """OpenAI's finish_reason for the engine's Done reason; `calls`: the reply made tool calls. A reply cut short is
+    "length" even after whole calls (the next one was cut, its markup left in the content): a client that ran the
+    calls as all there were would be wrong."""
+    if done_reason in ("max_tokens", "context_full"):
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def usage(st: Stats) -> dict[str, Any]:
