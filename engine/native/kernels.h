@@ -26,6 +26,7 @@ enum { T_Q4_0_PACKED = 102, T_Q4_1_PACKED = 103, T_Q5_0_PACKED = 106, T_Q5_1_PAC
        T_IQ4_NL_PACKED = 120, T_IQ4_XS_PACKED = 123, T_MXFP4_PACKED = 139 };
 #define GROUP 16
 #define X16_TILE 4  /* activation rows per pass over a packed group block (their sums stay in registers) */
+#define X16_TILE_WIDE 6  /* the same in AVX512's 32 registers, for packed_x16.c's types (at 8 their sums spill) */
 
 /* What the exported calls return on failure (0 on success; group_expert_pairs a count). A call returns the failure
  * it meets as it is, in a call it makes too, so a code means the same whichever call returns it; engine/ops/native.py

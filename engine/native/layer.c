@@ -269,6 +269,7 @@ int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows,
 static int step_over(const LayerW *const *w, LayerPass *p, LayerPass *const *sq, int64_t n_seq, int64_t n_layers,
                      float *x, int64_t n, const int64_t *pos, const float *const *cos_t, const float *const *sin_t,
                      const StepIn *in, const MtpIn *mtp, const StepOut *out, int64_t skip, int64_t *failed) {
+    trace_restart();  /* the time since the last native call was the caller's */
     if (in) {
         const int rc = dequant_rows(in->qtype, in->table, in->row_bytes, in->n_rows, in->ids, n, w[0]->d, x);
         if (rc) {
