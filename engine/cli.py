@@ -294,10 +294,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _schema(path: str) -> Any:
     """--schema FILE: the JSON schema a reply is held to, checked before the model is opened (why, where it is not one
     llguidance can enforce)."""
-    from jsonschema.exceptions import SchemaError
-
     from engine import tools as toolkit
-    from engine.constrain import Constraint
 
     try:
         schema = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -308,12 +305,9 @@ def _schema(path: str) -> Any:
     if not isinstance(schema, dict):
         raise InvalidParameterError(f"--schema: {path} must hold a JSON schema object")
     try:
-        toolkit.check_schema(schema)
-    except (SchemaError, RecursionError) as e:
-        raise InvalidParameterError(f"--schema: {path} is not a JSON schema: {str(e).splitlines()[0][:300]}") from None
-    constraint = Constraint.json_schema(schema)
-    constraint.check()
-    return constraint
+        return toolkit.schema_constraint(schema)
+    except InvalidParameterError as e:
+        raise InvalidParameterError(f"--schema {path}: {e}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -149,12 +149,17 @@ class Matcher:
             ff = self.forces()
             if not ff or ff[0] in self._eog:
                 break
-            t, words = ff[0], self.bits().numpy().view(np.uint32)
-            if words[t >> 5] != 1 << (t & 31) or np.count_nonzero(words) != 1:
+            t = ff[0]
+            if not self.only_allows(t):
                 break
             self.consume(t)
             run.append(t)
         return run
+
+    def only_allows(self, token: int) -> bool:
+        """Whether the mask allows `token` and nothing else."""
+        words = self.bits().numpy().view(np.uint32)
+        return words[token >> 5] == 1 << (token & 31) and np.count_nonzero(words) == 1
 
     def ahead(self, token: int) -> None:
         """Move over a token not yet emitted (a draft); `back` undoes every such move. An end token is only noted:

@@ -23,8 +23,8 @@ import jsonschema
 from jsonschema.exceptions import best_match
 
 from engine.chat import ChatFormat
-from engine.constrain import JSON_LAYOUT
-from engine.errors import ChatTemplateError
+from engine.constrain import JSON_LAYOUT, Constraint
+from engine.errors import ChatTemplateError, InvalidParameterError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -261,6 +261,18 @@ class ToolCallError(ValueError):
 def check_schema(schema: Mapping[str, Any]) -> None:
     """jsonschema.SchemaError when `schema` is not a JSON schema (of the draft it names; 2020-12 by default)."""
     jsonschema.validators.validator_for(schema).check_schema(schema)
+
+
+def schema_constraint(schema: Mapping[str, Any]) -> Constraint:
+    """The constraint that holds a reply to `schema`: InvalidParameterError saying why where it is not a JSON schema
+    (check_schema) or not one llguidance can enforce (Constraint.check). Callers put their own name for it first."""
+    try:
+        check_schema(schema)
+    except (jsonschema.SchemaError, RecursionError) as e:
+        raise InvalidParameterError(f"not a JSON schema: {str(e).splitlines()[0][:300]}") from None
+    constraint = Constraint.json_schema(schema)
+    constraint.check()
+    return constraint
 
 
 def parse_call(fmt: ToolFormat, raw: RawCall, tools: Mapping[str, Mapping[str, Any]]) -> ToolCall:

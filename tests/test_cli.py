@@ -199,7 +199,7 @@ def test_generate_holds_a_reply_to_a_schema_file_or_says_why_not(tmp_path: Path,
     (tmp_path / "broken.json").write_text("{")
     (tmp_path / "typo.json").write_text('{"type": "strin"}')
     for name, needle in (("nope.json", "cannot read"), ("broken.json", "is not JSON"), ("list.json", "schema object"),
-                         ("typo.json", "is not a JSON schema")):
+                         ("typo.json", "not a JSON schema")):
         rc = engine_main(["generate", "--prompt", "x", "--schema", str(tmp_path / name)])
         assert rc == 2 and needle in _one_line(rc, capsys.readouterr().err)
     rc = engine_main(["generate", "--prompt", "x", "--schema", str(path), "--remote", "http://127.0.0.1:9"])

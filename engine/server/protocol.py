@@ -193,14 +193,10 @@ def parse_response_format(fmt: Any) -> Constraint | None:
         raise bad("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema.strict")
     schema = spec.get("schema", {})
     try:
-        toolkit.check_schema(schema)
-        constraint = Constraint.json_schema(schema)
-        constraint.check()
-    except (SchemaError, RecursionError, InvalidParameterError) as e:
-        raise bad(f"'response_format.json_schema.schema' is not a schema this server can enforce: "
-                  f"{str(e).splitlines()[0][:300]}",
+        return toolkit.schema_constraint(schema)
+    except InvalidParameterError as e:
+        raise bad(f"'response_format.json_schema.schema' is not a schema this server can enforce: {e}",
                   "response_format.json_schema.schema") from None
-    return constraint
 
 
 def parse_tools(tools: Any, choice: Any, parallel: bool | None) -> Tools | None:
