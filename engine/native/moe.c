@@ -140,13 +140,15 @@ static void reduce_sets(ExpertSet *sets, int n_sets, int64_t n) {
     }
 }
 
-/* Passes of up to WHOLE_ROWS tokens (decode steps) run each expert whole as one work item: its gate and up products
- * over its pairs, silu · up, those rows quantized for down, its down products. The layer's experts then take one
- * pool call instead of two, and silu and the quantization run on every thread instead of on the caller between the
- * calls: a decode step's experts are small (the embedded model's 100 KB, a 35B-A3B expert's 1.7 MB) beside the
- * 1–2 µs a hand-over to the pool costs. The items go largest first (pairs × the expert's bytes), so claiming them
- * in order evens the threads out. The kernels per row are the two-call form's, so are the bits. */
-#define WHOLE_ROWS 1
+/* Passes of up to WHOLE_ROWS tokens (decode steps, verifies, a batch's shared pass) run each expert whole as one work
+ * item: its gate and up products over its pairs, silu · up, those rows quantized for down, its down products. The
+ * layer's experts then take one pool call instead of two, and silu and the quantization run on every thread instead
+ * of on the caller between the calls: a decode step's experts are small (the embedded model's 100 KB, a 35B-A3B
+ * expert's 1.7 MB) beside the 1–2 µs a hand-over to the pool costs, and a verify's ~30 distinct experts of 1–3 rows
+ * each keep both threads busy (the mid MoE's 5-row verify: the caller's silu and quantization 0.3-0.5 ms of ~18, now
+ * 0.13 on all threads; scratch A/B, 1-2 % a verify). The items go largest first (pairs × the expert's bytes), so
+ * claiming them in order evens the threads out. The kernels per row are the two-call form's, so are the bits. */
+#define WHOLE_ROWS 16
 
 typedef struct {
     ExpertSet *set;
