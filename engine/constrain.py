@@ -36,10 +36,16 @@ class ConstraintError(EngineError):
 @dataclass(frozen=True)
 class Constraint:
     """The output must be JSON text valid for `schema` (the schema as JSON text), or, where `lark` is set, text of
-    that grammar (llguidance's Lark dialect: a tool call's markup around its arguments, engine.tools.call_grammar)."""
+    that grammar (llguidance's Lark dialect: a tool call's markup around its arguments, engine.tools.call_grammar).
+    Lazy (`trigger` set: a call the model may or may not make, tool_choice auto): the output is free text, and
+    wherever `trigger` appears in it (outside any block between `quiet`'s two markers, a thinking block; the reply
+    starts inside one where `quiet_first`) the text after it is held to the grammar until the grammar is done."""
 
     schema: str
     lark: str | None = None
+    trigger: str | None = None
+    quiet: tuple[str, str] | None = None
+    quiet_first: bool = False
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -53,6 +59,15 @@ class Constraint:
     @classmethod
     def grammar_of(cls, lark: str) -> Constraint:
         return cls("", lark)
+
+    @classmethod
+    def lazy(cls, lark: str, trigger: str, quiet: tuple[str, str] | None = None,
+             quiet_first: bool = False) -> Constraint:
+        return cls("", lark, trigger, quiet, quiet_first)
+
+    def matcher(self, tokenizer: Tokenizer) -> Matcher | LazyMatcher:
+        """A reply's place in this constraint (InvalidParameterError for a grammar that cannot be compiled)."""
+        return Matcher(self, tokenizer) if self.trigger is None else LazyMatcher(self, tokenizer)
 
     def grammar(self) -> str:
         if self.lark is not None:
@@ -110,6 +125,8 @@ class Matcher:
         self._bits = torch.zeros((self.n_vocab + 31) // 32, dtype=torch.int32)  # llguidance's mask: a bit per id
         # what is known of the current state (a state is asked about more than once): its mask in _bits, its forced text
         self._fresh, self._ff = False, None
+
+    free = False  # a mask holds every token (LazyMatcher.free)
 
     def allows(self, token: int) -> bool:
         """Whether the mask allows `token`, mostly without computing it: where the grammar forces text, llguidance's mask
@@ -180,3 +197,116 @@ class Matcher:
     def done(self) -> bool:
         """The output is complete (or an end token was taken ahead): nothing but the end may follow."""
         return self._ended or self._m.is_stopped()
+
+
+class LazyMatcher:
+    """A lazy constraint's place in a reply (Constraint.trigger): over free text nothing is masked (`free`: the sampler
+    and the drafter skip the mask), and no token is forced; where the trigger is emitted (or taken `ahead` in a draft),
+    a Matcher of the grammar over the text after it, until the grammar is done. The same calls as a Matcher, so the
+    decoders hold a call the model chooses to make as they hold a forced one - its drafts checked, its forced runs
+    taken - and free text costs no mask."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Tokenizer):
+        assert constraint.trigger is not None and constraint.lark is not None
+        self._tokenizer = tokenizer
+        self._grammar = Constraint.grammar_of(constraint.lark)
+        Matcher(self._grammar, tokenizer)  # compiled once now: a grammar llguidance refuses fails the request, not a reply
+        self._trigger = constraint.trigger.encode()
+        self._quiet = tuple(q.encode() for q in constraint.quiet) if constraint.quiet else None
+        self._in_quiet = constraint.quiet_first and self._quiet is not None
+        markers = [self._trigger, *(self._quiet or ())]
+        self._keep = max(len(m) for m in markers) - 1  # free text's tail kept: a marker split over tokens
+        self._tail = b""
+        self._inner: Matcher | None = None
+        self._saved: tuple[Matcher | None, bytes, bool] | None = None  # before the first `ahead`: what `back` restores
+        self._all: torch.Tensor | None = None
+
+    @property
+    def free(self) -> bool:
+        return self._inner is None
+
+    @property
+    def done(self) -> bool:
+        return False  # a reply under a lazy constraint ends as a free one does
+
+    def allows(self, token: int) -> bool:
+        return self._inner is None or self._inner.allows(token)
+
+    def bits(self) -> torch.Tensor:
+        if self._inner is not None:
+            return self._inner.bits()
+        if self._all is None:
+            self._all = torch.full(((self._tokenizer.n_vocab + 31) // 32,), -1, dtype=torch.int32)
+        return self._all
+
+    def forces(self) -> list[int]:
+        return [] if self._inner is None else self._inner.forces()
+
+    def only_allows(self, token: int) -> bool:
+        return self._inner is not None and self._inner.only_allows(token)
+
+    def forced(self, limit: int) -> list[int]:
+        if self._inner is None:
+            return []
+        run = self._inner.forced(limit)
+        if self._inner.done:
+            self._inner, self._tail = None, b""
+        return run
+
+    def consume(self, token: int) -> None:
+        self._step(token, False)
+
+    def ahead(self, token: int) -> None:
+        if self._saved is None:
+            self._saved = (self._inner, self._tail, self._in_quiet)
+        self._step(token, True)
+
+    def back(self) -> None:
+        if self._saved is None:
+            return
+        inner, self._tail, self._in_quiet = self._saved
+        if inner is not None:
+            inner.back()
+        self._inner, self._saved = inner, None
+
+    def _step(self, token: int, ahead: bool) -> None:
+        if self._inner is not None:
+            (self._inner.ahead if ahead else self._inner.consume)(token)
+            if self._inner.done:
+                self._inner, self._tail = None, b""
+            return
+        if token in self._tokenizer.eog_ids:
+            return
+        text = self._tail + self._tokenizer.token_bytes(token)
+        while True:
+            if self._in_quiet:
+                end = text.find(self._quiet[1])  # type: ignore[index]
+                if end < 0:
+                    break
+                text, self._in_quiet = text[end + len(self._quiet[1]):], False  # type: ignore[index]
+                continue
+            at = text.find(self._trigger)
+            opens = text.find(self._quiet[0]) if self._quiet else -1
+            if opens >= 0 and (at < 0 or opens < at):
+                text, self._in_quiet = text[opens + len(self._quiet[0]):], True  # type: ignore[index]
+                continue
+            if at >= 0:
+                self._tail = b""
+                self._open(text[at + len(self._trigger):])
+                return
+            break
+        self._tail = text[-self._keep:] if self._keep else b""
+
+    def _open(self, rest: bytes) -> None:
+        """The grammar's matcher, over the text the token that completed the trigger wrote after it. Where that text
+        does not begin what the grammar allows, nothing is held (the call is checked after it is made)."""
+        inner = Matcher(self._grammar, self._tokenizer)
+        try:
+            for t in self._tokenizer.encode(rest.decode("utf-8", "replace"), add_bos=False) if rest else ():
+                inner.consume(t)
+        except ConstraintError:
+            return
+        self._inner = None if inner.done else inner
+
+
+ReplyMatcher = Matcher | LazyMatcher  # what Constraint.matcher gives a reply

@@ -17,7 +17,6 @@ from typing import Callable, Generator, Iterator, Protocol, Sequence
 import torch
 
 from engine.cache import Cache
-from engine.constrain import Matcher
 from engine.events import Event, GenerationConfig, Token, TokenLogprob
 from engine.models.qwen35 import STEP_ROWS, ForwardResult
 from engine.models.runner import Runner
@@ -67,7 +66,7 @@ class Reply:
         self.detok = tokenizer.detokenizer(skip_special=True)  # control tokens are never shown
         self.stopper = StopStrings(gen.stop_strings)
         # the constraint's place, advanced by each emitted token (the sampler masks with it)
-        self.matcher = Matcher(gen.constraint, tokenizer) if gen.constraint is not None else None
+        self.matcher = gen.constraint.matcher(tokenizer) if gen.constraint is not None else None
         self._taken = 0  # tokens `forced` consumed in the matcher, not yet emitted
         self.t_first: float | None = None
         self.reason: str | None = None  # why it ended; None while it goes on

@@ -43,7 +43,9 @@ class SamplingConfig:
 
 
 class Mask(Protocol):
-    """What may come next under a constraint (engine.constrain.Matcher)."""
+    """What may come next under a constraint (engine.constrain.Matcher, LazyMatcher)."""
+
+    free: bool  # every token allowed now (a lazy constraint over free text): no mask to apply
 
     def allows(self, token: int) -> bool: ...
 
@@ -124,7 +126,7 @@ class Sampler:
 
     def penalized(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
         x = apply_repetition_penalty(logits, history, self.cfg)
-        return x if mask is None else ops.mask_logits(x, mask.bits())
+        return x if mask is None or mask.free else ops.mask_logits(x, mask.bits())
 
     def distribution(self, logits: torch.Tensor, history: Sequence[int], mask: Mask | None = None) -> torch.Tensor:
         return probs(self.penalized(logits, history, mask), self.cfg)

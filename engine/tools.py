@@ -93,13 +93,14 @@ MAX_TEXT_BOUND = 4096
 
 
 def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]], forced: str | None,
-                 parallel: bool) -> str:
+                 parallel: bool, lead: str = "") -> str:
     """What may follow a forced call's prefill (`fmt.opening(forced)`) as a Lark grammar (engine.constrain's
     Constraint.grammar_of): the call written as the template writes one, of `forced` or of any function, with
     arguments valid for the function's schema - json: the arguments object; xml: each parameter in the schema's
     order (the optional ones may be left out), a string's value as text up to the parameter's end, any other as JSON,
     and any others the schema leaves open, as text - then the call's end; where `parallel` and no function is forced,
-    more calls after it."""
+    more calls after it. `lead`: text first (what follows CALL_OPEN in the opening, where the grammar starts after the
+    tag: auto_call_grammar)."""
     names, rules = list(schemas), []
     for i, name in enumerate(names):
         extra: list[str] = []
@@ -107,7 +108,14 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]], forc
     rules.append("call: " + " | ".join(f"{_lit(n + fmt.after_name)} args{i}" for i, n in enumerate(names)))
     first = f"args{names.index(forced)}" if forced is not None else "call"
     more = f" ({_lit(chr(10) + fmt.head)} call)*" if parallel and forced is None else ""
-    return "\n".join([f"start: {first}{more}", *rules])
+    return "\n".join([f"start: {_lit(lead) + ' ' if lead else ''}{first}{more}", *rules])
+
+
+def auto_call_grammar(fmt: ToolFormat, schemas: Mapping[str, Mapping[str, Any]]) -> str:
+    """A call the model chooses to make (tool_choice auto), from after its CALL_OPEN tag to its end: the lazy
+    constraint's grammar (Constraint.lazy with CALL_OPEN as the trigger). One call: a next one opens with the tag
+    again."""
+    return call_grammar(fmt, schemas, None, False, fmt.head[len(CALL_OPEN):])
 
 
 def _arguments(fmt: ToolFormat, schema: Mapping[str, Any], i: int, extra: list[str]) -> str:

@@ -210,6 +210,9 @@ def test_tool_choice_variants(client, scripted) -> None:
     assert len(r.choices[0].message.tool_calls) == 1 and r.choices[0].finish_reason == "tool_calls"
     r = ask(client, scripted, THOUGHT + CALL + "\n" + CALL, tools=TOOLS, tool_choice="auto")
     assert len(r.choices[0].message.tool_calls) == 2
+    c = scripted.configs[-1].constraint  # each call the model opens held to the grammar, after its thinking block
+    assert c.trigger == toolkit.CALL_OPEN and c.quiet_first and c.lark == toolkit.auto_call_grammar(
+        toolkit.tool_format(scripted.chat), SCHEMAS)
 
 
 def test_invalid_arguments_are_reported_not_passed_on(client, scripted) -> None:
@@ -382,3 +385,76 @@ def test_the_call_grammar_keeps_what_a_schema_leaves_open_and_refuses_what_it_cl
     assert takes("text>\n<parameter=mode>\nfast\n</parameter>\n<parameter=t>\nabc\n</parameter>\n" + end)
     assert not takes("text>\n<parameter=mode>\nslow\n</parameter>\n" + end)  # a const of a string
     assert not takes("text>\n<parameter=t>\nabcd\n</parameter>\n" + end)  # past maxLength
+
+
+@pytest.mark.parametrize("template", [QWEN35, QWEN3_STYLE, None], ids=["qwen3.5", "qwen3-json", "written-json"])
+def test_a_call_the_model_opens_under_tool_choice_auto_is_held_to_its_schema(real, template: str | None) -> None:
+    """tool_choice auto: the reply is free text, and a call it opens is held to the call grammar from its opening
+    to its end (a lazy constraint, engine.constrain.LazyMatcher), free text again after it. The embedded model never
+    writes CALL_OPEN: a piece of its own free reply stands in for the tag as the trigger. Greedy (with and without
+    MTP, the same tokens) and sampled: the text up to the trigger is the free reply's, after it a call that parses
+    and validates, then more text."""
+    chat = ChatFormat(template, real.tokenizer) if template is not None else real.chat
+    fmt = toolkit.tool_format(chat)
+    schemas = {"get_weather": {"type": "object", "additionalProperties": False, "required": ["city"], "properties": {
+        "city": {"type": "string", "maxLength": 24}, "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    msgs = USER if fmt.native else toolkit.written_in(USER, tools)
+    prompt = chat.encode(msgs, enable_thinking=False, tools=tools if fmt.native else None)
+    free_ids = collect(real, prompt, max_tokens=24, mtp=False)[0]
+    free = real.tokenizer.decode(free_ids)
+    lead = fmt.head[len(toolkit.CALL_OPEN):]  # what the grammar starts with after the trigger
+    # greedy: a piece of the free reply, ending where a token does; sampled (which need not write it): a letter
+    for sampling, trigger in ((SamplingConfig(), real.tokenizer.decode(free_ids[:6])[-8:]),
+                              (SamplingConfig(temperature=1.0, seed=5), "e")):
+        assert trigger.strip(), free
+        c = Constraint.lazy(toolkit.auto_call_grammar(fmt, schemas), trigger)
+        c.check()
+        runs = [collect(real, prompt, max_tokens=160, mtp=mtp, constraint=c, draft=2, sampling=sampling)[0]
+                for mtp in (False, True)]
+        assert sampling.temperature or runs[0] == runs[1]
+        text = real.tokenizer.decode(runs[0])
+        at = text.find(lead)
+        assert at > 0 and text[:at].endswith(trigger) and (sampling.temperature or free.startswith(text[:at])), text
+        end = text.find(toolkit.CALL_CLOSE, at) + len(toolkit.CALL_CLOSE)
+        assert end > at and len(text) > end, text  # the call closed, and the reply went on after it
+        (raw,) = [x for x in split(toolkit.CALL_OPEN + text[at:end]) if isinstance(x, toolkit.RawCall)]
+        call = toolkit.parse_call(fmt, raw, schemas)
+        jsonschema.validate(call.arguments, schemas[call.name])
+
+
+def test_the_lazy_matcher_masks_nothing_outside_a_call_and_undoes_drafts_past_its_opening(real) -> None:
+    """Free text: no mask; the opening tag, in one token or split over several, starts the call's grammar, which
+    ends with the call; a draft taken `ahead` over the opening is undone by `back`; an opening inside a thinking
+    block starts nothing."""
+    from engine.constrain import LazyMatcher
+    from engine.server.reasoning import CLOSE, OPEN
+
+    tok = real.tokenizer
+    fmt = toolkit.tool_format(ChatFormat(QWEN3_STYLE, tok))
+    schemas = {"f": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                     "additionalProperties": False}}
+    c = Constraint.lazy(toolkit.auto_call_grammar(fmt, schemas), toolkit.CALL_OPEN, (OPEN, CLOSE), quiet_first=True)
+    call = fmt.head[len(toolkit.CALL_OPEN):] + 'f", "arguments": {"a": 7}' + fmt.close
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_bos=False)
+
+    m = c.matcher(tok)
+    assert isinstance(m, LazyMatcher) and m.free and not m.done
+    for t in ids(f"Let me think {toolkit.CALL_OPEN} not yet{CLOSE}\n\nSure. <tool_") + ids("call>"):
+        m.consume(t)  # the tag inside the thinking block started nothing; split after it, it does
+    forced = m.forces()
+    assert not m.free and not m.allows(ids("x")[0]) and forced
+    for t in ids(call)[:3]:  # a draft into the call, then back: as it was
+        m.ahead(t)
+    m.back()
+    assert not m.free and m.forces() == forced
+    for t in ids(call):
+        m.consume(t)
+    assert m.free and m.allows(ids("x")[0])  # the call closed: free text again
+    for t in ids(" " + toolkit.CALL_OPEN):  # a draft past the opening
+        m.ahead(t)
+    assert not m.free
+    m.back()
+    assert m.free

@@ -34,7 +34,7 @@ from engine.constrain import Constraint
 from engine.errors import ChatTemplateError, InvalidParameterError
 from engine.server import anthropic, guard, protocol
 from engine.server.protocol import APIError, Request, bad
-from engine.server.reasoning import CLOSE, ReasoningSplitter, opens_thinking
+from engine.server.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_thinking
 from engine.server.reply import CallSetup, OpenAIReply, ReplyText
 from engine.server.scheduler import Job, QueueFullError, Scheduler
 
@@ -136,8 +136,8 @@ def create_app(scheduler: Scheduler, *, port: int, api_key: str | None = None,
         gen = replace(req.gen, max_tokens=min(req.max_tokens or req.gen.max_tokens, eng.n_ctx - len(ids)))
         if prompt.calls is not None and prompt.calls.tools.single and len(gen.stop_strings) < validate.MAX_STOP_STRINGS:
             gen = replace(gen, stop_strings=gen.stop_strings + (toolkit.CALL_CLOSE,))  # one call: end after it
-        if prompt.calls is not None and prompt.calls.prefill:
-            gen = replace(gen, constraint=_call_constraint(prompt.calls))
+        if prompt.calls is not None and (prompt.calls.prefill or gen.constraint is None):
+            gen = replace(gen, constraint=_call_constraint(prompt.calls, prompt.thinking))
         try:
             job = scheduler.submit(eng, ids, gen)
         except QueueFullError as e:
@@ -240,16 +240,19 @@ def _encode(eng: ServedEngine, req: Request) -> _Prompt:
     return _Prompt(req, eng, ids, thinking, None if tools is None else CallSetup(tools, fmt, prefill))
 
 
-def _call_constraint(calls: CallSetup) -> Constraint | None:
-    """A forced call (tool_choice required or named) held to its markup and its function's schema by constrained
-    decoding (engine.tools.call_grammar): every call such a reply makes parses and validates. None where llguidance
-    cannot enforce a schema: the call is then checked after it is made, as an unforced one is."""
-    tools = calls.tools
-    c = Constraint.grammar_of(toolkit.call_grammar(calls.fmt, tools.schemas, tools.forced, tools.parallel))
+def _call_constraint(calls: CallSetup, thinking: bool = False) -> Constraint | None:
+    """Calls held to their markup and their function's schema by constrained decoding (engine.tools.call_grammar):
+    a forced call (tool_choice required or named) from its prefilled opening; under tool_choice auto each call the
+    model opens (a lazy constraint from its CALL_OPEN tag, outside a thinking block: free text is not masked). Every
+    call such a reply makes parses and validates. None where llguidance cannot enforce a schema: the calls are then
+    checked after they are made."""
+    tools, fmt = calls.tools, calls.fmt
+    c = Constraint.grammar_of(toolkit.call_grammar(fmt, tools.schemas, tools.forced, tools.parallel)) if calls.prefill \
+        else Constraint.lazy(toolkit.auto_call_grammar(fmt, tools.schemas), toolkit.CALL_OPEN, (OPEN, CLOSE), thinking)
     try:
         c.check()
     except (InvalidParameterError, ValueError) as e:  # a schema llguidance does not implement, a name it cannot take
-        logging.getLogger(__name__).info("a forced tool call is not constrained: %s", e)
+        logging.getLogger(__name__).info("tool calls are not constrained: %s", e)
         return None
     return c
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.cache import Cache
 from engine.models.runner import HeadRunner
-from engine.constrain import Matcher
+from engine.constrain import ReplyMatcher
 from engine import ops
 from engine.sampling import Sampler
 from engine.events import MAX_DRAFT
@@ -88,7 +88,7 @@ class MTPDrafter:
         self.restarts += 1
 
     def draft(self, x: int, depth: int, sampler: Sampler, history: list[int], p_min: float = 0.0,
-              matcher: Matcher | None = None, confidence: bool = False, budget_s: float | None = None) -> Draft:
+              matcher: ReplyMatcher | None = None, confidence: bool = False, budget_s: float | None = None) -> Draft:
         """Up to `depth` chained drafts following token x (emitted, not yet processed by the trunk);
         `history` is every token so far, ending with x (for the repetition penalty). A draft past the first whose top
         probability is below `p_min` ends the chain; `confidence` keeps every draft's top probability. Under a constraint (`matcher`,
@@ -120,7 +120,7 @@ class MTPDrafter:
                     q = sampler.distribution(logits, hist, matcher)
                     tok = sampler.draw(q)
                 if i > 0 and (p_min > 0 or confidence):  # an unconfident draft is more likely to cost than to pay
-                    row = logits if matcher is None else ops.mask_logits(logits, matcher.bits())
+                    row = logits if matcher is None or matcher.free else ops.mask_logits(logits, matcher.bits())
                     conf = float(q.max()) if q is not None else float(torch.softmax(row.float(), -1).max())
                     if conf < p_min:
                         break

@@ -20,7 +20,7 @@ try:
 except ImportError:  # not on Windows: no fault counts there
     resource = None  # type: ignore[assignment]
 
-from engine.constrain import Matcher
+from engine.constrain import ReplyMatcher
 from engine.decoding import PlainDecoder, Reply, StepRows
 from engine.events import Event
 from engine.models.qwen35 import ForwardResult
@@ -173,7 +173,7 @@ def major_faults() -> int:
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: Sampler,
-                  history: list[int], matcher: Matcher | None = None) -> tuple[int, int]:
+                  history: list[int], matcher: ReplyMatcher | None = None) -> tuple[int, int]:
     """(number of drafts accepted, the trunk's own next token) — the longest matching prefix; under a constraint
     each row's choice is the masked one (the drafts are ones it allows)."""
     hist = list(history)
@@ -192,7 +192,7 @@ def accept_greedy(target_logits: torch.Tensor, drafts: Sequence[int], sampler: S
 
 
 def accept_sampling(target_logits: torch.Tensor, draft: Draft, sampler: Sampler,
-                    history: list[int], matcher: Matcher | None = None) -> tuple[int, int]:
+                    history: list[int], matcher: ReplyMatcher | None = None) -> tuple[int, int]:
     """Speculative rejection sampling (Leviathan et al. / Chen et al.): accept d_i with probability
     min(1, p_i(d_i)/q_i(d_i)); on rejection draw from normalise(max(0, p_i − q_i)); after K acceptances
     draw the bonus token from p_{K+1}. The emitted tokens are distributed exactly as plain sampling (under a
