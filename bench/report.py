@@ -725,7 +725,8 @@ def main() -> None:
                      ("mtp_speedup_35b_session11", _mtp_speedup), ("mtp_speedup_35b_64", _mtp_speedup),
                      ("sweep_q23_avx2", sweep_section), ("constrain_forced_mid_mtp", _constrain),
                      ("constrain_forced_mid_mtp_chain", _constrain), ("products_tile_before", _products),
-                     ("products_tile_after", _products), ("mtp_speedup_tile", _mtp_speedup)):
+                     ("products_tile_after", _products), ("mtp_speedup_tile", _mtp_speedup),
+                     ("step_profile_verify", _step_profile)):
         d = _load(name)
         if d is not None:
             lines += fn(d)
