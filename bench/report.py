@@ -726,7 +726,8 @@ def main() -> None:
                      ("sweep_q23_avx2", sweep_section), ("constrain_forced_mid_mtp", _constrain),
                      ("constrain_forced_mid_mtp_chain", _constrain), ("products_tile_before", _products),
                      ("products_tile_after", _products), ("mtp_speedup_tile", _mtp_speedup),
-                     ("step_profile_verify", _step_profile), ("mtp_speedup_mid09_r4", _mtp_speedup)):
+                     ("step_profile_verify", _step_profile), ("mtp_speedup_mid09_r4", _mtp_speedup),
+                     ("server_parallel_post_before", _server_parallel), ("server_parallel_post_after", _server_parallel)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

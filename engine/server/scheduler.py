@@ -147,13 +147,15 @@ class Scheduler:
                 if self._closing:
                     for job in jobs.values():
                         job.stop.set()
+                posts: list[tuple[Job, object]] = []  # the step's events, handed to the event loop at once
                 try:
                     for seq, ev in batch.step():
-                        self._take(jobs[seq], _failure(ev) if isinstance(ev, Exception) else ev)
+                        self._take(jobs[seq], _failure(ev) if isinstance(ev, Exception) else ev, posts)
                 except Exception as e:  # a bug outside any one sequence's work: every reply in it fails
                     for job in jobs.values():
-                        self._take(job, _failure(e))
+                        self._take(job, _failure(e), posts)
                     self.batch = batch = Batch(eng, self.parallel)
+                _post_all(posts)
                 for seq in [s for s in jobs if s not in batch.active]:
                     self._finish(jobs.pop(seq))
         return held
@@ -172,16 +174,19 @@ class Scheduler:
         self._finish(job)
 
     @staticmethod
-    def _take(job: Job, item: Event | Failure) -> None:
-        """An event of the job's generation (or its failure), recorded and posted; the HTTP side answers with the final
-        stats only."""
+    def _take(job: Job, item: Event | Failure, posts: list[tuple[Job, object]] | None = None) -> None:
+        """An event of the job's generation (or its failure), recorded and posted (or added to `posts`, which
+        _post_all hands over); the HTTP side answers with the final stats only."""
         if isinstance(item, Stats):
             if not item.final:
                 return
             job.final = item
         elif isinstance(item, Done):
             job.done = item
-        job.post(item)
+        if posts is None:
+            job.post(item)
+        else:
+            posts.append((job, item))
 
     def _finish(self, job: Job) -> None:
         done = job.done
@@ -194,6 +199,25 @@ class Scheduler:
             self._pending -= 1
         self.metrics.adjust(running=-1)
         job.post(_END)
+
+
+def _post_all(posts: list[tuple[Job, object]]) -> None:
+    """A batch step's events in one hand-over per event loop (each `call_soon_threadsafe` wakes the loop: one per
+    token took ~3 % of the decoding thread under 4 clients on the embedded model, and woke the loop as often)."""
+    loops: dict[asyncio.AbstractEventLoop, list[tuple[Job, object]]] = {}
+    for job, item in posts:
+        loops.setdefault(job.loop, []).append((job, item))
+    for loop, items in loops.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the event loop is gone (server shut down): nobody reads these jobs any more
+            for job, _ in items:
+                job.stop.set()
+
+
+def _deliver(items: list[tuple[Job, object]]) -> None:
+    for job, item in items:
+        job.queue.put_nowait(item)
 
 
 def _failure(e: Exception) -> Failure:
