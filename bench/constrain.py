@@ -1,7 +1,8 @@
 """What constrained decoding (response_format json_schema, engine/constrain.py) costs in decode speed: the same
 prompts decoded free and under a nested schema, plain and with MTP, greedy and sampled, in alternating rounds.
 
-    python bench/constrain.py [--rounds 3] [--model PATH] [--cases plain/greedy,...] [--out bench/results/constrain.json]
+    python bench/constrain.py [--rounds 3] [--model PATH] [--cases plain/greedy,...] [--lazy]
+                              [--out bench/results/constrain.json]
 
 The embedded model (or --model) on the CPU, 3 chat prompts through the chat template. Each constrained reply runs until its JSON is
 complete; the free reply of the same case then decodes exactly as many tokens (EOS ignored), so both time the same
@@ -13,6 +14,10 @@ ids (`masked_argmax`) and a logit row masked (`mask_logits`, what sampling and M
 of that reply's tokens the schema forced (the only token its mask allowed: a key, its quotes and colon), which the
 decoders run without sampling, several in one pass (engine.constrain.Matcher.forced), so a constrained reply can
 decode faster than a free one.
+
+--lazy: instead, what tool_choice auto costs a reply that makes no call (the server's lazy constraint,
+engine.constrain.LazyMatcher, over the chat's free text): each prompt decoded LAZY_TOKENS tokens free and as many under
+`Constraint.lazy` of a tool's call grammar (EOS ignored on both), the mask pieces left out.
 """
 from __future__ import annotations
 
@@ -58,6 +63,9 @@ SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "items": 
 PROMPTS = ["Describe three people as JSON.", "Who made the heaven?", "Spell the word banana."]
 SAMPLINGS = {"greedy": SamplingConfig(), "t0.8": SamplingConfig(temperature=0.8, seed=7)}
 MODES = {"plain": (False, None), "mtp_k2": (True, 2)}
+LAZY_TOKENS = 256
+TOOL = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer"}},
+        "required": ["city"], "additionalProperties": False}
 
 
 def reply(eng, prompt: str, gen: GenerationConfig) -> dict:  # type: ignore[no-untyped-def]
@@ -65,15 +73,30 @@ def reply(eng, prompt: str, gen: GenerationConfig) -> dict:  # type: ignore[no-u
     return decode.run_record(decode.final_stats(eng, [{"role": "user", "content": prompt}], gen))
 
 
-def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None) -> dict:  # type: ignore[no-untyped-def]
-    """One round of one case: every prompt constrained, then free over as many tokens."""
+def lazy_constraint(eng) -> Constraint:  # type: ignore[no-untyped-def]
+    """The constraint the server gives a chat with one tool under tool_choice auto."""
+    from engine import tools as toolkit
+    from engine.server.reasoning import CLOSE, OPEN
+
+    fmt = toolkit.tool_format(eng.chat)
+    return Constraint.lazy(toolkit.auto_call_grammar(fmt, {"get_weather": TOOL}), toolkit.CALL_OPEN, (OPEN, CLOSE))
+
+
+def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None,  # type: ignore[no-untyped-def]
+         lazy: Constraint | None = None) -> dict:
+    """One round of one case: every prompt constrained, then free over as many tokens (`lazy`: under it and free, each
+    LAZY_TOKENS tokens, EOS ignored)."""
     sums = {"free": [0, 0.0, 0, 0], "schema": [0, 0.0, 0, 0]}
     eog = eng.tokenizer.eog_ids
     for prompt in PROMPTS:
-        base = GenerationConfig(max_tokens=512, sampling=sampling, mtp=mtp, draft=draft, stats_interval_s=3600.0)
-        held = reply(eng, prompt, GenerationConfig(**{**base.__dict__, "constraint": Constraint.json_schema(SCHEMA)}))
-        eng.tokenizer.eog_ids = frozenset()  # the free reply decodes exactly as many tokens
+        base = GenerationConfig(max_tokens=LAZY_TOKENS if lazy else 512, sampling=sampling, mtp=mtp, draft=draft,
+                                stats_interval_s=3600.0)
+        if lazy:
+            eng.tokenizer.eog_ids = frozenset()
         try:
+            held = reply(eng, prompt, GenerationConfig(**{**base.__dict__,
+                                                          "constraint": lazy or Constraint.json_schema(SCHEMA)}))
+            eng.tokenizer.eog_ids = frozenset()  # the free reply decodes exactly as many tokens
             free = reply(eng, prompt, GenerationConfig(**{**base.__dict__, "max_tokens": held["generated_tokens"]}))
         finally:
             eng.tokenizer.eog_ids = eog
@@ -122,16 +145,20 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
     ap.add_argument("--cases", default=",".join(f"{m}/{s}" for s in SAMPLINGS for m in MODES),
                     help="which of mode/sampling to run (default: every one)")
+    ap.add_argument("--lazy", action="store_true", help="tool_choice auto's lazy constraint over free text instead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "constrain.json"))
     args = ap.parse_args()
     cases = set(args.cases.split(","))
     eng = load(args.model)
+    lazy = lazy_constraint(eng) if args.lazy else None
     reply(eng, PROMPTS[0], GenerationConfig(max_tokens=16, stats_interval_s=3600.0))  # warm-up
     result: dict = {"command": "python bench/constrain.py " + " ".join(sys.argv[1:]),
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
                     "machine": machine_info(torch.get_num_threads()), "torch": torch.__version__,
                     "model": Path(args.model).name if args.model else "embedded",
                     "schema": SCHEMA, "prompts": PROMPTS, "rounds": [], "summary": {}}
+    if lazy is not None:
+        result["lazy"] = {"tool": TOOL, "trigger": lazy.trigger, "tokens": LAZY_TOKENS}
     t0 = time.perf_counter()
     totals: dict[str, dict[str, list[float]]] = {}
     for rnd in range(args.rounds):
@@ -140,7 +167,7 @@ def main() -> None:
                 key = f"{m_name}/{s_name}"
                 if key not in cases:
                     continue
-                r = case(eng, sampling, mtp, draft)
+                r = case(eng, sampling, mtp, draft, lazy)
                 result["rounds"].append({"round": rnd, "case": key, **r})
                 for name, v in r.items():
                     acc = totals.setdefault(key, {}).setdefault(name, [0, 0.0])
@@ -151,9 +178,10 @@ def main() -> None:
         free, held = t["free"][0] / t["free"][1], t["schema"][0] / t["schema"][1]
         result["summary"][key] = {"free_tok_s": round(free, 1), "schema_tok_s": round(held, 1),
                                   "cost_pct": round(100 * (1 - held / free), 1)}
-    result["mask_us"] = mask_costs(eng)
+    if lazy is None:
+        result["mask_us"] = mask_costs(eng)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(result["summary"], indent=1), json.dumps(result["mask_us"]))
+    print(json.dumps(result["summary"], indent=1), json.dumps(result.get("mask_us")))
     write_result(result, Path(args.out))
 
 

@@ -457,6 +457,14 @@ def _products(d: dict) -> list[str]:
 
 
 def _constrain(d: dict) -> list[str]:
+    if "lazy" in d:  # tool_choice auto's lazy constraint over replies that make no call
+        out = ["## tool_choice auto's lazy constraint over free text (`bench/constrain.py --lazy`)", "",
+               f"`{d['command']}` ({d['date']}, commit {d['git']['commit'][:10]}, model {d.get('model', 'embedded')}): "
+               f"decode tok/s of the same prompts, {d['lazy']['tokens']} tokens each, free and under the lazy "
+               "constraint of a tool's call grammar (never triggered), summed over the prompts and rounds.", "",
+               "| case | free tok/s | lazy tok/s | cost |", "|---|---|---|---|"]
+        return out + [f"| {k} | {v['free_tok_s']:.1f} | {v['schema_tok_s']:.1f} | {v['cost_pct']:.1f} % |"
+                      for k, v in d["summary"].items()] + [""]
     m = d["mask_us"]
     out = ["## Constrained decoding cost (`bench/constrain.py`)", "",
            f"`{d['command']}` ({d['date']}, commit {d['git']['commit'][:10]}, model {d.get('model', 'embedded')}): "
@@ -727,7 +735,8 @@ def main() -> None:
                      ("constrain_forced_mid_mtp_chain", _constrain), ("products_tile_before", _products),
                      ("products_tile_after", _products), ("mtp_speedup_tile", _mtp_speedup),
                      ("step_profile_verify", _step_profile), ("mtp_speedup_mid09_r4", _mtp_speedup),
-                     ("server_parallel_post_before", _server_parallel), ("server_parallel_post_after", _server_parallel)):
+                     ("server_parallel_post_before", _server_parallel), ("server_parallel_post_after", _server_parallel),
+                     ("constrain_lazy_before", _constrain), ("constrain_lazy", _constrain)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

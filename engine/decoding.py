@@ -195,7 +195,7 @@ class PlainDecoder:
         return nxt
 
     def step(self, x: int, reply: Reply, room: int) -> Generator[Event, None, int]:
-        if reply.matcher is not None:
+        if reply.matcher is not None and not reply.matcher.free:  # a lazy one over free text forces nothing
             return (yield from self.run(self.plan(x, reply, room)))
         res = self.runner.forward([x], self.cache, logit_rows="last")  # plan + run without their objects: a hot path
         return (yield from self._finish([x], reply, res))
