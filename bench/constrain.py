@@ -91,9 +91,9 @@ def case(eng, sampling: SamplingConfig, mtp: bool, draft: int | None,  # type: i
     for prompt in PROMPTS:
         base = GenerationConfig(max_tokens=LAZY_TOKENS if lazy else 512, sampling=sampling, mtp=mtp, draft=draft,
                                 stats_interval_s=3600.0)
-        if lazy:
-            eng.tokenizer.eog_ids = frozenset()
         try:
+            if lazy:  # neither reply ends before LAZY_TOKENS
+                eng.tokenizer.eog_ids = frozenset()
             held = reply(eng, prompt, GenerationConfig(**{**base.__dict__,
                                                           "constraint": lazy or Constraint.json_schema(SCHEMA)}))
             eng.tokenizer.eog_ids = frozenset()  # the free reply decodes exactly as many tokens

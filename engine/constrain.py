@@ -65,7 +65,7 @@ class Constraint:
              quiet_first: bool = False) -> Constraint:
         return cls("", lark, trigger, quiet, quiet_first)
 
-    def matcher(self, tokenizer: Tokenizer) -> Matcher | LazyMatcher:
+    def matcher(self, tokenizer: Tokenizer) -> ReplyMatcher:
         """A reply's place in this constraint (InvalidParameterError for a grammar that cannot be compiled)."""
         return Matcher(self, tokenizer) if self.trigger is None else LazyMatcher(self, tokenizer)
 
@@ -210,7 +210,8 @@ class LazyMatcher:
         assert constraint.trigger is not None and constraint.lark is not None
         self._tokenizer = tokenizer
         self._grammar = Constraint.grammar_of(constraint.lark)
-        Matcher(self._grammar, tokenizer)  # compiled once now: a grammar llguidance refuses fails the request, not a reply
+        # the first call's matcher, made now: a grammar llguidance refuses fails the request, not a reply mid-way
+        self._spare: Matcher | None = Matcher(self._grammar, tokenizer)
         self._trigger = constraint.trigger.encode()
         self._quiet = tuple(q.encode() for q in constraint.quiet) if constraint.quiet else None
         self._in_quiet = constraint.quiet_first and self._quiet is not None
@@ -219,7 +220,6 @@ class LazyMatcher:
         self._tail = b""
         self._inner: Matcher | None = None
         self._saved: tuple[Matcher | None, bytes, bool] | None = None  # before the first `ahead`: what `back` restores
-        self._all: torch.Tensor | None = None
 
     @property
     def free(self) -> bool:
@@ -233,11 +233,10 @@ class LazyMatcher:
         return self._inner is None or self._inner.allows(token)
 
     def bits(self) -> torch.Tensor:
-        if self._inner is not None:
-            return self._inner.bits()
-        if self._all is None:
-            self._all = torch.full(((self._tokenizer.n_vocab + 31) // 32,), -1, dtype=torch.int32)
-        return self._all
+        """Asked only while a call is open: over free text the decoders apply no mask (`free`, `allows`)."""
+        if self._inner is None:
+            raise ConstraintError("a lazy constraint has no mask over free text")
+        return self._inner.bits()
 
     def forces(self) -> list[int]:
         return [] if self._inner is None else self._inner.forces()
@@ -300,7 +299,7 @@ class LazyMatcher:
     def _open(self, rest: bytes) -> None:
         """The grammar's matcher, over the text the token that completed the trigger wrote after it. Where that text
         does not begin what the grammar allows, nothing is held (the call is checked after it is made)."""
-        inner = Matcher(self._grammar, self._tokenizer)
+        inner, self._spare = self._spare or Matcher(self._grammar, self._tokenizer), None
         try:
             for t in self._tokenizer.encode(rest.decode("utf-8", "replace"), add_bos=False) if rest else ():
                 inner.consume(t)

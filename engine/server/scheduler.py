@@ -55,10 +55,7 @@ class Job:
     done: Done | None = None
 
     def post(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (server shut down): nobody reads this job any more
-            self.stop.set()
+        _post_all([(self, item)])
 
     async def events(self) -> AsyncIterator[Event | Failure]:
         while (item := await self.queue.get()) is not _END:
