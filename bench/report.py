@@ -444,13 +444,14 @@ def _products(d: dict) -> list[str]:
            f"`{d['command']}` ({d['date']}, {d['cpu']}): weight GB/s of one [{d['products'][0]['out']} × "
            f"{d['products'][0]['in']}] product per type, {d['products'][0]['threads']} thread(s), best of the rounds"
            + ("; in brackets, the share of the read bandwidth measured in the same rounds." if "share_of_read" in
-              d["products"][0] else "."), "",
+              d["products"][0] else ".") + (f" {d['label']}." if "label" in d else ""), "",
            "| type | " + " | ".join(f"{f} {m} row{'s' if m > 1 else ''}" for f in forms for m in rows) + " |",
            "|---|" + "---|" * (len(forms) * len(rows))]
     by: dict[str, dict] = {}
     for r in d["products"]:
         share = f" ({r['share_of_read']:.2f})" if "share_of_read" in r else ""
-        by.setdefault(r["type"], {})[(r["backend"], r["m"])] = f"{r['gb_s']:.2f}{share}"
+        what = r["type"] if r.get("product", "product") == "product" else f"{r['type']} draft logits (bytes a draft reads)"
+        by.setdefault(what, {})[(r["backend"], r["m"])] = f"{r['gb_s']:.2f}{share}"
     for t, v in by.items():
         out.append(f"| {t} | " + " | ".join(v.get((f, m), "–") for f in forms for m in rows) + " |")
     return out + [""]
@@ -706,6 +707,7 @@ def main() -> None:
                      ("mtp_speedup_p09", _mtp_speedup), ("mtp_speedup_p06_08", _mtp_speedup),
                      ("mtp_speedup_35b", _mtp_speedup), ("mtp_speedup_35b_auto", _mtp_speedup),
                      ("mtp_speedup_35b_faults", _mtp_speedup), ("head_product", _products),
+                     ("head_draft_before", _products), ("head_draft", _products),
                      ("products_kquant_avx512", _products), ("constrain", _constrain), ("constrain_mid", _constrain),
                      ("sweep", sweep_section), ("sweep_9b", sweep_section), ("sweep_9b_stored_avx512", sweep_section),
                      ("sweep_kquant_avx512", sweep_section),

@@ -54,6 +54,27 @@ def test_every_form_of_the_sketch_product_gives_the_portable_bits(wide_head: QTe
         assert torch.equal(native.sketch_scores(sketch.codes, sketch.scales, x, 2, backend.level), portable)
 
 
+@pytest.mark.parametrize("k", [1024, 384], ids=["even-blocks", "odd-blocks"])
+def test_the_sketch_product_is_the_sketch_values_times_the_quantized_row(k: int) -> None:
+    """The portable form against float64 arithmetic on the sketch's values ((2c − 3)·s, code pair s of byte j being
+    value 32s + j of its block) and the row as the product quantizes it (int8, one scale); every form gives its bits.
+    An odd number of blocks too (the 512-bit form takes two blocks at a time)."""
+    n, block = 300, native.SKETCH_BLOCK
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(7))
+    codes, scales = torch.empty(n, k // 4, dtype=torch.uint8), torch.empty(n, k // block)
+    native.sketch_make(w, 0, k, codes, scales, 2)
+    c = codes.reshape(n, k // block, 1, block // 4).long()
+    c = torch.cat([(c >> (2 * s)) & 3 for s in range(4)], dim=2).reshape(n, k // block, block)
+    values = ((2 * c - 3) * scales.unsqueeze(-1)).reshape(n, k).double()
+    for x in _rows(3, 9)[:, :k]:
+        amax = float(x.abs().max())
+        xq = torch.round(x * (127.0 / amax)).double() * (amax / 127.0)
+        portable = native.sketch_scores(codes, scales, x.contiguous(), 1, ops.backend_named("native-portable").level)
+        assert torch.allclose(portable.double(), values @ xq, rtol=1e-5, atol=1e-4 * float((values @ xq).abs().max()))
+        for b in NATIVE:
+            assert torch.equal(native.sketch_scores(codes, scales, x.contiguous(), 2, b.values[0].level), portable)
+
+
 @pytest.mark.parametrize("rows", [WIDE[0], WIDE[0] - 5], ids=["whole-groups", "partial-group"])
 @pytest.mark.parametrize("backend", NATIVE)
 def test_draft_logits_decide_a_draft_as_the_head_does(wide_head: QTensor, backend: ops.Backend, rows: int) -> None:
