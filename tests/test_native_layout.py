@@ -112,6 +112,27 @@ def test_router_logits_are_each_tokens_own_eight_lane_sums(n_expert: int, d: int
             assert torch.equal(gate, alone[:n]), (n, threads)  # the shared expert's gate: each token's own
 
 
+
+@pytest.mark.parametrize("n_expert,k", [(16, 4), (64, 8), (256, 8), (9, 1)])
+def test_routing_takes_the_k_best_probabilities_lower_expert_first_on_a_tie(n_expert: int, k: int) -> None:
+    """moe.c's top-k against a plain sort: softmax (float32 terms, their sum in double) of each token's logits, the k
+    largest probabilities in descending order with the lower expert first among equals, divided by their sum (in
+    double; expf against numpy's exp: to float rounding). Router rows repeated make exact ties, at the cut too."""
+    g = torch.Generator().manual_seed(11)
+    router = torch.randn(n_expert, 16, generator=g)
+    router[1::3] = router[0]  # every third row from 1 on equals row 0: equal logits
+    router[n_expert // 2] = router[n_expert // 2 - 1]
+    x = torch.randn(20, 16, generator=g)
+    logits, wts, idx, _ = native.moe_route(router, None, x, k, 1)
+    for t in range(20):
+        lg = logits[t].numpy()
+        e = np.exp(lg - lg.max()).astype(np.float32)
+        p = e * np.float32(1.0 / e.astype(np.float64).sum())
+        order = sorted(range(n_expert), key=lambda i: (-p[i], i))[:k]
+        assert idx[t].tolist() == order, t
+        top = p[order]
+        assert np.allclose(wts[t].numpy(), top / np.float32(top.astype(np.float64).sum()), rtol=1e-5, atol=0), t
+
 def test_the_recurrence_takes_max_dv_and_refuses_more() -> None:
     """MAX_DV, read from the library, is the widest value head gdn_recurrence takes; wider, RC_MAX_DV's exception."""
     q, k, beta, decay = torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.rand(1, 1), torch.rand(1, 1)

@@ -89,7 +89,7 @@ static void columns(const float *src, int64_t n, int64_t ld, int64_t c0, int64_t
  * the sequences sq[0 … n_seq) in order (one sequence: sq[0] is p), each with its own conv and recurrent state: the
  * projections, the gate and the norm run over all rows at once, the conv and the recurrence over each sequence's. */
 static int gdn_mixer(const GdnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
-                     const float *a, float *y, int64_t skip) {
+                     const float *a, float *y, int64_t skip, Ahead router) {
     const int64_t n = p->n, c = w->c, kk = w->kk, hv = w->hv, hk = w->hk, dk = w->dk, dv = w->dv;
     const int64_t zw = hv * dv, ld = c + zw + 2 * hv, qk = hk * dk;
     int64_t widest = 0;
@@ -128,8 +128,9 @@ static int gdn_mixer(const GdnW *w, const LayerPass *p, const LayerPass *const *
         trace_mark(TRACE_RECURRENCE, 0);
         if (!e->window) memcpy((float *)e->conv, window + m * c, (size_t)((kk - 1) * c) * sizeof(float));
     }
-    const Ahead out = bytes_of(&w->out);  /* and the output projection while this thread gates and norms */
-    pool_prefetch(p->threads, &out, 1);
+    /* and the output projection (and the FFN's router) while this thread gates and norms */
+    const Ahead out[2] = {bytes_of(&w->out), router};
+    pool_prefetch(p->threads, out, 2);
     columns(proj, n, ld, c, zw, z);
     silu_rows(z, n * zw, z);
     norm_rows(o, n * hv, dv, w->norm, z, eps, 0, 1.f, o);
@@ -145,7 +146,7 @@ done:
  * sequences sq[0 … n_seq) in order as for gdn_mixer; writes each sequence's keys and values into its cache rows
  * pos … pos + its n − 1 and attends over its own cache */
 static int attn_mixer(const AttnW *w, const LayerPass *p, const LayerPass *const *sq, int64_t n_seq, float eps,
-                      const float *a, float *y, int64_t skip) {
+                      const float *a, float *y, int64_t skip, Ahead router) {
     const int64_t n = p->n, h = w->h, hkv = w->h_kv, dk = w->dk, dv = w->dv;
     const int64_t ld = 2 * h * dk + hkv * dk + hkv * dv;
     float *proj = malloc((size_t)(n * ld) * sizeof(float));
@@ -154,8 +155,8 @@ static int attn_mixer(const AttnW *w, const LayerPass *p, const LayerPass *const
     if (!proj || !s) goto done;
     float *q = s, *k = q + n * h * dk, *o = k + n * hkv * dk;
     if (project_parts(&w->in, a, n, proj, p->threads, p->isa)) goto done;
-    const Ahead out = bytes_of(&w->out);  /* the workers fetch the output projection meanwhile */
-    pool_prefetch(p->threads, &out, 1);
+    const Ahead out[2] = {bytes_of(&w->out), router};  /* the workers fetch the output projection meanwhile */
+    pool_prefetch(p->threads, out, 2);
     for (int64_t t = 0; t < n; t++)
         for (int64_t hh = 0; hh < h; hh++)
             memcpy(q + (t * h + hh) * dk, proj + t * ld + hh * 2 * dk, (size_t)dk * sizeof(float));
@@ -233,8 +234,12 @@ static int layer_over(const LayerW *w, const LayerPass *p, const LayerPass *cons
     trace_restart();
     norm_rows(p->x, n, d, w->attn_norm, NULL, w->eps, 0, 1.f, a);
     trace_mark(TRACE_NORM, 0);
-    int rc = w->attention ? attn_mixer(&w->attn, p, sq, n_seq, w->eps, a, y, skip)
-                          : gdn_mixer(&w->gdn, p, sq, n_seq, w->eps, a, y, skip);
+    /* the router's float rows, read first by the FFN: fetched with the mixer's output projection (from DRAM at the
+     * start of routing, they were read at about half the products' bandwidth) */
+    const Ahead router = w->ffn.dense ? (Ahead){0} : (Ahead){(const char *)w->ffn.router,
+                                                            (const char *)(w->ffn.router + w->ffn.n_expert * d), 0};
+    int rc = w->attention ? attn_mixer(&w->attn, p, sq, n_seq, w->eps, a, y, skip, router)
+                          : gdn_mixer(&w->gdn, p, sq, n_seq, w->eps, a, y, skip, router);
     if (rc == 0 && n > skip) {
         const int64_t e = w->ffn.n_expert, k = w->ffn.k_used;
         for (int64_t i = skip * d; i < n * d; i++) h[i] = p->x[i] + y[i];

@@ -342,18 +342,17 @@ static void route_item(void *ctx, int64_t t) {
     for (int64_t e = 0; e < E; e++) sum += (double)(p[e] = expf(l[e] - mx));
     const float inv = (float)(1.0 / sum);
     for (int64_t e = 0; e < E; e++) p[e] *= inv;
-    double wsum = 0.0;
-    for (int64_t s = 0; s < k; s++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < s; j++) taken |= id[j] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        id[s] = best;
-        w[s] = p[best];
-        wsum += (double)p[best];
+    /* the k best in one pass, kept in descending order: an expert enters past those it beats, after any it ties (the
+     * lower id first) */
+    int64_t m = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (m == k && !(p[e] > w[k - 1])) continue;
+        int64_t j = m < k ? m++ : k - 1;
+        for (; j > 0 && p[e] > w[j - 1]; j--) w[j] = w[j - 1], id[j] = id[j - 1];
+        w[j] = p[e], id[j] = e;
     }
+    double wsum = 0.0;
+    for (int64_t s = 0; s < k; s++) wsum += (double)w[s];
     const float ws = (float)wsum;
     for (int64_t s = 0; s < k; s++) w[s] = w[s] / ws;
 }
