@@ -4,15 +4,17 @@
  *
  * A block of SKETCH_BLOCK values keeps 32 bytes of codes c ∈ 0..3 (byte j holds values j, j+32, j+64, j+96 in its
  * bit pairs 0-1, 2-3, 4-5, 6-7) and one float scale s: value ≈ (2c − 3)·s, a uniform 4-level quantizer with step
- * 2s = 0.996 × the block's RMS (the best uniform step for Gaussian values). The product (below) reads a block's
- * codes with one mask or shift and mask per 32 values and one multiply-add of bytes: it runs at the machine's read
- * bandwidth on two cores, where decoding each code pair to ±1, ±3 first left it compute-bound at about half that. */
+ * 2s = 0.996 × the block's RMS (the best uniform step for Gaussian values). The product (below) takes a block's
+ * codes with one mask (or shift and mask) and one byte multiply-add per 32 values, two blocks an instruction in the
+ * VNNI form, the float work per block in one fused multiply-add: a draft's head work reads at 0.79-0.94 of the read
+ * bandwidth on two cores in every form, 0.58-0.84 with a block's sums widened and scaled one part at a time
+ * (bench/results/head_draft.json, head_draft_before.json). */
 #include <stdlib.h>
 #include "kernels.h"
 
 #define SKETCH_ROWS 64  /* rows per pool item */
-#define PF_AHEAD 4096  /* code bytes asked for ahead of the row's: the prefetcher alone left the product at ~3/4 of the
-                          * read bandwidth (A/B on 2 cores: 1.5 -> 1.3 ms for a 248k x 1024 sketch) */
+#define PF_AHEAD 4096  /* code bytes asked for ahead of the ones read: the hardware prefetcher alone left the product
+                          * short of the read bandwidth */
 
 typedef struct {
     int qtype;
@@ -209,7 +211,7 @@ int sketch_scores(const uint8_t *codes, const float *scales, int64_t n, int64_t 
                   int threads, int isa) {
     const int64_t nb = k / SKETCH_BLOCK, np = (nb + 1) / 2;
     int8_t *xq = malloc((size_t)k), *xpair = calloc((size_t)np * 2 * SKETCH_BLOCK, 1);
-    float *x3 = calloc((size_t)nb * 8 + 8, sizeof(float));  /* + a lane set past an odd last block, read as zeros */
+    float *x3 = calloc((size_t)nb * 8, sizeof(float));
     if (!xq || !xpair || !x3) {
         free(xq);
         free(xpair);
