@@ -7,7 +7,7 @@
  * 2s = 0.996 × the block's RMS (the best uniform step for Gaussian values). The product (below) takes a block's
  * codes with one mask (or shift and mask) and one byte multiply-add per 32 values, two blocks an instruction in the
  * VNNI form, the float work per block in one fused multiply-add: a draft's head work reads at 0.79-0.94 of the read
- * bandwidth on two cores in every form, 0.58-0.84 with a block's sums widened and scaled one part at a time
+ * bandwidth on two cores in every form, 0.69-0.82 with a block's sums widened and scaled one part at a time
  * (bench/results/head_draft.json, head_draft_before.json). */
 #include <stdlib.h>
 #include "kernels.h"
