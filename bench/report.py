@@ -752,7 +752,9 @@ def main() -> None:
                      ("step_profile_verify", _step_profile), ("mtp_speedup_mid09_r4", _mtp_speedup),
                      ("server_parallel_post_before", _server_parallel), ("server_parallel_post_after", _server_parallel),
                      ("constrain_lazy_before", _constrain), ("constrain_lazy", _constrain),
-                     ("sweep_quick_routing", sweep_section), ("mtp_speedup_mid09_routing", _mtp_speedup), ("mtp_speedup_08b_session13", _mtp_speedup), ("ab_router_plain", _ab_trees), ("ab_router_embedded", _ab_trees), ("ab_router_mtp3", _ab_trees)):
+                     ("sweep_quick_routing", sweep_section), ("mtp_speedup_mid09_routing", _mtp_speedup),
+                     ("mtp_speedup_08b_session13", _mtp_speedup), ("ab_router_plain", _ab_trees),
+                     ("ab_router_embedded", _ab_trees), ("ab_router_mtp3", _ab_trees)):
         d = _load(name)
         if d is not None:
             lines += fn(d)

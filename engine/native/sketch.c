@@ -149,7 +149,7 @@ __attribute__((target(AVX2_TARGET))) static void score_rows_avx2(const ScoreJob 
 }
 
 /* VNNI: two blocks an instruction (64 bytes of codes; their values against xpair), the even block's lanes 0-7, the
- * odd one's 8-15; a last odd block alone in 256 bits */
+ * odd one's 8-15; a last odd block as the AVX2 form takes it */
 __attribute__((target(VNNI_TARGET ",fma"))) static void score_rows_vnni(const ScoreJob *j, int64_t r0, int64_t r1) {
     const int64_t nb = j->k / SKETCH_BLOCK;
     const __m512i m3 = _mm512_set1_epi8(3), pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -174,17 +174,9 @@ __attribute__((target(VNNI_TARGET ",fma"))) static void score_rows_vnni(const Sc
         }
         __m256 even = _mm512_castps512_ps256(acc);
         const __m256 odd = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(acc), 1));
-        if (b < nb) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * b)), m3y = _mm256_set1_epi8(3);
-            const int8_t *x = j->xq + b * SKETCH_BLOCK;
-            __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v, m3y),
-                                            _mm256_loadu_si256((const __m256i *)x));
-            for (int s = 1; s < 4; s++)
-                p = _mm256_dpbusd_epi32(p, _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3y),
-                                        _mm256_loadu_si256((const __m256i *)(x + 32 * s)));
-            const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(2.f), _mm256_loadu_ps(j->x3 + 8 * b));
-            even = _mm256_fmadd_ps(t, _mm256_broadcast_ss(sc + b), even);
-        }
+        if (b < nb)  /* the same integer lanes and float steps as the AVX2 form's block */
+            even = _mm256_fmadd_ps(block_avx2(c + 32 * b, j->xq + b * SKETCH_BLOCK, j->x3 + 8 * b),
+                                   _mm256_broadcast_ss(sc + b), even);
         j->out[r] = hsum8(_mm256_add_ps(even, odd)) * j->xd;
     }
 }
