@@ -137,7 +137,19 @@ def run_ours(spec: dict) -> dict:
             "peak_rss_mib": _peak_rss_mib()}
 
 
+def peer_process_check() -> None:
+    """Refuse to run llama.cpp in a process that loaded torch. llama.cpp's CPU threads meet at OpenMP barriers
+    (libgomp), torch loads the same libgomp.so.1, and engine/__init__ loads torch with OMP_WAIT_POLICY=PASSIVE: the
+    one libgomp then puts llama.cpp's threads to sleep at every barrier. On a 2-core AVX2 host its embedded-model
+    decode went from 565-730 tok/s in a clean process to 40 in one that had imported engine first (the benchmarks'
+    llama.cpp children did so from 4ac649c on, through an argument default)."""
+    if "torch" in sys.modules:
+        raise RuntimeError("llama.cpp must run in a process that has not imported torch (engine imports it): their "
+                           "shared libgomp would run llama.cpp's threads under engine's passive OpenMP wait policy")
+
+
 def run_llama(spec: dict) -> dict:
+    peer_process_check()
     import xllamacpp as xl
 
     threads = spec["threads"]
@@ -431,7 +443,8 @@ def main() -> None:
                     help="comma-separated: embedded, mid, load (= load-mid,load-embedded), load-mid, load-embedded")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--depths", type=parse_depths, default=parse_depths("1,2,3,4,auto"),
+    # parsed after the --child dispatch: parse_depths imports engine, which a llama.cpp child must not
+    ap.add_argument("--depths", default="1,2,3,4,auto",
                     help="MTP draft depths K (both engines) and 'auto' (ours); 'none': plain decode only")
     ap.add_argument("--chat-prompts", type=int, default=6, help="embedded model: held-out chat prompts per run")
     ap.add_argument("--chat-decode", type=int, default=64, help="embedded model: tokens decoded per prompt")
@@ -447,6 +460,10 @@ def main() -> None:
     if args.child:
         child_main(args.child)
         return
+    try:
+        args.depths = parse_depths(args.depths)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"argument --depths: {e}")
 
     import xllamacpp
 

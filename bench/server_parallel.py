@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import git_info, machine_info  # noqa: E402
+from bench.decode import git_info, machine_info, peer_process_check  # noqa: E402
 
 PARALLEL = 4
 PROMPT_TOKENS = 32
@@ -101,6 +101,7 @@ def start_llama(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
 
 def llama_child(model: str, threads: int) -> None:
     """llama.cpp's server on 127.0.0.1 until stdin closes: n_parallel slots of N_CTX each, plain decoding."""
+    peer_process_check()
     import xllamacpp as xl
 
     p = xl.CommonParams()

@@ -1,0 +1,56 @@
+"""The benchmarks' llama.cpp runs happen in processes that never loaded torch.
+
+llama.cpp's CPU threads meet at OpenMP barriers; torch loads the same libgomp.so.1, and engine/__init__ loads torch
+with OMP_WAIT_POLICY=PASSIVE, which then puts llama.cpp's threads to sleep at every barrier (on a 2-core host its
+embedded-model decode fell from ~600 to ~40 tok/s). bench/decode.py's child path once imported engine through an
+argument default; these tests hold the yardstick honest.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import decode  # noqa: E402
+
+
+def test_llama_cpp_is_refused_in_a_process_that_loaded_torch() -> None:
+    import torch  # noqa: F401  (this test process has it anyway: the check must see it)
+
+    with pytest.raises(RuntimeError, match="torch"):
+        decode.peer_process_check()
+    with pytest.raises(RuntimeError, match="torch"):
+        decode.run_llama({})
+
+
+def test_the_llama_cpp_child_starts_clean_and_decodes() -> None:
+    from engine.storage.modelfile import default_model_path
+
+    script = "bench/decode.py"
+
+    spec = {"model": str(default_model_path()), "prompts": [list(range(10, 26))], "warmup_prompt": [5, 6, 7],
+            "n": 4, "threads": 1, "warmup": False, "n_ctx": 64, "mtp": False, "draft": None, "backend": None}
+    code = (f"import sys, runpy; sys.argv = [{script!r}, '--child', 'llama']; "
+            f"runpy.run_path({script!r}, run_name='__main__'); "
+            "print('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    res = json.loads(next(ln for ln in lines if ln.startswith("RESULT "))[len("RESULT "):])
+    assert res["prompts"][0]["generated_tokens"] == 4
+    assert "TORCH False" in lines  # the whole child ran without torch
+
+
+def test_the_parallel_benchmark_loads_no_torch_before_its_llama_cpp_child_runs() -> None:
+    code = ("import sys; sys.path.insert(0, 'bench'); import server_parallel; "
+            "print('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TORCH False" in out.stdout.splitlines()
