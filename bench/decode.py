@@ -137,15 +137,25 @@ def run_ours(spec: dict) -> dict:
             "peak_rss_mib": _peak_rss_mib()}
 
 
+def peer_env() -> dict[str, str]:
+    """The environment a llama.cpp process starts with: this one's without an OpenMP wait policy, so that llama.cpp
+    runs under its own default. tests.oracle_llama sets OMP_WAIT_POLICY=PASSIVE for its in-process llama.cpp (the
+    benchmarks import it to quantize their files), and engine/__init__ sets it while it loads torch."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+
 def peer_process_check() -> None:
-    """Refuse to run llama.cpp in a process that loaded torch. llama.cpp's CPU threads meet at OpenMP barriers
-    (libgomp), torch loads the same libgomp.so.1, and engine/__init__ loads torch with OMP_WAIT_POLICY=PASSIVE: the
-    one libgomp then puts llama.cpp's threads to sleep at every barrier. On a 2-core AVX2 host its embedded-model
-    decode went from 565-730 tok/s in a clean process to 40 in one that had imported engine first (the benchmarks'
-    llama.cpp children did so from 4ac649c on, through an argument default)."""
+    """Refuse to run llama.cpp where its OpenMP threads would sleep at every barrier: in a process that loaded torch
+    (torch loads the same libgomp.so.1, and engine/__init__ loads it under a passive wait policy) or one started with
+    a wait policy set. On a 2-core AVX2 host its embedded-model decode went from 565-730 tok/s in a clean process to
+    40 in one that had imported engine first; the benchmarks' llama.cpp children did so from 4ac649c on (through an
+    argument default), and bench/sweep.py's from the first file it quantized (through the environment)."""
     if "torch" in sys.modules:
         raise RuntimeError("llama.cpp must run in a process that has not imported torch (engine imports it): their "
                            "shared libgomp would run llama.cpp's threads under engine's passive OpenMP wait policy")
+    if "OMP_WAIT_POLICY" in os.environ:
+        raise RuntimeError("llama.cpp must run under its own OpenMP wait policy: start it with bench.decode.peer_env() "
+                           f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} is set)")
 
 
 def run_llama(spec: dict) -> dict:
@@ -255,7 +265,7 @@ def run_child(engine: str, spec: dict, busy: bool, timeout: float) -> dict:
             time.sleep(0.5)  # spinning before the engine starts
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine]
         out = subprocess.run(cmd, input=json.dumps(spec), capture_output=True, text=True, cwd=ROOT,
-                             timeout=timeout)
+                             timeout=timeout, env=peer_env() if engine == "llama" else None)
         if spinner is not None and spinner.poll() is not None:
             raise RuntimeError("the background spinner died during the run")
     finally:

@@ -142,15 +142,8 @@ def main() -> None:
                      "decoding": "greedy, plain (no MTP), EOS ignored, 4 warm-up tokens"},
         "our_forms": forms, "our_forms_unavailable_on_this_cpu": missing, "mixes": {},
     }
-    omp = os.environ.get("OMP_WAIT_POLICY")
     paths = {mix: quantized_mix(src, mix) for mix in mixes}
     facts = {mix: file_facts(p) for mix, p in paths.items()}
-    # tests.quantized (through tests.oracle_llama) sets OMP_WAIT_POLICY=PASSIVE for its in-process llama.cpp; the
-    # engines' runs inherit this process's environment and must get the caller's, as bench/decode.py's do.
-    if omp is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
-        os.environ["OMP_WAIT_POLICY"] = omp
     for mix, path in paths.items():
         print(f"== {mix}: {path.name}", flush=True)
         result["mixes"][mix] = {**facts[mix], **run_mix(path, forms, args)}

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import git_info, machine_info, peer_process_check  # noqa: E402
+from bench.decode import git_info, machine_info, peer_env, peer_process_check  # noqa: E402
 
 PARALLEL = 4
 PROMPT_TOKENS = 32
@@ -91,7 +91,7 @@ def start_ours(model: Path, threads: int, mtp: bool = False) -> tuple[subprocess
 def start_llama(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, __file__, "--llama-child", str(model), "--threads", str(threads)],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            text=True, env=peer_env())
     url = proc.stdout.readline().strip()  # type: ignore[union-attr]
     if not url.startswith("http"):
         raise RuntimeError(f"llama.cpp's server did not start ({proc.wait()})")

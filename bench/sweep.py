@@ -221,17 +221,11 @@ def quantized_file(name: str, quant: str, directory: Path) -> Path:
     if not out.exists():
         from tests.quantized import llama_quantize
 
-        omp = os.environ.get("OMP_WAIT_POLICY")  # tests.oracle_llama sets it for its in-process llama.cpp
         tmp = out.with_suffix(".tmp")
         xl = quant == "UD-Q4_K_XL"
         llama_quantize(src, tmp, "Q4_K_M" if xl else quant, overrides=UD_Q4_K_XL if xl else None,
                        threads=os.cpu_count() or 2)
         tmp.replace(out)
-        # the engines' runs inherit this process's environment and must get the caller's
-        if omp is None:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-        else:
-            os.environ["OMP_WAIT_POLICY"] = omp
     return out
 
 

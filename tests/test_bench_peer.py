@@ -29,13 +29,27 @@ def test_llama_cpp_is_refused_in_a_process_that_loaded_torch() -> None:
         decode.run_llama({})
 
 
-def test_the_llama_cpp_child_starts_clean_and_decodes() -> None:
+def _spec() -> dict:
     from engine.storage.modelfile import default_model_path
 
-    script = "bench/decode.py"
-
-    spec = {"model": str(default_model_path()), "prompts": [list(range(10, 26))], "warmup_prompt": [5, 6, 7],
+    return {"model": str(default_model_path()), "prompts": [list(range(10, 26))], "warmup_prompt": [5, 6, 7],
             "n": 4, "threads": 1, "warmup": False, "n_ctx": 64, "mtp": False, "draft": None, "backend": None}
+
+
+def test_llama_cpp_is_refused_under_a_wait_policy_and_its_children_start_without_one(monkeypatch) -> None:
+    code = ("import os, sys; os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'; sys.path.insert(0, '.'); "
+            "from bench.decode import peer_process_check; peer_process_check()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode != 0 and "OMP_WAIT_POLICY" in out.stderr
+    # tests.oracle_llama sets the policy in a benchmark's own process when it quantizes a file: the child drops it
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    res = decode.run_child("llama", _spec(), False, 300.0)
+    assert res["prompts"][0]["generated_tokens"] == 4
+
+
+def test_the_llama_cpp_child_starts_clean_and_decodes() -> None:
+    script = "bench/decode.py"
+    spec = _spec()
     code = (f"import sys, runpy; sys.argv = [{script!r}, '--child', 'llama']; "
             f"runpy.run_path({script!r}, run_name='__main__'); "
             "print('TORCH', 'torch' in sys.modules)")
