@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RES = ROOT / "bench" / "results"
@@ -14,6 +16,40 @@ RES = ROOT / "bench" / "results"
 def _load(name: str) -> dict | None:
     p = RES / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
+
+
+# From 4ac649c until b147b71 the benchmarks' llama.cpp children ran with their OpenMP threads asleep at every
+# barrier: bench/decode.py's child imported engine (and with it torch, under engine's passive wait policy, into the
+# libgomp llama.cpp shares) before running llama.cpp, and a parent that had imported tests.quantized (whose oracle
+# sets OMP_WAIT_POLICY=PASSIVE) passed that on. llama.cpp's figures from those runs are too low.
+PEER_HANDICAP = ("4ac649c", "b147b71")
+PEER_CHILD_BENCHES = ("bench/sweep.py", "bench/mtp_speedup.py", "bench/scale.py", "bench/decode.py",
+                      "bench/quant_mix.py", "bench/mtp_agreement.py", "bench/server_parallel.py")
+
+
+def _is_ancestor(a: str, b: str) -> bool:
+    r = subprocess.run(["git", "merge-base", "--is-ancestor", a, b], cwd=ROOT, capture_output=True)
+    return r.returncode == 0
+
+
+def peer_handicapped(d: dict, is_ancestor: Callable[[str, str], bool] = _is_ancestor) -> bool:
+    """Whether this result's llama.cpp runs fall in the PEER_HANDICAP window (`is_ancestor(a, b)`: commit a is b or
+    one of its ancestors; git's answer by default)."""
+    words = d.get("command", "").split()
+    commit = (d.get("git") or {}).get("commit", "")
+    if len(words) < 2 or words[1] not in PEER_CHILD_BENCHES or not commit:
+        return False
+    if words[1] == "bench/server_parallel.py" and all(":" not in c for c in d.get("cases", {})):
+        return False  # its own llama.cpp child, whose parent quantizes nothing for the embedded model or `mid`
+    first, fixed = PEER_HANDICAP
+    return is_ancestor(first, commit) and not is_ancestor(fixed, commit)
+
+
+PEER_CAVEAT = ("**llama.cpp handicapped in this run**: its process ran (or, where the file was made in the same run, "
+               "may have run) under a passive OpenMP wait policy (torch "
+               "loaded first by bench/decode.py's child, or the policy inherited from a parent that quantized with "
+               "tests.quantized; 4ac649c..b147b71), so its threads slept at every barrier and its figures here are "
+               "up to several times too low: ratios against it are not evidence.")
 
 
 def _quant(d: dict) -> list[str]:
@@ -757,7 +793,10 @@ def main() -> None:
                      ("ab_router_embedded", _ab_trees), ("ab_router_mtp3", _ab_trees)):
         d = _load(name)
         if d is not None:
-            lines += fn(d)
+            section = fn(d)
+            if peer_handicapped(d):  # under the section's heading
+                section[1:1] = ["", PEER_CAVEAT]
+            lines += section
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(lines))
     ev = _load("default_model")
     if ev is not None:

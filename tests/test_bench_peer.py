@@ -68,3 +68,24 @@ def test_the_parallel_benchmark_loads_no_torch_before_its_llama_cpp_child_runs()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "TORCH False" in out.stdout.splitlines()
+
+
+def test_the_report_flags_llama_cpp_figures_from_the_handicapped_window() -> None:
+    from bench import report
+
+    first, fixed = report.PEER_HANDICAP
+    history = ["older", first, "between", fixed, "newer"]  # a straight line of commits
+
+    def is_ancestor(a: str, b: str) -> bool:
+        return history.index(a) <= history.index(b)
+
+    def flagged(cmd: str, commit: str, case: str = "qwen35-0.8b:Q4_K_M") -> bool:
+        d = {"command": f"python {cmd} --x", "git": {"commit": commit}, "cases": {case: {}}}
+        return report.peer_handicapped(d, is_ancestor)
+
+    assert flagged("bench/sweep.py", first) and flagged("bench/mtp_speedup.py", "between")
+    assert not flagged("bench/sweep.py", fixed) and not flagged("bench/sweep.py", "newer")
+    assert not flagged("bench/sweep.py", "older")
+    assert not flagged("bench/products.py", "between")  # no llama.cpp child
+    assert flagged("bench/server_parallel.py", "between")
+    assert not flagged("bench/server_parallel.py", "between", "embedded")
