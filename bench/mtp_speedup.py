@@ -80,7 +80,8 @@ def costs_in_steps(res: dict, plain: dict) -> dict:
 def run_p(label: str, path: Path, prompts: list[list[int]], n: int, args: argparse.Namespace) -> dict:
     """One shape at one P: every setting of both engines, in rounds."""
     table = settings(args.depths, args.llama_depths, args.warm_auto)
-    names = [s[0] for s in table["ours"]]  # ours ⊇ llama.cpp's
+    names = [s[0] for s in table["ours"]]
+    names += [s[0] for s in table["llama_cpp"] if s[0] not in names]  # llama.cpp's depths that ours skip
     base = {"model": str(path), "prompts": prompts, "warmup_prompt": random_prompts(len(prompts) + 1)[-1], "n": n,
             "threads": args.threads, "warmup": True, "n_ctx": PROMPT_TOKENS + n + 64}
     memory = None

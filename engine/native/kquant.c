@@ -358,14 +358,17 @@ static const KType *k_type(int qtype) {
     return NULL;
 }
 
-/* Rows ids[0..n) of a Q4_K, Q5_K, Q6_K or Q8_0 matrix (row_bytes per row, k values) as float32 into out [n, k]: a
- * prompt's or a step's token embeddings. The arithmetic of engine/storage/qtensor.py's dequantization, so the bits
- * are the same: Q4_K/Q5_K q·(d·sc) − dmin·m; Q6_K (q − 32)·(d·sc); Q8_0 q·d. Returns 0, RC_ROW_TYPE for another
- * type, RC_ROW_ID for an id outside [0, n_rows). */
+/* Rows ids[0..n) of a K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS) or Q8_0 matrix (row_bytes per row, k values)
+ * as float32 into out [n, k]: a prompt's or a step's token embeddings (llama.cpp's mixes store them in the mix's
+ * type: Q3_K in Q3_K_M, Q2_K in Q2_K, IQ4_XS in IQ4_XS). The arithmetic of engine/storage/qtensor.py's
+ * dequantization, so the bits are the same: with a min (Q4_K, Q5_K, Q2_K) q·(d·sc) − dmin·m; else
+ * (q − offset)·(d·sc), the value stored with the offset the unpacking gives it (Q6_K 32, Q3_K 4, IQ4_XS 128);
+ * Q8_0 q·d. Returns 0, RC_ROW_TYPE for another type, RC_ROW_ID for an id outside [0, n_rows). */
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out) {
-    const KType *t = qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K ? k_type(qtype) : NULL;
+    const KType *t = k_type(qtype);
     if (!t && qtype != T_Q8_0) return RC_ROW_TYPE;
+    const int offset = qtype == T_Q6_K ? 32 : qtype == T_Q3_K ? 4 : 128;  /* of the types without a min */
     for (int64_t r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= n_rows) return RC_ROW_ID;
     for (int64_t r = 0; r < n; r++) {
@@ -384,11 +387,11 @@ int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows,
             float *ob = o + b * QK_K;
             t->unpack(row + b * t->bytes, &u);
             for (int i = 0; i < QK_K; i++) {
-                if (t->has_min) {  /* Q4_K, Q5_K */
+                if (t->has_min) {
                     const float ds = u.d * (float)u.lane[i / 4], dm = u.dmin * (float)u.corr[i / 16];
                     ob[i] = (float)u.v[i] * ds - dm;
-                } else {  /* Q6_K: stored q + 32 */
-                    ob[i] = (float)((int)u.v[i] - 32) * (u.d * (float)u.lane[i / 4]);
+                } else {
+                    ob[i] = (float)((int)u.v[i] - offset) * (u.d * (float)u.lane[i / 4]);
                 }
             }
         }
