@@ -263,7 +263,8 @@ def test_packing_chunk_by_chunk_gives_the_whole_packing(qt: T) -> None:
         assert torch.equal(packs[0], packs[2]) and torch.equal(packs[1], packs[2]), shape
 
 
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0,
+                                T.Q5_1, T.IQ4_NL, T.MXFP4], ids=lambda t: t.name)
 def test_native_row_lookup_has_the_dequantization_bits(qt: T) -> None:
     """ops.embedding's native rows (a step's token embeddings) equal the torch dequantization bit for bit, for ids in
     any order and repeated; an id outside the table is an IndexError, not a read past it."""

@@ -264,6 +264,7 @@ void unpack_iq4_xs(const uint8_t *b, Block *o);
  * (0..m when NULL) into out[i * ldo + r]; half.c: F16 and BF16 rows times the rows' rounded values, the same way. */
 void rows_times_legacy(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                        const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa, const Ahead *next);
+int legacy_row(int qtype, const uint8_t *row, int64_t k, float *out);  /* a row as float32; -1: not a legacy type */
 void rows_times_half(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const Acts *a,
                      const int64_t *xrow, int64_t m, float *out, int64_t ldo, int isa);
 void round_half(const float *x, int64_t n, int bf16, uint16_t *out);

@@ -358,22 +358,28 @@ static const KType *k_type(int qtype) {
     return NULL;
 }
 
-/* Rows ids[0..n) of a K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS) or Q8_0 matrix (row_bytes per row, k values)
- * as float32 into out [n, k]: a prompt's or a step's token embeddings (llama.cpp's mixes store them in the mix's
- * type: Q3_K in Q3_K_M, Q2_K in Q2_K, IQ4_XS in IQ4_XS). The arithmetic of engine/storage/qtensor.py's
+/* Rows ids[0..n) of a K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS), Q8_0 or 32-value (legacy.c) matrix (row_bytes
+ * per row, k values) as float32 into out [n, k]: a prompt's or a step's token embeddings (llama.cpp's mixes store them
+ * in the mix's type: Q3_K in Q3_K_M, Q2_K in Q2_K, IQ4_XS in IQ4_XS, Q4_0 in Q4_0). The arithmetic of engine/storage/qtensor.py's
  * dequantization, so the bits are the same: with a min (Q4_K, Q5_K, Q2_K) q·(d·sc) − dmin·m; else
  * (q − offset)·(d·sc), the value stored with the offset the unpacking gives it (Q6_K 32, Q3_K 4, IQ4_XS 128);
- * Q8_0 q·d. Returns 0, RC_ROW_TYPE for another type, RC_ROW_ID for an id outside [0, n_rows). */
+ * Q8_0 q·d; the 32-value types legacy_row's. Returns 0, RC_ROW_TYPE for another type, RC_ROW_ID for an id outside
+ * [0, n_rows). */
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out) {
     const KType *t = k_type(qtype);
-    if (!t && qtype != T_Q8_0) return RC_ROW_TYPE;
+    const int legacy = !t && qtype != T_Q8_0 && legacy_row(qtype, NULL, 0, NULL) == 0;  /* no row: the type's test */
+    if (!t && !legacy && qtype != T_Q8_0) return RC_ROW_TYPE;
     const int offset = qtype == T_Q6_K ? 32 : qtype == T_Q3_K ? 4 : 128;  /* of the types without a min */
     for (int64_t r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= n_rows) return RC_ROW_ID;
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = w + ids[r] * row_bytes;
         float *o = out + r * k;
+        if (legacy) {
+            legacy_row(qtype, row, k, o);
+            continue;
+        }
         if (!t) {  /* Q8_0: blocks of 32, an fp16 scale then 32 int8 */
             for (int64_t b = 0; b < k / QK8_0; b++) {
                 const uint8_t *blk = row + b * (2 + QK8_0);

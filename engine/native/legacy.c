@@ -60,6 +60,23 @@ static float decode(int qtype, const uint8_t *blk, int8_t *v) {
     return has_min ? fp16_to_f32(blk + 2) : 0.f;
 }
 
+/* One row of k values of a legacy type as float32, v·d (+ m for Q4_1 / Q5_1): the bits of engine/storage/qtensor.py's
+ * dequantization (a token-embedding row, kquant.c dequant_rows). Returns 0, or -1 for a type this file does not hold. */
+int legacy_row(int qtype, const uint8_t *row, int64_t k, float *out) {
+    if (qtype != T_Q4_0 && qtype != T_Q4_1 && qtype != T_Q5_0 && qtype != T_Q5_1 && qtype != T_IQ4_NL &&
+        qtype != T_MXFP4)
+        return -1;
+    const int bytes = block_bytes(qtype), has_min = qtype == T_Q4_1 || qtype == T_Q5_1;
+    int8_t v[32];
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *blk = row + b * bytes;
+        const float m = decode(qtype, blk, v), d = scale_of(qtype, blk);
+        float *o = out + b * 32;
+        for (int j = 0; j < 32; j++) o[j] = has_min ? (float)v[j] * d + m : (float)v[j] * d;
+    }
+    return 0;
+}
+
 static void rows_times_portable(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                                 const Acts *a, const int64_t *xrow, int64_t m, float *out, int64_t ldo) {
     const int has_min = qtype == T_Q4_1 || qtype == T_Q5_1;

@@ -486,8 +486,9 @@ def gdn_inputs(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: tor
     return u, q, k, beta, g
 
 
-DEQUANT_ROW_TYPES = frozenset(int(t) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS,
-                                                 QT.Q8_0))  # what dequant_rows reads
+DEQUANT_ROW_TYPES = frozenset(int(t) for t in (  # what dequant_rows reads
+    QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL,
+    QT.MXFP4))
 
 
 def dequant_rows(raw: torch.Tensor, qtype: int, ids: torch.Tensor, n_cols: int) -> torch.Tensor:
