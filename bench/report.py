@@ -790,7 +790,11 @@ def main() -> None:
                      ("constrain_lazy_before", _constrain), ("constrain_lazy", _constrain),
                      ("sweep_quick_routing", sweep_section), ("mtp_speedup_mid09_routing", _mtp_speedup),
                      ("mtp_speedup_08b_session13", _mtp_speedup), ("ab_router_plain", _ab_trees),
-                     ("ab_router_embedded", _ab_trees), ("ab_router_mtp3", _ab_trees)):
+                     ("ab_router_embedded", _ab_trees), ("ab_router_mtp3", _ab_trees),
+                     ("sweep_quick_avx2host", sweep_section), ("sweep_avx2host_mixes", sweep_section),
+                     ("sweep_avx2host_vocab50k_q23", sweep_section), ("sweep_avx2host_embd_rows", sweep_section),
+                     ("sweep_avx2host_embd_q4_0", sweep_section),
+                     ("mtp_speedup_mid09_cleanpeer", _mtp_speedup), ("mtp_speedup_08b_cleanpeer", _mtp_speedup)):
         d = _load(name)
         if d is not None:
             section = fn(d)
