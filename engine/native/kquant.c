@@ -360,11 +360,11 @@ static const KType *k_type(int qtype) {
 
 /* Rows ids[0..n) of a K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS), Q8_0 or 32-value (legacy.c) matrix (row_bytes
  * per row, k values) as float32 into out [n, k]: a prompt's or a step's token embeddings (llama.cpp's mixes store them
- * in the mix's type: Q3_K in Q3_K_M, Q2_K in Q2_K, IQ4_XS in IQ4_XS, Q4_0 in Q4_0). The arithmetic of engine/storage/qtensor.py's
- * dequantization, so the bits are the same: with a min (Q4_K, Q5_K, Q2_K) q·(d·sc) − dmin·m; else
- * (q − offset)·(d·sc), the value stored with the offset the unpacking gives it (Q6_K 32, Q3_K 4, IQ4_XS 128);
- * Q8_0 q·d; the 32-value types legacy_row's. Returns 0, RC_ROW_TYPE for another type, RC_ROW_ID for an id outside
- * [0, n_rows). */
+ * in the mix's type: Q3_K in Q3_K_M, Q2_K in Q2_K, IQ4_XS in IQ4_XS, Q4_0 in Q4_0). The arithmetic of
+ * engine/storage/qtensor.py's dequantization, so the bits are the same: with a min (Q4_K, Q5_K, Q2_K)
+ * q·(d·sc) − dmin·m; else (q − offset)·(d·sc), the value stored with the offset the unpacking gives it (Q6_K 32,
+ * Q3_K 4, IQ4_XS 128); Q8_0 q·d; the 32-value types legacy_row's. Returns 0, RC_ROW_TYPE for another type,
+ * RC_ROW_ID for an id outside [0, n_rows). */
 int dequant_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n_rows, const int64_t *ids, int64_t n,
                  int64_t k, float *out) {
     const KType *t = k_type(qtype);

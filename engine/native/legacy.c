@@ -60,8 +60,9 @@ static float decode(int qtype, const uint8_t *blk, int8_t *v) {
     return has_min ? fp16_to_f32(blk + 2) : 0.f;
 }
 
-/* One row of k values of a legacy type as float32, v·d (+ m for Q4_1 / Q5_1): the bits of engine/storage/qtensor.py's
- * dequantization (a token-embedding row, kquant.c dequant_rows). Returns 0, or -1 for a type this file does not hold. */
+/* One row of k values of a legacy type as float32, v·d (+ m for Q4_1 / Q5_1): the bits of
+ * engine/storage/qtensor.py's dequantization (a token-embedding row, kquant.c dequant_rows). Returns 0, or -1 for a
+ * type this file does not hold. */
 int legacy_row(int qtype, const uint8_t *row, int64_t k, float *out) {
     if (qtype != T_Q4_0 && qtype != T_Q4_1 && qtype != T_Q5_0 && qtype != T_Q5_1 && qtype != T_IQ4_NL &&
         qtype != T_MXFP4)
