@@ -386,7 +386,8 @@ def run_child(kind: str, spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind]
     t0 = time.perf_counter()
     try:
-        out = subprocess.run(cmd, input=json.dumps(spec), capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        out = subprocess.run(cmd, input=json.dumps(spec), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                             env=decode.peer_env() if kind == "llama" else None)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{kind} child ran past its {timeout:.0f} s") from None
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]

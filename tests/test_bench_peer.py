@@ -54,7 +54,7 @@ def test_the_llama_cpp_child_starts_clean_and_decodes() -> None:
             f"runpy.run_path({script!r}, run_name='__main__'); "
             "print('TORCH', 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+                         cwd=ROOT, timeout=300, env=decode.peer_env())  # as run_child starts it
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     res = json.loads(next(ln for ln in lines if ln.startswith("RESULT "))[len("RESULT "):])
